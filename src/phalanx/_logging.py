@@ -1,0 +1,64 @@
+"""Loggers whose records carry the rank, and a filter that keeps only rank 0's.
+
+Usage::
+
+    log = get_logger(__name__)
+    log.info("bucket plan: %d buckets", n)          # "[rank1] phalanx.ddp: bucket plan: 3 buckets"
+    log0 = get_logger(__name__, rank_zero_only=True)  # silent on ranks other than 0
+"""
+
+from __future__ import annotations
+
+import logging
+
+_FORMAT = "[rank%(rank)s] %(name)s: %(message)s"
+
+
+def _current_rank() -> str:
+    # Imported lazily: loggers are created at import time, before torch.distributed is set up.
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return str(dist.get_rank())
+    except Exception:  # logging must never raise
+        pass
+    from . import env
+
+    try:
+        return str(env.detect().rank)
+    except ValueError:
+        return "?"
+
+
+class _AddRank(logging.Filter):
+    """Adds ``record.rank`` for the formatter (installed on the handler)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = _current_rank()
+        return True
+
+
+class _RankZeroOnly(logging.Filter):
+    """Drops records on every rank but 0 (installed on ``rank_zero_only`` loggers)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _current_rank() in ("0", "?")
+
+
+def get_logger(name: str, rank_zero_only: bool = False) -> logging.Logger:
+    """A logger under ``phalanx`` that prefixes each line with ``[rankN]``."""
+    logger = logging.getLogger(name if name.startswith("phalanx") else f"phalanx.{name}")
+    if rank_zero_only:
+        logger = logger.getChild("rank0")
+        if not any(isinstance(f, _RankZeroOnly) for f in logger.filters):
+            logger.addFilter(_RankZeroOnly())
+    root = logging.getLogger("phalanx")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.addFilter(_AddRank())
+        handler.setFormatter(logging.Formatter(_FORMAT))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        root.propagate = False
+    return logger

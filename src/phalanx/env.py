@@ -1,0 +1,196 @@
+"""Where this process stands in the job: rank, world size, local rank, master address.
+
+This is the only module that reads environment variables; everything else receives a
+:class:`DistEnv`. Three sources are understood, tried in this order:
+
+``launcher``
+    ``phalanx run`` and ``torchrun`` set ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` and
+    ``TORCHELASTIC_RESTART_COUNT``. Any process with ``RANK`` and ``WORLD_SIZE`` set is read
+    this way, so a script started by hand with those variables works too.
+``slurm``
+    ``srun`` without a launcher: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``,
+    ``SLURM_NODEID``, ``SLURM_TASKS_PER_NODE`` and the first host of ``SLURM_JOB_NODELIST``.
+    ``MASTER_ADDR``/``MASTER_PORT`` override the derived address and port.
+``single``
+    Nothing set: one process, world size 1.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+from .errors import EnvironmentConfigError
+
+# Slurm gives no port: derive one from the job id so every task of a job agrees on it and
+# concurrent jobs on one node rarely collide. 15000..34999 stays clear of the well-known
+# ports below 1024, the common 8000/8080 services, and Linux's ephemeral range (32768+) mostly.
+_SLURM_PORT_BASE = 15000
+_SLURM_PORT_SPAN = 20000
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """One process's place in a distributed job, as read from its environment.
+
+    Args:
+        rank: global rank, in ``[0, world_size)``. Default ``0``.
+        world_size: number of processes in the job. Default ``1``.
+        local_rank: rank among the processes of this node; picks the device. Default ``0``.
+        local_world_size: processes on this node. Default ``1``.
+        node_rank: index of this node (torchrun's ``GROUP_RANK``). Default ``0``.
+        master_addr: host of rank 0's store, ``None`` for a single process.
+        master_port: port of rank 0's store, ``None`` for a single process.
+        restart_count: how many times the launcher restarted the group. Default ``0``.
+        use_agent_store: the launcher hosts the store (torchrun's ``TORCHELASTIC_USE_AGENT_STORE``),
+            so rank 0 connects to it instead of listening itself. Default ``False``.
+        source: ``"launcher"``, ``"slurm"`` or ``"single"``.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    restart_count: int = 0
+    use_agent_store: bool = False
+    source: str = "single"
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise EnvironmentConfigError(
+                f"Invalid world size {self.world_size}, expected a positive integer"
+            )
+        _check_index("rank", self.rank, self.world_size)
+        if self.local_world_size < 1:
+            raise EnvironmentConfigError(
+                f"Invalid local world size {self.local_world_size}, expected a positive integer"
+            )
+        _check_index("local rank", self.local_rank, self.local_world_size)
+        if self.master_port is not None and not 0 <= self.master_port < 2**16:
+            raise EnvironmentConfigError(
+                f"Invalid master port {self.master_port}, expected an integer in [0, 65535]"
+            )
+
+    @property
+    def is_distributed(self) -> bool:
+        """More than one process."""
+        return self.world_size > 1
+
+
+def _check_index(what: str, value: int, size: int) -> None:
+    if not 0 <= value < size:
+        raise EnvironmentConfigError(
+            f"Invalid {what} {value}, {what} should be in the interval [0, {size - 1}]"
+        )
+
+
+def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise EnvironmentConfigError(f"Environment variable {name} is required but not set")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise EnvironmentConfigError(
+            f"Environment variable {name}={raw!r} is not an integer"
+        ) from None
+
+
+def _from_launcher(environ: Mapping[str, str]) -> DistEnv:
+    world = _int(environ, "WORLD_SIZE")
+    local_world = _int(environ, "LOCAL_WORLD_SIZE", world)
+    addr = environ.get("MASTER_ADDR") or None
+    port = environ.get("MASTER_PORT")
+    if world > 1 and (addr is None or not port):
+        missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(n)]
+        raise EnvironmentConfigError(
+            f"WORLD_SIZE={world} needs the rendezvous address, but {' and '.join(missing)} "
+            "not set; start the script with `phalanx run` or torchrun, or set them"
+        )
+    return DistEnv(
+        rank=_int(environ, "RANK"),
+        world_size=world,
+        local_rank=_int(environ, "LOCAL_RANK", 0),
+        local_world_size=local_world,
+        node_rank=_int(environ, "GROUP_RANK", 0),
+        master_addr=addr,
+        master_port=_int(environ, "MASTER_PORT") if port else None,
+        restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
+        use_agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        source="launcher",
+    )
+
+
+def _from_slurm(environ: Mapping[str, str]) -> DistEnv:
+    node = _int(environ, "SLURM_NODEID", 0)
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    addr = environ.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else "127.0.0.1")
+    if environ.get("MASTER_PORT"):
+        port = _int(environ, "MASTER_PORT")
+    else:
+        port = _SLURM_PORT_BASE + _int(environ, "SLURM_JOB_ID", 0) % _SLURM_PORT_SPAN
+    world = _int(environ, "SLURM_NTASKS")
+    tasks_per_node = environ.get("SLURM_TASKS_PER_NODE")
+    local_world = tasks_on_node(tasks_per_node, node) if tasks_per_node else world
+    return DistEnv(
+        rank=_int(environ, "SLURM_PROCID"),
+        world_size=world,
+        local_rank=_int(environ, "SLURM_LOCALID", 0),
+        local_world_size=local_world,
+        node_rank=node,
+        master_addr=addr,
+        master_port=port,
+        restart_count=_int(environ, "SLURM_RESTART_COUNT", 0),
+        source="slurm",
+    )
+
+
+def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Read a :class:`DistEnv` from ``environ`` (default: this process's environment).
+
+    Raises:
+        EnvironmentConfigError: a variable is malformed, or rank/local rank are out of range.
+    """
+    environ = os.environ if environ is None else environ
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return _from_launcher(environ)
+    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        return _from_slurm(environ)
+    return DistEnv()
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm host list: ``"gpu[007-009,012],cpu1"`` -> ``"gpu007"``."""
+    match = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?([^,]*)", nodelist.strip())
+    if not match or not (match.group(1) or match.group(2)):
+        raise EnvironmentConfigError(f"Cannot parse Slurm node list {nodelist!r}")
+    prefix, ranges, suffix = match.groups()
+    if ranges is None:
+        return prefix + suffix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first + suffix
+
+
+def tasks_on_node(tasks_per_node: str, node: int) -> int:
+    """Tasks on node ``node`` from ``SLURM_TASKS_PER_NODE`` (``"4(x2),3"`` -> 4, 4, 3)."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            raise EnvironmentConfigError(f"Cannot parse SLURM_TASKS_PER_NODE={tasks_per_node!r}")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    if not 0 <= node < len(counts):
+        raise EnvironmentConfigError(
+            f"SLURM_NODEID={node} but SLURM_TASKS_PER_NODE={tasks_per_node!r} "
+            f"describes {len(counts)} node(s)"
+        )
+    return counts[node]
+

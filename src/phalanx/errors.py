@@ -1,0 +1,44 @@
+"""Exception types.
+
+User mistakes (a bad argument, a bad environment variable) raise ``ValueError`` or
+``TypeError`` -- plain ones, or the subclasses below when callers may want to catch
+them specifically. Problems that involve several ranks raise ``RuntimeError``
+subclasses, on every rank involved, naming the ranks and the first thing that differs.
+"""
+
+from __future__ import annotations
+
+
+class PhalanxError(Exception):
+    """Base of every exception phalanx defines."""
+
+
+class EnvironmentConfigError(PhalanxError, ValueError):
+    """An environment variable (RANK, WORLD_SIZE, SLURM_*, ...) is missing or malformed."""
+
+
+class AlreadyInitializedError(PhalanxError, RuntimeError):
+    """``init_process_group`` was called while a default process group exists."""
+
+
+class NotInitializedError(PhalanxError, RuntimeError):
+    """A collective was requested before ``init_process_group``."""
+
+
+class RendezvousError(PhalanxError, RuntimeError):
+    """The processes could not meet: the master could not be reached or could not listen."""
+
+
+class RankMismatchError(PhalanxError, RuntimeError):
+    """Ranks disagree on something that must be identical (model parameters, a plan...).
+
+    Raised on every rank, so no rank is left waiting in a collective.
+    """
+
+
+class UnusedParametersError(PhalanxError, RuntimeError):
+    """Parameters received no gradient while ``find_unused_parameters=False``."""
+
+
+class CheckpointError(PhalanxError, RuntimeError):
+    """A checkpoint is missing, damaged, unsafe or does not fit the objects it is loaded into."""

@@ -1,0 +1,231 @@
+"""Joining and leaving the job: the default process group, the backend, the device.
+
+``init_process_group`` takes the same arguments as ``torch.distributed.init_process_group``
+so a torch script switches by changing its import. What it adds:
+
+* rank, world size and master address come from ``phalanx run``/torchrun's variables or from
+  Slurm's, and with neither it runs as a single process (world size 1), so one script runs
+  alone, under a launcher and under ``srun``;
+* ``backend=None`` picks NCCL when this process has a GPU, else Gloo, and pins the process to
+  ``cuda:LOCAL_RANK``;
+* errors that say what went wrong: an unknown backend, a rank out of range, a master that
+  cannot be reached (naming the address, the port and the timeout), a second initialisation.
+
+Every collective is torch.distributed's (c10d); the rendezvous store is its ``TCPStore``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import env as _env
+from .errors import AlreadyInitializedError, NotInitializedError, RendezvousError
+
+# torch's backend names; anything else is refused before c10d sees it.
+_KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "fake")
+
+
+def _resolve_backend(backend: str | None, env: _env.DistEnv) -> str:
+    if backend is None:
+        has_gpu = torch.cuda.is_available() and env.local_rank < torch.cuda.device_count()
+        return "nccl" if has_gpu and dist.is_nccl_available() else "gloo"
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string or None, got {type(backend).__name__}")
+    name = backend.lower()
+    # torch also accepts a device map such as "cpu:gloo,cuda:nccl".
+    names = [part.split(":")[-1] for part in name.split(",")]
+    unknown = [n for n in names if n not in _KNOWN_BACKENDS and n not in dist.Backend.backend_list]
+    if unknown:
+        raise ValueError(
+            f"Unknown backend {backend!r}: expected one of {', '.join(_KNOWN_BACKENDS[:4])}, "
+            "or a device map such as 'cpu:gloo,cuda:nccl'"
+        )
+    if "nccl" in names and not (dist.is_nccl_available() and torch.cuda.is_available()):
+        raise ValueError(
+            f"Backend {backend!r} needs CUDA and a torch build with NCCL; this process has "
+            f"CUDA available={torch.cuda.is_available()}, NCCL available={dist.is_nccl_available()}. "
+            "Use backend='gloo' on CPU (or backend=None to choose automatically)"
+        )
+    return name
+
+
+def _uses_cuda(backend: str) -> bool:
+    return "nccl" in backend or backend == "xccl"
+
+
+def _default_timeout(backend: str) -> timedelta:
+    # torch's own defaults: 10 minutes for NCCL, 30 minutes otherwise.
+    return timedelta(minutes=10) if backend == "nccl" else timedelta(minutes=30)
+
+
+def _make_store(env: _env.DistEnv, timeout: timedelta) -> dist.Store:
+    """A store all ranks share: in-process for one rank alone, else torch's TCPStore."""
+    if env.world_size == 1 and env.master_addr is None:
+        return dist.HashStore()
+    # Rank 0 listens unless the launcher already hosts the store (torchrun's agent store).
+    is_master = env.rank == 0 and not env.use_agent_store
+    where = f"{env.master_addr}:{env.master_port}"
+    try:
+        store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            is_master=is_master,
+            timeout=timeout,
+            multi_tenant=True,
+        )
+    except (RuntimeError, TimeoutError) as e:  # DistNetworkError/DistStoreError are RuntimeErrors
+        if is_master:
+            raise RendezvousError(
+                f"Rank 0 could not listen on {where} (MASTER_ADDR:MASTER_PORT): {e}. "
+                "Is the port already in use, or the address not one of this host's?"
+            ) from e
+        raise RendezvousError(
+            f"Rank {env.rank} could not reach the master at {where} within "
+            f"{timeout.total_seconds():g} s (timeout). Check that MASTER_ADDR and MASTER_PORT "
+            "name rank 0's host and a port it listens on, and that rank 0 is running"
+        ) from e
+    # As torch does for env://: keep the group's keys apart from other users of the store.
+    return dist.PrefixStore("default_pg", store)
+
+
+def init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: timedelta | None = None,
+    world_size: int = -1,
+    rank: int = -1,
+    store: dist.Store | None = None,
+    group_name: str = "",
+    pg_options: Any | None = None,
+    device_id: torch.device | int | None = None,
+) -> _env.DistEnv:
+    """Join the job: create the default process group and pin this process's device.
+
+    Arguments are those of ``torch.distributed.init_process_group``. Rank and world size,
+    when left at ``-1``, come from the environment (see :mod:`phalanx.env`); with nothing
+    there the process runs alone (world size 1).
+
+    Notes:
+        Rank 0 hosts the rendezvous store at ``MASTER_ADDR:MASTER_PORT`` unless the launcher
+        does; every other rank connects to it and waits up to ``timeout`` for it to appear.
+        The other ranks may therefore start before or after rank 0 without a race.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"``, ``"mpi"``, ``"ucc"`` or a device map such as
+            ``"cpu:gloo,cuda:nccl"``. Default ``None``: NCCL if this process has a GPU, else Gloo.
+        init_method: a torch URL (``"tcp://..."``, ``"file://..."``); default ``None``, which
+            like ``"env://"`` reads the environment.
+        timeout: how long to wait for the other ranks and for collectives. Default: torch's,
+            10 minutes for NCCL and 30 for the rest.
+        world_size, rank: override the environment's values. Default ``-1`` (use it).
+        store: a ready c10d store to meet in (then ``init_method`` must be ``None``).
+        group_name, pg_options, device_id: passed to torch unchanged; ``device_id`` defaults
+            to ``cuda:LOCAL_RANK`` with NCCL.
+
+    Returns:
+        The :class:`~phalanx.env.DistEnv` this process joined with.
+
+    Raises:
+        AlreadyInitializedError: a default group exists already.
+        ValueError: unknown backend, rank outside ``[0, world_size)``, bad environment.
+        RendezvousError: the master could not be reached within ``timeout``, or rank 0 could
+            not listen on the master port.
+
+    Example::
+
+        >>> import phalanx
+        >>> phalanx.init_process_group()          # under phalanx run, torchrun, srun or alone
+        >>> model = phalanx.DistributedDataParallel(model)
+        >>> ...
+        >>> phalanx.destroy_process_group()
+    """
+    if dist.is_initialized():
+        raise AlreadyInitializedError(
+            f"init_process_group() was called twice: this process is already rank "
+            f"{dist.get_rank()} of {dist.get_world_size()}. Call destroy_process_group() first"
+        )
+    found = _env.detect()
+    if world_size != -1 or rank != -1:
+        found = _env.DistEnv(
+            **{
+                **found.__dict__,
+                "world_size": found.world_size if world_size == -1 else world_size,
+                "rank": found.rank if rank == -1 else rank,
+            }
+        )
+    backend = _resolve_backend(backend, found)
+    if timeout is None:
+        timeout = _default_timeout(backend)
+    if _uses_cuda(backend) and torch.cuda.is_available():
+        torch.cuda.set_device(found.local_rank)
+        if device_id is None:
+            device_id = torch.device("cuda", found.local_rank)
+    if store is None and init_method in (None, "env://"):
+        store = _make_store(found, timeout)
+        init_method = None
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        timeout=timeout,
+        world_size=found.world_size,
+        rank=found.rank,
+        store=store,
+        group_name=group_name,
+        pg_options=pg_options,
+        device_id=device_id,
+    )
+    return found
+
+
+def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
+    """Leave the job (or destroy ``group``). A no-op when nothing is initialised."""
+    if dist.is_initialized():
+        dist.destroy_process_group(group)
+
+
+def is_initialized() -> bool:
+    """Whether this process has a default process group."""
+    return dist.is_initialized()
+
+
+def get_rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (default: the world); the environment's before init."""
+    return dist.get_rank(group) if dist.is_initialized() else _env.detect().rank
+
+
+def get_world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Processes in ``group`` (default: the world); the environment's before init."""
+    return dist.get_world_size(group) if dist.is_initialized() else _env.detect().world_size
+
+
+def get_local_rank() -> int:
+    """This process's rank on its node (``LOCAL_RANK``, ``SLURM_LOCALID``; 0 alone)."""
+    return _env.detect().local_rank
+
+
+def get_local_world_size() -> int:
+    """Processes on this node (``LOCAL_WORLD_SIZE``, from ``SLURM_TASKS_PER_NODE``; 1 alone)."""
+    return _env.detect().local_world_size
+
+
+def get_device() -> torch.device:
+    """The device this process owns: ``cuda:LOCAL_RANK`` when it has a GPU, else the CPU."""
+    local = get_local_rank()
+    if torch.cuda.is_available() and local < torch.cuda.device_count():
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Wait until every rank of ``group`` (default: the world) has reached this call."""
+    if not dist.is_initialized():
+        raise NotInitializedError("barrier() needs init_process_group() to have been called")
+    if dist.get_backend(group) == "nccl":
+        dist.barrier(group, device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier(group)
