@@ -42,3 +42,9 @@ class UnusedParametersError(PhalanxError, RuntimeError):
 
 class CheckpointError(PhalanxError, RuntimeError):
     """A checkpoint is missing, damaged, unsafe or does not fit the objects it is loaded into."""
+
+
+# Exit status of a worker that stopped because it was preempted (SIGTERM/SIGUSR1) after
+# writing its checkpoint: the run is resumable, not failed. 75 is EX_TEMPFAIL from
+# sysexits.h, "temporary failure; the user is invited to retry".
+PREEMPTED_EXIT_CODE = 75
