@@ -28,6 +28,7 @@ from .process_group import (
     init_process_group,
     is_initialized,
 )
+from .sampler import DistributedSampler
 
 __version__ = "0.1.0"
 
@@ -35,6 +36,7 @@ __all__ = [
     "AlreadyInitializedError",
     "CheckpointError",
     "DistEnv",
+    "DistributedSampler",
     "EnvironmentConfigError",
     "NotInitializedError",
     "PhalanxError",
