@@ -29,6 +29,11 @@ class RendezvousError(PhalanxError, RuntimeError):
     """The processes could not meet: the master could not be reached or could not listen."""
 
 
+class LaunchConfigError(PhalanxError, ValueError):
+    """``phalanx run`` was asked for something impossible: a bad option, a missing script,
+    a master port already in use. The command line exits with status 2."""
+
+
 class RankMismatchError(PhalanxError, RuntimeError):
     """Ranks disagree on something that must be identical (model parameters, a plan...).
 
