@@ -29,6 +29,7 @@ from .process_group import (
     is_initialized,
 )
 from .sampler import DistributedSampler
+from .sync_batchnorm import SyncBatchNorm
 
 __version__ = "0.1.0"
 
@@ -42,6 +43,7 @@ __all__ = [
     "PhalanxError",
     "RankMismatchError",
     "RendezvousError",
+    "SyncBatchNorm",
     "UnusedParametersError",
     "barrier",
     "destroy_process_group",

@@ -1,0 +1,245 @@
+"""SyncBatchNorm on real ranks against BatchNorm on the concatenated batch, and its conversion."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import phalanx
+from phalanx import comm
+from tests.harness import run_ranks
+
+TOL = 1e-5  # the issue's bound, against single-process BatchNorm on the concatenated batch
+STEPS = 3
+
+# (name, per-rank batch sizes (first world_size used), trailing shape after (N, C), BN kwargs)
+CASES = [
+    ("1d_NC", [4, 6, 5], (), {}),
+    ("1d_NCL", [3, 2, 4], (7,), {"momentum": None}),
+    ("2d", [2, 3, 2], (5, 4), {}),
+    ("3d", [2, 1, 2], (3, 4, 2), {"momentum": 0.3}),
+    ("uneven_one_empty", [0, 5, 2], (3,), {}),
+    ("no_affine", [3, 4, 2], (4, 4), {"affine": False}),
+    ("no_running_stats", [2, 3, 3], (6,), {"track_running_stats": False}),
+]
+CHANNELS = 3
+
+
+class _CollectiveCounter(contextlib.ContextDecorator):
+    """Counts torch.distributed collectives issued while active (any rank-local call)."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter")
+
+    def __enter__(self):
+        self.count, self._saved = 0, {n: getattr(dist, n) for n in self.NAMES}
+        for name, fn in self._saved.items():
+            setattr(dist, name, self._counting(fn))
+        return self
+
+    def _counting(self, fn):
+        def wrapper(*args, **kwargs):
+            self.count += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        return False
+
+
+def _reference_class(dim):
+    return {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[dim]
+
+
+def _global_batch(sizes, trail, step, offset):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(sum(sizes), CHANNELS, *trail, generator=g) * 2 + offset
+    dy = torch.randn(x.shape, generator=g)
+    return x, dy
+
+
+def _max_err(a, b):
+    return 0.0 if a is None and b is None else (a - b).abs().max().item() if a.numel() else 0.0
+
+
+def _run_case(rank, world_size, sizes, trail, kwargs, offset):
+    sizes = sizes[:world_size]
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    ours, ref = phalanx.SyncBatchNorm(CHANNELS, **kwargs), _reference_class(2 + len(trail))(CHANNELS, **kwargs)
+    if ours.affine:
+        with torch.no_grad():
+            for p, q in zip(ours.parameters(), ref.parameters()):
+                p.copy_(torch.linspace(0.5, 1.5, CHANNELS))
+                q.copy_(p)
+    errs, collectives = {}, []
+    for step in range(STEPS):
+        x_all, dy_all = _global_batch(sizes, trail, step, offset)
+        x_all.requires_grad_(True)
+        x = x_all.detach()[lo:hi].clone().requires_grad_(True)
+        with _CollectiveCounter() as counter:
+            y = ours(x)
+            y.backward(dy_all[lo:hi])
+        collectives.append(counter.count)
+        y_ref = ref(x_all)
+        y_ref.backward(dy_all)
+        for name, mine, theirs in [("out", y, y_ref[lo:hi]), ("grad_in", x.grad, x_all.grad[lo:hi])]:
+            errs[name] = max(errs.get(name, 0.0), _max_err(mine.detach(), theirs.detach()))
+        for name, p in ours.named_parameters():
+            local = p.grad.clone()
+            dist.all_reduce(local)  # weight/bias grads are each rank's share; DDP would add them
+            errs[f"grad_{name}"] = max(errs.get(f"grad_{name}", 0.0), _max_err(local, dict(ref.named_parameters())[name].grad))
+            p.grad = None
+        ref.zero_grad()
+        for name in ("running_mean", "running_var"):
+            errs[name] = max(errs.get(name, 0.0), _max_err(getattr(ours, name), getattr(ref, name)))
+    ours.eval(), ref.eval()
+    x_all, _ = _global_batch(sizes, trail, STEPS, offset)
+    with _CollectiveCounter() as counter:
+        y = ours(x_all[lo:hi]).detach()
+    # running stats when tracked; without them eval uses each rank's own batch, as torch's does
+    y_ref = ref(x_all)[lo:hi] if ref.track_running_stats else ref(x_all[lo:hi])
+    errs["eval_out"] = _max_err(y, y_ref.detach())
+    tracked = None if ours.num_batches_tracked is None else ours.num_batches_tracked.item()
+    return {"errs": errs, "collectives": collectives, "eval_collectives": counter.count,
+            "tracked": tracked}
+
+
+def _large_mean(rank, world_size):
+    """Mean 1e4, std 2: statistics against float64 truth, outputs as good as torch's float32 BN."""
+    sizes = [8] * world_size
+    x_all, _ = _global_batch(sizes, (16,), 0, 1e4)
+    ours = phalanx.SyncBatchNorm(CHANNELS, momentum=1.0)  # running stats = this batch's
+    y = ours(x_all[8 * rank : 8 * rank + 8]).detach().double()
+    truth = nn.BatchNorm1d(CHANNELS, momentum=1.0).double()
+    y64 = truth(x_all.double()).detach()[8 * rank : 8 * rank + 8]
+    y32 = nn.BatchNorm1d(CHANNELS)(x_all).detach().double()[8 * rank : 8 * rank + 8]
+    rel = lambda a, b: ((a.double() - b) / b).abs().max().item()
+    return {"mean_rel": rel(ours.running_mean, truth.running_mean),
+            "var_rel": rel(ours.running_var, truth.running_var),
+            "out_err": (y - y64).abs().max().item(), "torch_out_err": (y32 - y64).abs().max().item()}
+
+
+def _subgroup(rank, world_size):
+    """Statistics pooled over ranks 0 and 1 only, with the last rank outside the group."""
+    group = dist.new_group([0, 1])  # every rank must call new_group
+    if rank > 1:
+        return None
+    x_all, _ = _global_batch([4, 4], (5,), 7, 0.5)
+    y = phalanx.SyncBatchNorm(CHANNELS, process_group=group)(x_all[4 * rank : 4 * rank + 4])
+    y_ref = nn.BatchNorm1d(CHANNELS)(x_all)[4 * rank : 4 * rank + 4]
+    return _max_err(y.detach(), y_ref.detach())
+
+
+def _all_cases(rank, world_size):
+    out = {name: _run_case(rank, world_size, sizes, trail, kwargs, offset=0.5)
+           for name, sizes, trail, kwargs in CASES}
+    out["large_mean"] = _large_mean(rank, world_size)
+    out["subgroup"] = _subgroup(rank, world_size) if world_size == 3 else None
+    # one value per channel over all ranks: every rank raises alike, nobody hangs
+    bn = phalanx.SyncBatchNorm(CHANNELS)
+    try:
+        bn(torch.randn(1 if rank == 0 else 0, CHANNELS))
+    except ValueError as e:
+        out["single_value"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_matches_batchnorm_on_the_concatenated_batch(world_size):
+    results = run_ranks(_all_cases, world_size)
+    for rank, out in enumerate(results):
+        for name, sizes, trail, kwargs in CASES:
+            case = out[name]
+            for what, err in case["errs"].items():
+                assert err <= TOL, (rank, name, what, err)
+            # one all-reduce forward, one backward; eval communicates nothing
+            assert case["collectives"] == [2] * STEPS, (rank, name)
+            assert case["eval_collectives"] == 0, (rank, name)
+            assert case["tracked"] == (STEPS if kwargs.get("track_running_stats", True) else None)
+        if world_size == 3 and rank < 2:
+            assert out["subgroup"] <= TOL, out["subgroup"]
+        big = out["large_mean"]
+        # float32 sums of squares would be off by ~100% here (E[x^2] ~ 1e8, var ~ 4)
+        assert big["mean_rel"] <= 1e-7 and big["var_rel"] <= 1e-5, big
+        assert big["out_err"] <= 2 * big["torch_out_err"], big
+        assert "Expected more than 1 value per channel when training, got 1 value per channel " \
+            "over all ranks" in out["single_value"], rank
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 1)
+        self.bn = nn.BatchNorm2d(4, momentum=None)
+        self.inner = nn.Sequential(nn.Sequential(nn.BatchNorm3d(2, affine=False)))
+
+
+def _nested_model():
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("stem", nn.BatchNorm1d(5, eps=1e-3))
+    model.add_module("block", _Block())
+    model.add_module("f64", nn.BatchNorm1d(3).double())
+    model.add_module("torch_sync", nn.SyncBatchNorm(6, track_running_stats=False))
+    model.add_module("no_bias", nn.BatchNorm2d(2, bias=False))
+    model.add_module("head", nn.Linear(5, 2))
+    for i, m in enumerate(model.modules()):
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            with torch.no_grad():
+                for t in list(m.parameters()) + [b for b in m.buffers() if b.is_floating_point()]:
+                    t.copy_(torch.rand_like(t) + 0.5)
+            if m.num_batches_tracked is not None:
+                m.num_batches_tracked.fill_(7 + i)
+    model.block.bn.weight.requires_grad_(False)
+    model.block.eval()
+    return model
+
+
+def _describe(model):
+    return {
+        name: (type(m).__name__, m.training, m.eps, m.momentum, m.affine, m.track_running_stats)
+        for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    }
+
+
+def test_convert_sync_batchnorm_keeps_every_value():
+    model = _nested_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = {name: (id(p), p.requires_grad, p.dtype) for name, p in model.named_parameters()}
+    modes = _describe(model)
+    head, conv = model.head, model.block.conv
+    group = object()  # passed through untouched; never used without a process group
+    converted = phalanx.SyncBatchNorm.convert_sync_batchnorm(model, process_group=group)
+    assert converted is model and model.head is head and model.block.conv is conv
+    after = _describe(model)
+    assert set(after) == set(modes) and len(after) == 6
+    for name, (kind, *rest) in after.items():
+        assert kind == "SyncBatchNorm" and type(model.get_submodule(name)) is phalanx.SyncBatchNorm
+        assert rest == list(modes[name][1:]), name
+        assert model.get_submodule(name).process_group is group
+    state = model.state_dict()
+    assert list(state) == list(before)
+    for key, value in before.items():
+        assert state[key].dtype == value.dtype and torch.equal(state[key], value), key
+    assert {name: (id(p), p.requires_grad, p.dtype) for name, p in model.named_parameters()} == params
+    bare = phalanx.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm1d(4))
+    assert type(bare) is phalanx.SyncBatchNorm and bare.num_features == 4
+
+
+def test_single_process_is_plain_batchnorm():
+    """No process group: BatchNorm on the local batch, in training and eval mode."""
+    assert not dist.is_initialized()
+    torch.manual_seed(1)
+    ours, ref = phalanx.SyncBatchNorm(3, momentum=None), nn.BatchNorm2d(3, momentum=None)
+    for train in (True, True, False):
+        ours.train(train), ref.train(train)
+        x = torch.randn(4, 3, 2, 2)
+        assert torch.equal(ours(x), ref(x))
+    assert torch.equal(ours.running_var, ref.running_var) and ours.num_batches_tracked == 2
+    with pytest.raises(ValueError, match=r"expected at least 2D input \(N, C, \*\), got 1D input"):
+        ours(torch.randn(3))
+    with pytest.raises(ValueError, match=r"expected 3 channels in dimension 1, got input of shape \(2, 4\)"):
+        ours(torch.randn(2, 4))
