@@ -30,6 +30,7 @@ from .process_group import (
 )
 from .sampler import DistributedSampler
 from .sync_batchnorm import SyncBatchNorm
+from .zero import ZeroRedundancyOptimizer
 
 __version__ = "0.1.0"
 
@@ -45,6 +46,7 @@ __all__ = [
     "RendezvousError",
     "SyncBatchNorm",
     "UnusedParametersError",
+    "ZeroRedundancyOptimizer",
     "barrier",
     "destroy_process_group",
     "get_device",

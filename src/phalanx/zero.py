@@ -1,0 +1,325 @@
+"""ZeroRedundancyOptimizer: optimizer state sharded across ranks (ZeRO stage 1).
+
+Every rank keeps the whole model and computes (or receives, through DDP) the whole averaged
+gradient, but only the owner of a parameter holds its optimizer state and updates it; the
+owners then broadcast the updated parameters so all replicas agree again. With Adam that
+cuts the optimizer's memory per rank from two model copies to about ``2/N`` of one.
+
+The state dict is the one part that differs from torch's: it is keyed by parameter
+identity (global index, as ``torch.optim.Optimizer.state_dict`` keys it), not by rank, so a
+checkpoint written at one world size loads at any other (pytorch/pytorch#65650). See
+:mod:`phalanx._zero_state` for its format.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from . import _zero_state, comm
+from .errors import NotInitializedError
+
+__all__ = ["ZeroRedundancyOptimizer", "optimizer_state_bytes", "partition_by_size"]
+
+
+def partition_by_size(
+    sizes: Sequence[int], world_size: int, loads: Sequence[int] | None = None
+) -> tuple[list[int], list[int]]:
+    """Give each item an owner rank, largest item first, always to the least-loaded rank.
+
+    This is sorted-greedy ("longest processing time first") list scheduling. Ties go to the
+    lower item index and the lower rank, so every rank computes the same answer. No rank ends
+    above ``sum(sizes) / world_size + max(sizes)`` (plus any imbalance already in ``loads``).
+
+    Args:
+        sizes: the size of each item (bytes, for parameters).
+        world_size: number of ranks.
+        loads: each rank's load before these items. Default ``None``: all zero.
+
+    Returns:
+        ``(owners, loads)``: the owner rank of each item, and each rank's load afterwards.
+    """
+    heap = [(load, rank) for rank, load in enumerate(loads or [0] * world_size)]
+    heapq.heapify(heap)
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, rank = heapq.heappop(heap)
+        owners[i] = rank
+        heapq.heappush(heap, (load + sizes[i], rank))
+    return owners, [load for load, _ in sorted(heap, key=lambda item: item[1])]
+
+
+def optimizer_state_bytes(optimizer: Optimizer) -> int:
+    """Bytes held by the tensors in ``optimizer.state`` (for a ZeRO optimizer: this rank's shard)."""
+    return sum(
+        value.numel() * value.element_size()
+        for per_param in optimizer.state.values()
+        for value in per_param.values()
+        if isinstance(value, torch.Tensor)
+    )
+
+
+class ZeroRedundancyOptimizer(Optimizer):
+    r"""Wraps any ``torch.optim`` optimizer so each rank keeps the state of its own share only.
+
+    Parameters are partitioned across the ranks of ``process_group``; each rank builds a
+    local ``optimizer_class`` over the parameters it owns, ``step()`` updates only those, and
+    the owners then broadcast the updated values (one coalesced flat buffer per owner, dtype
+    and device), so all replicas are identical after ``step()``.
+
+    The partition is sorted-greedy by size in bytes: parameters, largest first, each go to
+    the rank holding the fewest bytes so far (ties: lower parameter index, lower rank). It is
+    computed identically on every rank and each parameter belongs to exactly one rank. Hence
+    per-rank optimizer state stays within ``total / N`` plus the state of the largest single
+    parameter. Parameters given later to :meth:`add_param_group` are placed the same way on
+    top of the current loads; earlier parameters never move.
+
+    It behaves as a ``torch.optim.Optimizer``: ``param_groups`` lists every parameter with the
+    shared hyper-parameters (change them there, e.g. through an lr scheduler; the local
+    optimizer picks them up at each ``step()``), and ``zero_grad``, ``add_param_group``,
+    ``step(closure)``, ``state_dict`` and ``load_state_dict`` work as users expect.
+
+    .. note::
+        Gradients must already be averaged across ranks when ``step()`` runs (DDP does
+        that); ZeRO shards the optimizer state, not the gradient reduction.
+
+    .. note::
+        :meth:`state_dict` needs :meth:`consolidate_state_dict` first, on every rank, after
+        the last ``step()``, exactly as in torch. The result is keyed by global parameter
+        index in param-group order (the format of ``torch.optim.Optimizer.state_dict``, plus
+        parameter shapes), never by rank: it loads into a ZeRO optimizer at **any** world
+        size, and into the plain, unsharded ``optimizer_class`` too. Names given with
+        ``named_parameters()`` are kept in each group's ``param_names`` and checked on load.
+
+    Args:
+        params (iterable): tensors, ``(name, tensor)`` pairs, or dicts defining param groups,
+            as for any ``torch.optim`` optimizer. Must be the same shapes, dtypes and order
+            on every rank.
+        optimizer_class (type): the ``torch.optim.Optimizer`` subclass to run on each shard,
+            e.g. ``torch.optim.AdamW``.
+        process_group (ProcessGroup, optional): the ranks to shard across. Default ``None``:
+            the default (world) group.
+        **defaults: hyper-parameters passed to ``optimizer_class`` (``lr=...``, ...).
+
+    .. warning::
+        ``step()``, ``add_param_group()`` and ``consolidate_state_dict()`` are collectives:
+        every rank of ``process_group`` must call them in the same order. A closure given to
+        ``step()`` runs once per rank per local ``step()``; optimizers that call it a
+        data-dependent number of times (LBFGS) would leave ranks out of step.
+
+    .. warning::
+        ``state`` holds only this rank's shard (``self.optim.state``); other ranks'
+        parameters have no entry there.
+
+    Example::
+
+        >>> model = phalanx.DistributedDataParallel(net)
+        >>> opt = phalanx.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+        >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
+        >>> for x, y in loader:
+        ...     opt.zero_grad()
+        ...     loss_fn(model(x), y).backward()
+        ...     opt.step()
+        ...     sched.step()
+        >>> opt.consolidate_state_dict(to=0)     # on every rank
+        >>> if phalanx.get_rank() == 0:
+        ...     torch.save(opt.state_dict(), "optim.pt")   # loads at any world size
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_class: type[Optimizer],
+        process_group: dist.ProcessGroup | None = None,
+        **defaults: Any,
+    ) -> None:
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+            raise TypeError(
+                "optimizer_class must be a torch.optim.Optimizer subclass such as "
+                f"torch.optim.AdamW, got {optimizer_class!r}"
+            )
+        if not dist.is_initialized():
+            raise NotInitializedError(
+                "ZeroRedundancyOptimizer needs init_process_group() to have been called"
+            )
+        self.process_group = process_group
+        self._rank = dist.get_rank(process_group)
+        self._global_ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+        self._params: list[torch.Tensor] = []  # every parameter, by global index
+        self._owners: list[int] = []  # owner (rank in process_group) by global index
+        self._loads = [0] * len(self._global_ranks)  # bytes of parameters owned per rank
+        self._by_owner: list[list[torch.Tensor]] = [[] for _ in self._global_ranks]
+        self._local_index: list[list[int]] = []  # per group: global indices this rank owns
+        self._shard_cache: dict[int, dict[str, Any]] | None = None  # see consolidate_state_dict
+        # torch.optim.Optimizer.__init__ validates the groups through add_param_group, which
+        # only records them while self.optim does not exist yet.
+        super().__init__(params, defaults)
+        _check_same_params(self.param_groups, 0, process_group)
+        self.optim = optimizer_class(self._assign(self.param_groups), **defaults)
+        self.defaults = self.optim.defaults
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            for key, value in _hyperparameters(local).items():
+                group.setdefault(key, value)
+
+    @property
+    def state(self) -> Any:
+        """This rank's shard of the optimizer state, keyed by parameter (``self.optim.state``)."""
+        return self.optim.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        # torch.optim.Optimizer.__init__ assigns an empty state before self.optim exists.
+        if "optim" in self.__dict__:
+            raise AttributeError(
+                "ZeroRedundancyOptimizer.state is this rank's shard, owned by .optim; "
+                "change it through load_state_dict()"
+            )
+
+    @property
+    def param_owners(self) -> tuple[int, ...]:
+        """The owner of each parameter (its rank in ``process_group``), by global index."""
+        return tuple(self._owners)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (a collective: call it on every rank, with the same shapes).
+
+        Its parameters get owners by the same sorted-greedy rule, on top of current loads.
+        """
+        super().add_param_group(param_group)
+        if "optim" not in self.__dict__:  # still inside __init__
+            return
+        first = len(self.param_groups) - 1
+        try:
+            _check_same_params(self.param_groups, first, self.process_group)
+        except Exception:
+            self.param_groups.pop()
+            raise
+        [local] = self._assign(self.param_groups[first:])
+        self.optim.add_param_group(local)
+        self._shard_cache = None
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Update this rank's parameters, then broadcast every owner's to all ranks.
+
+        Returns:
+            The closure's loss, if a closure was given.
+        """
+        self._shard_cache = None
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            local.update(_hyperparameters(group))
+        loss = self.optim.step() if closure is None else self.optim.step(closure)
+        self._broadcast_owned_params()
+        return loss
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's shard of the state on rank ``to`` (a collective).
+
+        Afterwards, and until the next ``step()`` or load, :meth:`state_dict` works on rank
+        ``to``. Tensors arrive on the CPU, as copies.
+
+        Args:
+            to (int): the receiving rank, within ``process_group``. Default ``0``.
+        """
+        world_size = len(self._global_ranks)
+        if not isinstance(to, int) or not 0 <= to < world_size:
+            raise ValueError(
+                f"Invalid rank {to!r} for consolidate_state_dict(to=...), rank should be in "
+                f"the interval [0, {world_size - 1}]"
+            )
+        index = {id(p): i for i, p in enumerate(self._params)}
+        shard = {index[id(p)]: _to_cpu_copy(s) for p, s in self.optim.state.items()}
+        gathered: list[Any] | None = [None] * world_size if self._rank == to else None
+        dist.gather_object(shard, gathered, dst=self._global_ranks[to], group=self.process_group)
+        self._shard_cache = None
+        if gathered is not None:
+            self._shard_cache = {i: s for part in gathered for i, s in part.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer state, keyed by global parameter index (see the class notes).
+
+        Raises:
+            RuntimeError: :meth:`consolidate_state_dict` was not called on every rank since
+                the last ``step()``/load, or it gathered the state on another rank.
+        """
+        if self._shard_cache is None:
+            raise RuntimeError(
+                f"state_dict() on rank {self._rank}: no consolidated state here. Call "
+                f"consolidate_state_dict(to={self._rank}) on every rank after the last step() "
+                "(state is consolidated to one rank only, and a step() makes it stale)"
+            )
+        return _zero_state.pack(
+            self.param_groups, self._shard_cache, self._params, len(self._global_ranks)
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved by :meth:`state_dict` at any world size, or by the plain
+        ``optimizer_class``; each rank keeps the entries of the parameters it owns.
+
+        Every rank must load the same dict.
+
+        Raises:
+            TypeError: ``state_dict`` is not a dict.
+            ValueError: it does not fit these parameters: group count, group sizes,
+                parameter names or shapes differ (the message names the first difference).
+        """
+        local = _zero_state.localize(state_dict, self.param_groups, self._params, self._local_index)
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update(_hyperparameters(saved))
+        self.optim.load_state_dict(local)
+        self._shard_cache = None
+
+    def _assign(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Give ``groups``' parameters owners; return the local optimizer's groups for them."""
+        params = [p for group in groups for p in group["params"]]
+        sizes = [p.numel() * p.element_size() for p in params]
+        owners, self._loads = partition_by_size(sizes, len(self._global_ranks), self._loads)
+        for p, owner in zip(params, owners):
+            self._by_owner[owner].append(p)
+        start = len(self._params)
+        self._params.extend(params)
+        self._owners.extend(owners)
+        local_groups = []
+        for group in groups:
+            end = start + len(group["params"])
+            mine = [i for i in range(start, end) if self._owners[i] == self._rank]
+            self._local_index.append(mine)
+            local = _hyperparameters(group)
+            local["params"] = [self._params[i] for i in mine]
+            if "param_names" in group:
+                local["param_names"] = [group["param_names"][i - start] for i in mine]
+            local_groups.append(local)
+            start = end
+        return local_groups
+
+    def _broadcast_owned_params(self) -> None:
+        for owned, global_rank in zip(self._by_owner, self._global_ranks):
+            comm.broadcast_tensors(owned, src=global_rank, group=self.process_group)
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's settings, without the keys that name its parameters."""
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def _check_same_params(groups: list[dict[str, Any]], first: int, group: Any) -> None:
+    """Raise RankMismatchError on every rank unless all ranks hold the same parameter layout."""
+    items = [
+        (f"param group {g} parameter {j}", (tuple(p.shape), str(p.dtype)))
+        for g in range(first, len(groups))
+        for j, p in enumerate(groups[g]["params"])
+    ]
+    comm.check_same_across_ranks(items, "ZeroRedundancyOptimizer parameters", group)
+
+
+def _to_cpu_copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu_copy(v) for v in value)
+    return value

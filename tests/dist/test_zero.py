@@ -1,0 +1,376 @@
+"""ZeroRedundancyOptimizer on real ranks: equivalence, memory, resharding, state-dict errors.
+
+Gradients are averaged across ranks explicitly with torch.distributed (what DDP would do), so
+these tests exercise the sharded optimizer alone.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, StepLR
+
+import phalanx
+from phalanx.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
+from tests.harness import run_ranks
+
+GLOBAL_BATCH = 12  # divisible by the world sizes 2 and 3: every rank gets an equal slice
+STEPS = 10
+TOL = 1e-6
+
+# name -> (optimizer class, hyper-parameters, lr scheduler factory)
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3},
+            lambda opt: StepLR(opt, step_size=3, gamma=0.5)),
+    "adam": (torch.optim.Adam, {"lr": 0.01}, lambda opt: LambdaLR(opt, lambda s: 1 / (1 + s))),
+    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1},
+              lambda opt: CosineAnnealingLR(opt, T_max=STEPS)),
+}
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8), torch.nn.Tanh(),
+        torch.nn.Linear(8, 3),
+    )
+
+
+def _groups(model):
+    """Two param groups: weights at the default lr, biases at their own lr without decay."""
+    named = list(model.named_parameters())
+    return [
+        {"params": [(n, p) for n, p in named if n.endswith("weight")]},
+        {"params": [(n, p) for n, p in named if n.endswith("bias")], "lr": 0.05, "weight_decay": 0.0},
+    ]
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
+
+
+def _loss(model, step, rank=0, world_size=1):
+    x, y = _batch(step)
+    n = GLOBAL_BATCH // world_size
+    return torch.nn.functional.mse_loss(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n])
+
+
+def _backward_averaged(model, step, rank, world_size):
+    loss = _loss(model, step, rank, world_size)
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world_size
+    return loss.detach()
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _max_diff(a, b):
+    return (_flat(a) - _flat(b)).abs().max().item()
+
+
+def _train_like_plain(rank, world_size, name):
+    """10 steps of ZeRO beside the plain optimizer given the same averaged gradients."""
+    cls, kwargs, schedule = OPTIMIZERS[name]
+    model = _model()
+    ref = copy.deepcopy(model)
+    zero = ZeroRedundancyOptimizer(_groups(model), cls, **kwargs)
+    plain = cls(_groups(ref), **kwargs)
+    scheds = [schedule(zero), schedule(plain)]
+    lrs, losses = [], []
+    for step in range(STEPS):
+        if step % 2:  # odd steps go through step(closure)
+            loss = zero.step(lambda: _backward_averaged(model, step, rank, world_size))
+            losses.append((loss.item(), _loss(ref, step, rank, world_size).item()))
+        else:
+            _backward_averaged(model, step, rank, world_size)
+            zero.step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()
+        plain.step()
+        for sched in scheds:
+            sched.step()
+        lrs.append(([g["lr"] for g in zero.param_groups], [g["lr"] for g in plain.param_groups]))
+        set_to_none = step % 2 == 0
+        zero.zero_grad(set_to_none=set_to_none)
+        plain.zero_grad(set_to_none=set_to_none)
+        grads = {None if p.grad is None else p.grad.abs().sum().item() for p in model.parameters()}
+        if grads != ({None} if set_to_none else {0.0}):
+            raise AssertionError(f"zero_grad(set_to_none={set_to_none}) left grads {grads}")
+    return {"diff": _max_diff(model, ref), "lrs": lrs, "losses": losses,
+            "params": _flat(model).tolist(), "owners": zero.param_owners}
+
+
+def _memory(rank, world_size):
+    """Adam on parameters of very different sizes: each rank's state bytes and their bound."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 40),
+                                torch.nn.Linear(40, 12), torch.nn.Linear(12, 30),
+                                torch.nn.Linear(30, 4))
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+    plain = torch.optim.Adam(copy.deepcopy(model).parameters(), lr=1e-3)
+    for opt in (zero, plain):
+        for p in (p for g in opt.param_groups for p in g["params"]):
+            p.grad = torch.ones_like(p)
+        opt.step()
+    per_param = [_param_state_bytes(plain, p) for p in plain.param_groups[0]["params"]]
+    return {"local": optimizer_state_bytes(zero), "total": optimizer_state_bytes(plain),
+            "per_param": per_param, "owners": zero.param_owners,
+            "stateful": [i for i, p in enumerate(model.parameters()) if zero.state.get(p)]}
+
+
+def _param_state_bytes(opt, param):
+    return sum(v.numel() * v.element_size() for v in opt.state[param].values())
+
+
+def _add_param_group(rank, world_size):
+    """SGD-momentum; the biases join as a second group after 3 steps, on both optimizers."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    pick = lambda m, end: [p for n, p in m.named_parameters() if n.endswith(end)]  # noqa: E731
+    zero = ZeroRedundancyOptimizer(pick(model, "weight"), torch.optim.SGD, lr=0.1, momentum=0.9)
+    plain = torch.optim.SGD(pick(ref, "weight"), lr=0.1, momentum=0.9)
+    owners_before = zero.param_owners
+    for step in range(6):
+        if step == 3:
+            zero.add_param_group({"params": pick(model, "bias"), "lr": 0.02})
+            plain.add_param_group({"params": pick(ref, "bias"), "lr": 0.02})
+        _backward_averaged(model, step, rank, world_size)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()
+        zero.step()
+        plain.step()
+        zero.zero_grad()
+        plain.zero_grad()
+    return {"diff": _max_diff(model, ref), "owners_before": owners_before,
+            "owners_after": zero.param_owners,
+            "local_groups": [len(g["params"]) for g in zero.optim.param_groups],
+            "lr": [g["lr"] for g in zero.optim.param_groups]}
+
+
+def _train_checks(rank, world_size):
+    out = {name: _train_like_plain(rank, world_size, name) for name in OPTIMIZERS}
+    out["memory"] = _memory(rank, world_size)
+    out["add_group"] = _add_param_group(rank, world_size)
+    return out
+
+
+def _plain_run(name, steps, state_dict=None, first_step=0):
+    """The unsharded optimizer on one process with full-batch gradients."""
+    cls, kwargs, schedule = OPTIMIZERS[name]
+    model = _model()
+    opt = cls(_groups(model), **kwargs)
+    sched = schedule(opt)
+    if state_dict is not None:
+        model.load_state_dict(state_dict["model"])
+        sched.load_state_dict(state_dict["sched"])
+        opt.load_state_dict(state_dict["optim"])
+    for step in range(first_step, first_step + steps):
+        _loss(model, step).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_equivalence_memory_and_add_param_group(world_size):
+    results = run_ranks(_train_checks, world_size)
+    for name in OPTIMIZERS:
+        expected = _flat(_plain_run(name, STEPS)[0])
+        for out in results:
+            mine = out[name]
+            assert mine["diff"] <= TOL, (name, mine["diff"])
+            assert (torch.tensor(mine["params"]) - expected).abs().max().item() <= TOL, name
+            assert mine["params"] == results[0][name]["params"]  # replicas identical
+            assert mine["owners"] == results[0][name]["owners"]
+            assert all(z == p for z, p in mine["lrs"]), name
+            assert mine["lrs"][0][0] != mine["lrs"][-1][0], name  # the scheduler did act
+            assert all(abs(a - b) <= TOL for a, b in mine["losses"]), name
+        assert sorted(set(results[0][name]["owners"])) == list(range(world_size))
+    mem = [out["memory"] for out in results]
+    total, per_param, owners = mem[0]["total"], mem[0]["per_param"], mem[0]["owners"]
+    for rank, m in enumerate(mem):
+        assert m["local"] <= total / world_size + max(per_param), (rank, m["local"], total)
+        assert m["stateful"] == [i for i, owner in enumerate(owners) if owner == rank]
+        assert m["local"] == sum(b for b, owner in zip(per_param, owners) if owner == rank)
+    assert sum(m["local"] for m in mem) == total
+    for out in results:
+        add = out["add_group"]
+        assert add["diff"] <= TOL
+        assert add["owners_after"][:3] == add["owners_before"]
+        assert len(add["owners_after"]) == 6 and add["lr"] == [0.1, 0.02]
+    assert sum(sum(out["add_group"]["local_groups"]) for out in results) == 6
+
+
+RESHARD_AT = 4  # steps before the checkpoint; as many again after it
+
+
+def _save_checkpoint(rank, world_size, path):
+    """Adam with two groups and a scheduler; consolidate on the last rank, which saves."""
+    cls, kwargs, schedule = OPTIMIZERS["adam"]
+    model = _model()
+    zero = ZeroRedundancyOptimizer(_groups(model), cls, **kwargs)
+    sched = schedule(zero)
+    for step in range(RESHARD_AT):
+        _backward_averaged(model, step, rank, world_size)
+        zero.step()
+        sched.step()
+        zero.zero_grad()
+    last = world_size - 1
+    zero.consolidate_state_dict(to=last)
+    if rank == last:
+        torch.save({"model": model.state_dict(), "optim": zero.state_dict(),
+                    "sched": sched.state_dict()}, path)
+        return None
+    try:
+        zero.state_dict()
+    except RuntimeError as e:
+        return str(e)
+
+
+def _resume_checkpoint(rank, world_size, path):
+    cls, kwargs, schedule = OPTIMIZERS["adam"]
+    saved = torch.load(path, weights_only=True)  # the format needs no unpickling of code
+    model = _model()
+    zero = ZeroRedundancyOptimizer(_groups(model), cls, **kwargs)
+    sched = schedule(zero)
+    model.load_state_dict(saved["model"])
+    sched.load_state_dict(saved["sched"])
+    zero.load_state_dict(saved["optim"])
+    loaded_lr = [g["lr"] for g in zero.param_groups]
+    for step in range(RESHARD_AT, 2 * RESHARD_AT):
+        _backward_averaged(model, step, rank, world_size)
+        zero.step()
+        sched.step()
+        zero.zero_grad()
+    return {"params": _flat(model).tolist(), "loaded_lr": loaded_lr,
+            "stateful": sorted(i for i, p in enumerate(model.parameters()) if zero.state.get(p))}
+
+
+@pytest.mark.parametrize("save_at, load_at", [(2, 3), (3, 2)])
+def test_save_at_one_world_size_resume_at_another(tmp_path, save_at, load_at):
+    path = str(tmp_path / "ckpt.pt")
+    saved = run_ranks(_save_checkpoint, save_at, path)
+    for message in saved[:-1]:
+        assert "no consolidated state here" in message and "consolidate_state_dict(to=" in message
+    resumed = run_ranks(_resume_checkpoint, load_at, path)
+    expected = _flat(_plain_run("adam", 2 * RESHARD_AT)[0])
+    n_params = len(list(_model().parameters()))
+    assert sorted(i for out in resumed for i in out["stateful"]) == list(range(n_params))
+    for out in resumed:
+        assert (torch.tensor(out["params"]) - expected).abs().max().item() <= TOL
+        assert out["params"] == resumed[0]["params"]
+    # The file is an ordinary optimizer state dict: the plain optimizer resumes from it alike.
+    ckpt = torch.load(path, weights_only=True)
+    _, plain_first = _plain_run("adam", RESHARD_AT)
+    reference = plain_first.state_dict()
+    assert ckpt["optim"]["zero"]["world_size"] == save_at
+    assert ckpt["optim"]["param_groups"] == reference["param_groups"]
+    assert ckpt["optim"]["state"].keys() == reference["state"].keys()
+    for i, state in reference["state"].items():
+        for key, value in state.items():
+            assert (ckpt["optim"]["state"][i][key] - value).abs().max().item() <= TOL, (i, key)
+    plain_model, _ = _plain_run("adam", RESHARD_AT, ckpt, first_step=RESHARD_AT)
+    assert (_flat(plain_model) - expected).abs().max().item() <= TOL
+    assert resumed[0]["loaded_lr"] == [g["lr"] for g in ckpt["optim"]["param_groups"]]
+
+
+def _expect(errors, key, fn, kind):
+    try:
+        fn()
+    except kind as e:
+        errors[key] = f"{type(e).__name__}: {e}"
+    else:
+        errors[key] = "no error"
+
+
+def _load_errors(errors, zero, good):
+    """Each way a state dict can misfit: the error, and the optimizer left as it was."""
+    def variant(change):
+        sd = copy.deepcopy(good)
+        change(sd)
+        return lambda: zero.load_state_dict(sd)
+    cases = {
+        "not_dict": (lambda: zero.load_state_dict([1, 2]), TypeError),
+        "keys": (variant(lambda sd: sd.pop("param_groups")), ValueError),
+        "groups": (variant(lambda sd: sd["param_groups"].pop()), ValueError),
+        "group_size": (variant(lambda sd: sd["param_groups"][1]["params"].pop()), ValueError),
+        "shape": (variant(lambda sd: sd["zero"]["param_shapes"].__setitem__(4, [3, 7])), ValueError),
+        "name": (variant(lambda sd: sd["param_groups"][0]["param_names"].__setitem__(1, "x")),
+                 ValueError),
+        "unknown_id": (variant(lambda sd: sd["state"].__setitem__(99, sd["state"][0])), ValueError),
+    }
+    before = (optimizer_state_bytes(zero), [g["lr"] for g in zero.param_groups])
+    for key, (fn, kind) in cases.items():
+        _expect(errors, key, fn, kind)
+    errors["unchanged"] = before == (optimizer_state_bytes(zero), [g["lr"] for g in zero.param_groups])
+
+
+def _error_checks(rank, world_size):
+    errors = {}
+    model = _model()
+    _expect(errors, "class", lambda: ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam(
+        model.parameters())), TypeError)
+    extra = [torch.nn.Parameter(torch.zeros(2))] if rank == 1 else []
+    _expect(errors, "mismatch", lambda: ZeroRedundancyOptimizer(
+        list(model.parameters()) + extra, torch.optim.SGD, lr=0.1), phalanx.RankMismatchError)
+    zero = ZeroRedundancyOptimizer(_groups(model), torch.optim.Adam, lr=0.01)
+    _expect(errors, "add_mismatch", lambda: zero.add_param_group(
+        {"params": [("extra", torch.nn.Parameter(torch.zeros(2 + rank)))]}),
+        phalanx.RankMismatchError)
+    errors["groups_after_add"] = len(zero.param_groups)
+    _expect(errors, "to", lambda: zero.consolidate_state_dict(to=world_size), ValueError)
+    _expect(errors, "unconsolidated", zero.state_dict, RuntimeError)
+    _expect(errors, "setter", lambda: setattr(zero, "state", {}), AttributeError)
+    _backward_averaged(model, 0, rank, world_size)
+    zero.step()
+    zero.consolidate_state_dict(to=0)
+    good = [zero.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(good, src=0)
+    _load_errors(errors, zero, good[0])
+    zero.step()
+    _expect(errors, "stale", zero.state_dict, RuntimeError)
+    zero.load_state_dict(good[0])  # what fits loads, after all those failures
+    errors["reloaded"] = optimizer_state_bytes(zero) > 0
+    return errors
+
+
+def test_errors_name_what_is_wrong():
+    results = run_ranks(_error_checks, 2)
+    for rank, errors in enumerate(results):
+        assert errors["class"].startswith(
+            "TypeError: optimizer_class must be a torch.optim.Optimizer subclass such as "
+            "torch.optim.AdamW, got Adam (")
+        for key in ("mismatch", "add_mismatch"):
+            assert errors[key].startswith("RankMismatchError: ZeroRedundancyOptimizer parameters "
+                                          "differ across ranks: ranks 1 disagree with rank 0"), key
+        assert "rank 0 has nothing, rank 1 has 'param group 0 parameter 6' ((2,), 'torch.float32')" \
+            in errors["mismatch"]
+        assert "rank 0 has 'param group 2 parameter 0' ((2,)," in errors["add_mismatch"]
+        assert errors["groups_after_add"] == 2
+        assert errors["to"] == ("ValueError: Invalid rank 2 for consolidate_state_dict(to=...), "
+                                "rank should be in the interval [0, 1]")
+        assert errors["unconsolidated"].startswith(
+            f"RuntimeError: state_dict() on rank {rank}: no consolidated state here")
+        assert errors["stale"].startswith(f"RuntimeError: state_dict() on rank {rank}")
+        assert "ZeroRedundancyOptimizer.state is this rank's shard" in errors["setter"]
+        assert errors["not_dict"] == ("TypeError: state_dict must be a dict as returned by "
+                                      "ZeroRedundancyOptimizer.state_dict(), got list")
+        assert errors["keys"].startswith("ValueError: state_dict lacks ['param_groups']")
+        assert errors["groups"] == ("ValueError: state_dict does not fit: it has 1 parameter "
+                                    "groups, this optimizer has 2")
+        assert errors["group_size"] == ("ValueError: state_dict does not fit: parameter group 1 "
+                                        "holds 2 parameters there and 3 in this optimizer")
+        assert errors["shape"] == ("ValueError: state_dict does not fit: parameter 4 (group 1, "
+                                   "'2.bias') has shape (3, 7) there and (8,) in this optimizer")
+        assert errors["name"] == ("ValueError: state_dict does not fit: parameter 1 of group 0 is "
+                                  "named 'x' there and '2.weight' in this optimizer")
+        assert errors["unknown_id"] == ("ValueError: state_dict does not fit: it has state for "
+                                        "parameter ids [99] that none of its parameter groups lists")
+        assert errors["unchanged"] and errors["reloaded"]
