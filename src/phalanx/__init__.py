@@ -6,6 +6,7 @@ that starts and watches the processes; SyncBatchNorm, sharded optimizer state an
 crash-safe checkpoints.
 """
 
+from .ddp import DistributedDataParallel
 from .env import DistEnv
 from .errors import (
     AlreadyInitializedError,
@@ -38,6 +39,7 @@ __all__ = [
     "AlreadyInitializedError",
     "CheckpointError",
     "DistEnv",
+    "DistributedDataParallel",
     "DistributedSampler",
     "EnvironmentConfigError",
     "NotInitializedError",

@@ -1,0 +1,143 @@
+"""Pure planning: which parameter's gradient goes where in which flat buffer.
+
+No communication and no autograd here, so the plan can be tested alone. The reducer turns a
+plan into buffers and hooks.
+
+The rules (those of torch's DDP, so bucket boundaries match at the same ``bucket_cap_mb``):
+
+* only parameters that require a gradient are bucketed; a tensor listed twice (tied
+  weights registered under two names) is bucketed once, under its first name;
+* parameters are taken in *reverse* registration order, because the backward pass produces
+  the gradients of the last layers first;
+* a bucket holds one (device, dtype) only; each (device, dtype) fills its own open bucket;
+* a bucket closes once it holds at least its cap; the first bucket of every (device, dtype)
+  is capped at ``first_bucket_bytes`` (1 MiB) so the first all-reduce starts early, the
+  rest at ``bucket_bytes``. A single tensor larger than the cap gets a bucket of its own.
+* buckets are numbered by the position of their first parameter in that reversed order,
+  which is the order the reducer launches them in on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+MIB = 1024 * 1024
+# torch's DDP default bucket_cap_mb (nn/parallel/distributed.py): 25 MiB.
+DEFAULT_BUCKET_CAP_MB = 25
+# torch.distributed._DEFAULT_FIRST_BUCKET_BYTES: "Experiments showed 1MB is a reasonable value".
+FIRST_BUCKET_BYTES = 1 * MIB
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter's place in a bucket's flat buffer.
+
+    Args:
+        index: position of the parameter in the list given to :func:`plan_buckets`.
+        name: the parameter's (first) name.
+        offset: first element of its slice in the flat buffer.
+        shape: the parameter's shape; its slice holds ``numel`` elements.
+    """
+
+    index: int
+    name: str
+    offset: int
+    shape: torch.Size
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """One flat buffer: its slots in the order the backward is expected to fill them."""
+
+    device: torch.device
+    dtype: torch.dtype
+    slots: tuple[Slot, ...]
+
+    @property
+    def numel(self) -> int:
+        last = self.slots[-1]
+        return last.offset + last.numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def plan_buckets(
+    named_params: Sequence[tuple[str, torch.Tensor]],
+    bucket_bytes: int = DEFAULT_BUCKET_CAP_MB * MIB,
+    first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+) -> list[BucketSpec]:
+    """Group ``named_params`` (registration order) into buckets, in launch order.
+
+    Args:
+        named_params: ``(name, tensor)`` pairs in registration order, as
+            ``module.named_parameters()`` gives them.
+        bucket_bytes: cap of every bucket but the first of each (device, dtype). Default 25 MiB.
+        first_bucket_bytes: cap of the first bucket of each (device, dtype). Default 1 MiB.
+
+    Returns:
+        The buckets in launch order; :attr:`Slot.index` points back into ``named_params``.
+        Empty when nothing requires a gradient.
+    """
+    if bucket_bytes <= 0 or first_bucket_bytes <= 0:
+        raise ValueError(
+            f"bucket sizes must be positive, got bucket_bytes={bucket_bytes}, "
+            f"first_bucket_bytes={first_bucket_bytes}"
+        )
+    seen: set[int] = set()
+    open_buckets: dict[tuple, list[int]] = {}  # (device, dtype) -> indices in the open bucket
+    open_bytes: dict[tuple, int] = {}
+    closed_count: dict[tuple, int] = {}
+    done: list[list[int]] = []
+    for index in reversed(_distinct_trainable(named_params, seen)):
+        tensor = named_params[index][1]
+        key = (tensor.device, tensor.dtype)
+        members = open_buckets.setdefault(key, [])
+        members.append(index)
+        open_bytes[key] = open_bytes.get(key, 0) + tensor.numel() * tensor.element_size()
+        cap = first_bucket_bytes if closed_count.get(key, 0) == 0 else bucket_bytes
+        if open_bytes[key] >= cap:
+            done.append(members)
+            closed_count[key] = closed_count.get(key, 0) + 1
+            del open_buckets[key], open_bytes[key]
+    done.extend(open_buckets.values())
+    # Launch order: by the reversed position of each bucket's first parameter.
+    done.sort(key=lambda members: -members[0])
+    return [_spec(named_params, members) for members in done]
+
+
+def _distinct_trainable(named_params: Sequence[tuple[str, torch.Tensor]], seen: set[int]) -> list[int]:
+    """Indices of the tensors that require grad, each tensor's first occurrence only."""
+    keep = []
+    for index, (_, tensor) in enumerate(named_params):
+        if tensor.requires_grad and id(tensor) not in seen:
+            seen.add(id(tensor))
+            keep.append(index)
+    return keep
+
+
+def _spec(named_params: Sequence[tuple[str, torch.Tensor]], members: list[int]) -> BucketSpec:
+    slots, offset = [], 0
+    for index in members:
+        name, tensor = named_params[index]
+        slots.append(Slot(index, name, offset, tensor.shape))
+        offset += tensor.numel()
+    first = named_params[members[0]][1]
+    return BucketSpec(first.device, first.dtype, tuple(slots))
+
+
+def describe(plan: Sequence[BucketSpec]) -> str:
+    """One line per bucket: size and parameter names (for logs and error messages)."""
+    lines = []
+    for i, bucket in enumerate(plan):
+        names = ", ".join(slot.name for slot in bucket.slots)
+        lines.append(f"bucket {i}: {bucket.nbytes / MIB:.2f} MiB {bucket.dtype} on {bucket.device}: {names}")
+    return "\n".join(lines)

@@ -1,0 +1,333 @@
+"""Gradient averaging during the backward pass: flat buckets, grad-ready hooks, async all-reduce.
+
+How one synchronising backward runs:
+
+1. ``prepare()`` (called after every forward) arms the reducer and, with
+   ``find_unused_parameters=True``, walks the autograd graph from the outputs to learn which
+   parameters can receive a gradient at all.
+2. Each parameter's ``register_post_accumulate_grad_hook`` fires once its gradient is
+   accumulated. The hook copies the gradient, divided by the world size, into its slot of the
+   bucket's flat buffer (one fused op; with ``gradient_as_bucket_view`` the slot *is* ``.grad``).
+   The first hook of the backward queues ``_finalize`` on the autograd engine and marks the
+   parameters known to be unused ready at once (their contribution: the current ``.grad``, or 0).
+3. A bucket whose slots are all filled is launched, asynchronously, but strictly in bucket order:
+   bucket k waits for buckets 0..k-1, so every rank issues the same collectives in the same order.
+4. ``_finalize`` runs when the engine is done: it fills and launches what is left (parameters
+   that got no gradient), waits for every bucket, writes the averages back to ``.grad`` and
+   raises :class:`~phalanx.errors.UnusedParametersError` -- on every rank -- if a parameter
+   got no gradient while that is not allowed.
+
+The last bucket carries a small control tail, summed by the same collective: element 0 counts
+problems (unexpected missing or late gradients) so every rank learns of one rank's trouble
+without an extra collective; with unused parameters allowed, one element per parameter says
+whether any rank has a gradient for it (parameters with none anywhere keep ``.grad`` untouched,
+as torch does, so e.g. Adam skips them).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .bucketing import BucketSpec
+from .errors import UnusedParametersError
+
+
+class AllReduceMean:
+    """Default bucket communication: an all-reduce (sum) of gradients pre-divided by ``divisor``.
+
+    A communication strategy has two members: ``divisor`` (the reducer divides each gradient
+    by it while copying it into the bucket, saving a pass over the buffer) and
+    ``launch(flat) -> Work``, which starts reducing one bucket's flat buffer asynchronously.
+    When the returned work completes, the buffer must hold the reduced gradients this rank
+    needs, and the control tail of the last bucket (see the module docstring) must be summed
+    on every rank. A ZeRO stage-2 reduce-scatter plugs in here.
+
+    Args:
+        group: process group; ``None`` is the default group.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.divisor = dist.get_world_size(group)
+
+    def launch(self, flat: torch.Tensor) -> dist.Work:
+        return dist.all_reduce(flat, group=self.group, async_op=True)
+
+
+class _Bucket:
+    """Runtime state of one :class:`BucketSpec`: its buffer, its slot views, what is pending."""
+
+    def __init__(self, spec: BucketSpec, first: int, tail: int) -> None:
+        self.spec = spec
+        self.first = first  # position (launch order) of its first parameter
+        self.buffer = torch.zeros(spec.numel + tail, dtype=spec.dtype, device=spec.device)
+        self.views = [self.buffer[s.offset : s.offset + s.numel].view(s.shape) for s in spec.slots]
+        self.tail = self.buffer[spec.numel :]
+        self.pending = len(spec.slots)
+
+    @property
+    def positions(self) -> range:
+        return range(self.first, self.first + len(self.spec.slots))
+
+
+class Reducer:
+    """Averages the gradients of ``named_params`` across ``comm``'s group during backward.
+
+    Args:
+        named_params: ``(name, parameter)`` pairs the ``plan`` indexes into.
+        plan: buckets in launch order, from :func:`phalanx.bucketing.plan_buckets`; not empty.
+        comm: the bucket communication strategy, e.g. :class:`AllReduceMean`.
+        gradient_as_bucket_view: make each ``.grad`` a view into its bucket (saves memory
+            and the copy back). Default ``False``.
+        find_unused_parameters: walk the graph after each forward to find parameters that
+            cannot get a gradient, and let parameters go without one. Default ``False``.
+        static_graph: let parameters go without a gradient, and learn which ones from the
+            first backward instead of walking the graph each iteration. Default ``False``.
+    """
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, torch.Tensor]],
+        plan: Sequence[BucketSpec],
+        comm: Any,
+        gradient_as_bucket_view: bool = False,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+    ) -> None:
+        self.comm = comm
+        self.as_view = gradient_as_bucket_view
+        self.walk_graph = find_unused_parameters and not static_graph
+        self.allow_unused = find_unused_parameters or static_graph
+        self.static_graph = static_graph
+        slots = [slot for spec in plan for slot in spec.slots]
+        # Parameter k (launch order) is params[k], in bucket _bucket_of[k], slot _views[k].
+        self.names = [slot.name for slot in slots]
+        self.params = [named_params[slot.index][1] for slot in slots]
+        tail = 1 + (len(slots) if self.allow_unused else 0)
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: list[int] = []
+        for b, spec in enumerate(plan):
+            self._buckets.append(_Bucket(spec, len(self._bucket_of), tail if b == len(plan) - 1 else 0))
+            self._bucket_of += [b] * len(spec.slots)
+        self._views = [view for bucket in self._buckets for view in bucket.views]
+        self._index = {id(p): k for k, p in enumerate(self.params)}
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, k))
+            for k, p in enumerate(self.params)
+        ]
+        self._armed = False  # hooks act: the last forward was a synchronising one
+        self.awaiting_backward = False  # a synchronising forward ran, its backward has not ended
+        self._reached: set[int] | None = None  # find_unused: reachable from the outputs
+        self._known_unused: set[int] | None = None  # static_graph: learned in the first backward
+        self._reset()
+
+    def _reset(self) -> None:
+        self._started = False
+        self._ready = [False] * len(self.params)
+        self._assumed_unused: list[int] = []
+        self._late: list[int] = []
+        self._next = 0
+        self._works: list[dist.Work] = []
+        for bucket in self._buckets:
+            bucket.pending = len(bucket.spec.slots)
+
+    def prepare(self, sync: bool, outputs: Any = None) -> None:
+        """Called after each forward: arm (``sync``) or disarm the next backward's hooks."""
+        self._armed = sync
+        if not sync:
+            return
+        if self.walk_graph:
+            reached = reachable_params(outputs, self._index)
+            # Forwards since the last backward add up: their graphs all feed that backward.
+            if self.awaiting_backward and self._reached is not None:
+                reached |= self._reached
+            self._reached = reached
+        self.awaiting_backward = True
+
+    # ---- during backward ---------------------------------------------------------------
+    def _on_grad(self, k: int, param: torch.Tensor) -> None:
+        if not self._armed:
+            return  # no_sync(), or a backward not preceded by a synchronising forward
+        if not self._started:
+            self._start_backward()
+        if self._ready[k]:
+            # Its slot was settled already (assumed unused, or a second gradient). Raising
+            # here would leave the other ranks waiting: _finalize reports it.
+            self._late.append(k)
+            return
+        self._mark_ready(k, param.grad)
+        self._launch_ready()
+
+    def _start_backward(self) -> None:
+        self._started = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        if self.walk_graph and self._reached is not None:
+            unused = [k for k in range(len(self.params)) if k not in self._reached]
+        elif self.static_graph and self._known_unused:
+            unused = sorted(self._known_unused)
+        else:
+            return
+        for k in unused:
+            self._assume_unused(k)
+        self._launch_ready()
+
+    def _assume_unused(self, k: int) -> None:
+        """No gradient will come this backward: contribute the current ``.grad`` (or zeros)."""
+        self._assumed_unused.append(k)
+        self._mark_ready(k, self.params[k].grad)
+
+    def _mark_ready(self, k: int, grad: torch.Tensor | None) -> None:
+        """Put parameter k's contribution, divided for the average, into its bucket slot."""
+        view = self._views[k]
+        if grad is None:
+            view.zero_()
+        elif grad is view:
+            view.div_(self.comm.divisor)
+        else:
+            if grad.layout != torch.strided:  # sparse gradients are averaged densely
+                grad = grad.to_dense()
+            torch.div(grad, self.comm.divisor, out=view)
+            if self.as_view:
+                self.params[k].grad = view
+        self._ready[k] = True
+        self._buckets[self._bucket_of[k]].pending -= 1
+
+    def _launch_ready(self) -> None:
+        """Launch every complete bucket at the head of the queue, in bucket order."""
+        while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
+            bucket = self._buckets[self._next]
+            if self._next == len(self._buckets) - 1:
+                self._write_tail(bucket.tail)
+            self._works.append(self.comm.launch(bucket.buffer))
+            self._next += 1
+
+    def _write_tail(self, tail: torch.Tensor) -> None:
+        problems = len(self._late) + (0 if self.allow_unused else len(self._assumed_unused))
+        tail[0] = float(problems)
+        if self.allow_unused:
+            has_grad = [p.grad is not None for p in self.params]
+            tail[1:].copy_(torch.tensor(has_grad, dtype=tail.dtype))
+
+    def _finalize(self) -> None:
+        """End of backward: settle what is left, wait, write back, report problems everywhere."""
+        try:
+            left = [k for k, ready in enumerate(self._ready) if not ready]
+            for k in left:
+                self._assume_unused(k)
+            self._launch_ready()
+            last = len(self._buckets) - 1
+            for b, work in enumerate(self._works):
+                work.wait()
+                if b < last and not self.allow_unused:
+                    self._write_back(self._buckets[b].positions, None)
+            tail = self._buckets[last].tail
+            if tail[0].item() > 0:
+                self._raise_problems()  # every rank sees the sum: all raise, none hangs
+            if self._late:  # late after the last launch: only this rank knows
+                here = {dist.get_rank(self.comm.group): self._describe()}
+                raise UnusedParametersError(_problem_message(here, self.static_graph))
+            if self.allow_unused:
+                self._write_back(range(len(self.params)), (tail[1:] > 0).tolist())
+            else:
+                self._write_back(self._buckets[last].positions, None)
+            if self.static_graph and self._known_unused is None:
+                self._known_unused = set(left)
+        finally:
+            self.awaiting_backward = False
+            self._reset()
+
+    def _write_back(self, positions: range, used: list[bool] | None) -> None:
+        for k in positions:
+            if used is not None and not used[k]:
+                continue  # no rank has a gradient for it: leave .grad alone, as torch does
+            param, view = self.params[k], self._views[k]
+            grad = param.grad
+            if grad is view:
+                continue
+            if self.as_view:
+                param.grad = view
+            elif grad is None:
+                param.grad = view.clone()
+            else:
+                grad.copy_(view)
+
+    def _describe(self) -> dict[str, list[str]]:
+        missing = [] if self.allow_unused else self._assumed_unused
+        return {"missing": [self.names[k] for k in missing], "late": [self.names[k] for k in self._late]}
+
+    def _raise_problems(self) -> None:
+        everyone = comm.all_gather_object(self._describe(), self.comm.group)
+        raise UnusedParametersError(_problem_message(dict(enumerate(everyone)), self.static_graph))
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (the reducer does nothing afterwards)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def _problem_message(by_rank: dict[int, dict[str, list[str]]], static_graph: bool) -> str:
+    """The error text for the ranks' ``{"missing": names, "late": names}`` reports."""
+    parts = []
+    missing = {r: d["missing"] for r, d in by_rank.items() if d["missing"]}
+    if missing:
+        where = "; ".join(f"rank {r}: {', '.join(map(repr, names))}" for r, names in missing.items())
+        parts.append(
+            "Parameters received no gradient in this backward pass while "
+            f"find_unused_parameters=False ({where}). Pass find_unused_parameters=True to "
+            "DistributedDataParallel, or make every parameter take part in the loss "
+            "(or freeze it with requires_grad=False)"
+        )
+    late = {r: d["late"] for r, d in by_rank.items() if d["late"]}
+    if late:
+        where = "; ".join(f"rank {r}: {', '.join(map(repr, names))}" for r, names in late.items())
+        cause = (
+            "static_graph=True assumed them unused, as in the first iteration, but the graph changed"
+            if static_graph
+            else "they were not reachable from the forward's outputs, or got a gradient twice "
+            "(e.g. reentrant checkpointing or a forward outside the DDP wrapper)"
+        )
+        parts.append(f"Gradients arrived for parameters after their bucket was settled ({where}): {cause}")
+    return ". ".join(parts)
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``obj``: nested tuples, lists, dicts, namedtuples and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from iter_tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from iter_tensors(item)
+    elif hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
+        for name in obj.__dataclass_fields__:
+            yield from iter_tensors(getattr(obj, name))
+
+
+def reachable_params(outputs: Any, index: dict[int, int]) -> set[int]:
+    """Positions (per ``index``: ``id(param) -> position``) of the parameters the outputs' graph reaches."""
+    found: set[int] = set()
+    stack = []
+    for t in iter_tensors(outputs):
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif id(t) in index:  # a parameter returned as it is
+            found.add(index[id(t)])
+    seen: set[Any] = set()  # the nodes themselves: holding them keeps their identity stable
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
+        if variable is not None and id(variable) in index:
+            found.add(index[id(variable)])
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return found

@@ -1,0 +1,172 @@
+"""DDP behaviour around the edges: buffers with two forwards, pass-through, state_dict, world size 1."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+import phalanx
+from phalanx.reference import NaiveDDP
+from tests.harness import run_ranks
+
+
+class Scaled(nn.Module):
+    """A buffer used in the computation (saved for backward) and a BatchNorm (saves its stats)."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.lin = nn.Linear(6, 8, bias=False)
+        self.bn = nn.BatchNorm1d(8)
+        self.register_buffer("scale", torch.full((8,), 1.0 + rank))
+
+    def forward(self, x):
+        return self.bn(self.lin(x)) * self.scale
+
+
+def _two_forwards(rank, world_size):
+    torch.manual_seed(rank)
+    model = Scaled(rank)
+    ddp = phalanx.DistributedDataParallel(model)
+    torch.manual_seed(rank)
+    naive = NaiveDDP(Scaled(rank))
+    x1, x2 = torch.randn(4, 6), torch.randn(4, 6)
+    scale_before = model.scale
+    loss = ddp(x1).pow(2).sum() + ddp(x2).pow(2).sum()  # the second forward broadcasts buffers
+    loss.backward()  # torch's DDP: "modified by an inplace operation" on ranks other than 0
+    (naive(x1).pow(2).sum() + naive(x2).pow(2).sum()).backward()
+    naive.sync_gradients()
+    diff = max((a.grad - b.grad).abs().max().item() for a, b in zip(ddp.parameters(), naive.parameters()))
+    replaced = model.scale is not scale_before
+    # A plain step afterwards: buffers are copied in place again.
+    scale_now = model.scale
+    ddp(x1).sum().backward()
+    return {"diff": diff, "replaced": replaced, "in_place_after": model.scale is scale_now,
+            "scale": model.scale.tolist()}
+
+
+def test_two_forwards_then_backward_with_broadcast_buffers():
+    results = run_ranks(_two_forwards, 2)
+    for rank, out in enumerate(results):
+        assert out["diff"] < 1e-6
+        assert out["replaced"] == (rank != 0)  # only receivers must not write into saved tensors
+        assert out["in_place_after"] is True
+        assert out["scale"] == [1.0] * 8
+
+
+@dataclass
+class Pair:
+    first: torch.Tensor
+    rest: dict
+
+
+Named = namedtuple("Named", "a b")
+
+
+class Echo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.seen = None
+
+    def forward(self, x, *extra, kind="tuple", flag=None):
+        self.seen = (len(extra), kind, flag)
+        y = self.lin(x)
+        if kind == "tuple":
+            return y, (y * 2, [y * 3])
+        if kind == "dict":
+            return {"y": y, "n": 5}
+        if kind == "named":
+            return Named(y, None)
+        return Pair(y, {"z": y.sum(), "label": "text"})
+
+
+def _pass_through(rank, world_size):
+    out = {}
+    ddp = phalanx.DistributedDataParallel(Echo(), find_unused_parameters=True)
+    x = torch.randn(2, 3)
+    for kind in ("tuple", "dict", "named", "dataclass"):
+        result = ddp(x, 1, 2, kind=kind, flag=rank)
+        out[kind] = type(result).__name__
+        first = result[0] if kind in ("tuple", "named") else result["y"] if kind == "dict" else result.first
+        first.sum().backward()
+    out["seen"] = ddp.module.seen
+    out["pair_extra"] = ddp(x, kind="dataclass").rest["label"]
+    out["keys"] = list(ddp.state_dict())
+    torch_keys = list(torch.nn.parallel.DistributedDataParallel(Echo()).state_dict())
+    out["torch_keys"] = torch_keys
+    ddp.eval()
+    out["eval"] = (ddp.training, ddp.module.training, ddp.module.lin.training)
+    ddp.train()
+    out["train"] = ddp.module.lin.training
+    state = {k: torch.full_like(v, 7) for k, v in ddp.state_dict().items()}
+    ddp.load_state_dict(state)
+    out["loaded"] = ddp.module.lin.weight.flatten().tolist()[:2]
+    # no_sync restores the attribute even when the body raises
+    try:
+        with ddp.no_sync():
+            out["inside"] = ddp.require_backward_grad_sync
+            raise KeyError("body failed")
+    except KeyError:
+        pass
+    out["after"] = ddp.require_backward_grad_sync
+    # a no-grad forward (evaluation) between training steps changes nothing
+    with torch.no_grad():
+        ddp(x)
+    ddp(x)[0].sum().backward()
+    out["grad_ok"] = ddp.module.lin.weight.grad is not None
+    return out
+
+
+def test_outputs_args_state_dict_and_modes():
+    results = run_ranks(_pass_through, 2)
+    for rank, out in enumerate(results):
+        assert (out["tuple"], out["dict"], out["named"], out["dataclass"]) == ("tuple", "dict", "Named", "Pair")
+        assert out["seen"] == (2, "dataclass", rank)
+        assert out["pair_extra"] == "text"
+        assert out["keys"] == out["torch_keys"] == ["module.count", "module.lin.weight", "module.lin.bias"]
+        assert out["eval"] == (False, False, False) and out["train"] is True
+        assert out["loaded"] == [7.0, 7.0]
+        assert (out["inside"], out["after"]) == (False, True)
+        assert out["grad_ok"]
+
+
+def _alone(rank, world_size):
+    torch.manual_seed(0)
+    model = Echo()
+    ddp = phalanx.DistributedDataParallel(model, bucket_cap_mb=1)
+    x = torch.randn(2, 3)
+    same = torch.equal(ddp(x)[0], model(x)[0])
+    hooks = [p._post_accumulate_grad_hooks for p in model.parameters()]
+    with ddp.no_sync():
+        ddp(x)[0].sum().backward()
+    return {"same": same, "hooks": hooks, "plan": ddp.bucket_plan, "grad": model.lin.bias.grad.tolist()}
+
+
+def test_world_size_one_is_the_bare_module():
+    [out] = run_ranks(_alone, 1)
+    assert out["same"] and out["plan"] == []
+    assert out["hooks"] == [None, None]  # nothing installed on the parameters
+    assert out["grad"] == [2.0, 2.0, 2.0]
+
+
+def _on_gpus(rank, world_size):
+    phalanx.init_process_group(backend="nccl")
+    try:
+        torch.manual_seed(rank)
+        model = nn.Linear(4, 2).cuda(rank)
+        ddp = phalanx.DistributedDataParallel(model, device_ids=[rank])
+        ddp(torch.full((3, 4), float(rank))).sum().backward()  # a CPU input is moved to the GPU
+        return model.weight.grad.cpu().tolist()
+    finally:
+        phalanx.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cuda_device_ids():
+    results = run_ranks(_on_gpus, 2, init=False)
+    assert results[0] == results[1] == [[1.5] * 4] * 2

@@ -1,0 +1,73 @@
+"""Bucket planning, checked against torch's own assignment function on the reversed parameter list."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from phalanx.bucketing import FIRST_BUCKET_BYTES, MIB, describe, plan_buckets
+
+DTYPES = [torch.float32, torch.float64, torch.float16]
+
+
+def _params(seed: int, n: int = 14):
+    rng = random.Random(seed)
+    return [
+        (f"p{i}", torch.nn.Parameter(torch.zeros(rng.choice([3, 500, 70_000, 300_000]), dtype=rng.choice(DTYPES))))
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("cap_mb", [0.5, 1, 2])
+def test_same_buckets_as_torch_in_reverse_order(seed, cap_mb):
+    named = _params(seed)
+    plan = plan_buckets(named, int(cap_mb * MIB), FIRST_BUCKET_BYTES)
+    reversed_tensors = [p for _, p in reversed(named)]
+    expected, _ = dist._compute_bucket_assignment_by_size(reversed_tensors, [FIRST_BUCKET_BYTES, int(cap_mb * MIB)])
+    last = len(named) - 1
+    assert [[s.index for s in b.slots] for b in plan] == [[last - i for i in b] for b in expected]
+
+
+def test_slots_dtypes_offsets_and_launch_order():
+    named = [
+        ("a", torch.nn.Parameter(torch.zeros(2, 3))),
+        ("b", torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))),
+        ("c", torch.nn.Parameter(torch.zeros(5))),
+    ]
+    plan = plan_buckets(named, 1 * MIB)
+    assert [(b.dtype, [s.name for s in b.slots]) for b in plan] == [
+        (torch.float32, ["c", "a"]),  # the last registered parameter comes first
+        (torch.float64, ["b"]),
+    ]
+    c, a = plan[0].slots
+    assert (c.offset, c.numel, a.offset, a.shape) == (0, 5, 5, torch.Size([2, 3]))
+    assert plan[0].numel == 11 and plan[0].nbytes == 44
+    assert describe(plan).splitlines()[0] == "bucket 0: 0.00 MiB torch.float32 on cpu: c, a"
+
+
+def test_tied_frozen_and_empty():
+    shared = torch.nn.Parameter(torch.zeros(10))
+    frozen = torch.nn.Parameter(torch.zeros(10), requires_grad=False)
+    named = [("emb", shared), ("frozen", frozen), ("out", shared), ("x", torch.nn.Parameter(torch.zeros(2)))]
+    plan = plan_buckets(named)
+    assert [(s.name, s.index) for s in plan[0].slots] == [("x", 3), ("emb", 0)]
+    assert plan_buckets([("frozen", frozen)]) == []
+
+
+def test_first_bucket_small_then_cap():
+    # 0.6 MiB each (fp32): the first bucket closes at 1 MiB (2 tensors), then 3 per 1.5 MiB bucket.
+    named = [(f"p{i}", torch.nn.Parameter(torch.zeros(157_286))) for i in range(8)]
+    plan = plan_buckets(named, int(1.5 * MIB), FIRST_BUCKET_BYTES)
+    assert [[s.index for s in b.slots] for b in plan] == [[7, 6], [5, 4, 3], [2, 1, 0]]
+    one_each = plan_buckets(named, 1, 1)
+    assert [len(b.slots) for b in one_each] == [1] * 8
+
+
+@pytest.mark.parametrize("caps", [(0, 1), (1, 0), (-5, 1)])
+def test_bad_caps(caps):
+    with pytest.raises(ValueError, match="bucket sizes must be positive"):
+        plan_buckets(_params(0, 2), *caps)
