@@ -6,7 +6,11 @@ that starts and watches the processes; SyncBatchNorm, sharded optimizer state an
 crash-safe checkpoints.
 """
 
-from .ddp import DistributedDataParallel
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
 from .env import DistEnv
 from .errors import (
     AlreadyInitializedError,
@@ -18,22 +22,57 @@ from .errors import (
     RendezvousError,
     UnusedParametersError,
 )
-from .process_group import (
-    barrier,
-    destroy_process_group,
-    get_device,
-    get_local_rank,
-    get_local_world_size,
-    get_rank,
-    get_world_size,
-    init_process_group,
-    is_initialized,
-)
-from .sampler import DistributedSampler
-from .sync_batchnorm import SyncBatchNorm
-from .zero import ZeroRedundancyOptimizer
 
 __version__ = "0.1.0"
+
+# Names from modules that import torch load on first use (PEP 562), so `import phalanx`,
+# and with it `phalanx run`, starts without paying torch's import (about 2 s of CPU) before
+# the workers start. Export a new name by adding it here, to the TYPE_CHECKING block and to
+# __all__; tests/e2e/test_launch_cli.py checks that the launcher's start stays torch-free.
+_LAZY = {
+    "DistributedDataParallel": "ddp",
+    "barrier": "process_group",
+    "destroy_process_group": "process_group",
+    "get_device": "process_group",
+    "get_local_rank": "process_group",
+    "get_local_world_size": "process_group",
+    "get_rank": "process_group",
+    "get_world_size": "process_group",
+    "init_process_group": "process_group",
+    "is_initialized": "process_group",
+    "DistributedSampler": "sampler",
+    "SyncBatchNorm": "sync_batchnorm",
+    "ZeroRedundancyOptimizer": "zero",
+}
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from .ddp import DistributedDataParallel
+    from .process_group import (
+        barrier,
+        destroy_process_group,
+        get_device,
+        get_local_rank,
+        get_local_world_size,
+        get_rank,
+        get_world_size,
+        init_process_group,
+        is_initialized,
+    )
+    from .sampler import DistributedSampler
+    from .sync_batchnorm import SyncBatchNorm
+    from .zero import ZeroRedundancyOptimizer
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
+    return getattr(import_module(f".{module}", __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "AlreadyInitializedError",
