@@ -1,0 +1,422 @@
+"""Checkpoints of the whole training state: written once, atomically, and resumed exactly.
+
+A :class:`Checkpointer` holds the objects of a training run (model, optimizer, lr scheduler,
+GradScaler, sampler) and a directory. :meth:`Checkpointer.save` and :meth:`Checkpointer.load`
+are collectives: every rank calls them.
+
+**Saving.** A sharded optimizer is consolidated on rank 0; every rank's RNG states are
+gathered there; rank 0 alone writes one file, atomically and checksummed (see
+:mod:`phalanx.checkpoint_file`), keeps the newest ``keep`` and removes temporaries left by
+dead writers; the other ranks wait for rank 0's outcome, so an error on rank 0 (disk full,
+an extra that cannot be saved) is raised on every rank instead of leaving them in a barrier.
+
+**What a checkpoint holds**: ``epoch`` and ``step``; the model's ``state_dict`` unwrapped
+(no ``module.`` prefix, whether the model is phalanx's or torch's DDP or a plain module); the
+optimizer's (consolidated when sharded), the scheduler's, the GradScaler's and the sampler's
+state dicts when given; the world size; each rank's RNG states (Python ``random``, torch CPU,
+the current CUDA device's when CUDA is initialised, numpy's global one when numpy is
+importable); and rank 0's ``extra`` dict.
+
+**Loading.** Rank 0 chooses the file (``resume="auto"``: the newest complete checkpoint of
+the directory; a damaged one is skipped with a warning and the next newest tried) and every
+rank reads it itself, so the directory must be visible to all ranks (a shared file system on
+several machines). Reading is safe: the bytes are checked against their CRC-32 and then
+decoded by ``torch.load(weights_only=True)`` from those same bytes, which builds tensors and
+plain containers only and cannot run code. Tensors land on the rank's own device
+(``cuda:LOCAL_RANK`` or the CPU), never all on ``cuda:0``. Each rank restores its own RNG
+states. If any rank fails (damaged file, shapes that do not fit), every rank raises
+:class:`~phalanx.errors.CheckpointError` naming the file, what failed and on which ranks.
+
+**Another world size.** Model, optimizer (phalanx's ZeRO state is keyed by parameter, not
+rank), scheduler and sampler (a global position) resume unchanged. RNG states: ranks that
+existed when saving restore their own; new ranks keep the RNG state their script seeded;
+the states of ranks that no longer exist are dropped. Data order stays exact; anything
+random per rank (dropout) is then reproducible only at the same world size.
+
+**Exactness.** A ``DataLoader`` draws a seed from torch's global RNG whenever an iterator
+starts, which a run resumed mid-epoch does at a different moment. Give it its own
+``generator=torch.Generator()`` and the global RNG stream is the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from . import comm, process_group
+from ._logging import get_logger
+from .checkpoint_file import (
+    checkpoint_name,
+    clean_stale_temps,
+    list_checkpoints,
+    prune,
+    read_checkpoint,
+    write_checkpoint,
+)
+from .checkpoint_state import (
+    capture_rng_state,
+    check_fits,
+    check_loadable,
+    restore_rng_state,
+    unwrap,
+)
+from .errors import CheckpointError, RankMismatchError
+
+__all__ = ["Checkpointer", "TrainingState", "list_checkpoints", "read_checkpoint"]
+
+_log = get_logger(__name__)
+_log0 = get_logger(__name__, rank_zero_only=True)
+
+# Layout of the saved dict; the file format around it has its own version.
+STATE_VERSION = 1
+_OPTIONAL = ("optimizer", "scheduler", "scaler", "sampler")
+# Errors sent from one rank to the others keep their type; anything else becomes a CheckpointError.
+_SHARED_ERRORS = (CheckpointError, RankMismatchError, TypeError, ValueError)
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """Where a loaded checkpoint left training.
+
+    Args:
+        epoch: the epoch passed to :meth:`Checkpointer.save`.
+        step: the step passed to :meth:`Checkpointer.save`.
+        path: the file it was loaded from.
+        world_size: the world size it was saved at.
+        extra: the ``extra`` dict given to :meth:`Checkpointer.save` (rank 0's).
+    """
+
+    epoch: int
+    step: int
+    path: Path
+    world_size: int
+    extra: dict = field(default_factory=dict)
+
+
+class Checkpointer:
+    r"""Saves and restores a training run's whole state, consistently across ranks.
+
+    :meth:`save` writes one checkpoint file per call (rank 0 writes, all ranks call);
+    :meth:`load` restores every object given here plus each rank's RNG state. See the module
+    notes for the contents, the safety of loading and what a change of world size does.
+
+    .. note::
+        Files are named ``ckpt-<step, 12 digits>.ckpt``; "newest" means the highest step. A
+        file exists under that name only once it is complete and durable (written to a
+        temporary, fsynced, renamed, directory fsynced): a process killed while saving
+        leaves the previous checkpoints untouched. Saving the same step again replaces it.
+
+    Args:
+        directory (str or PathLike): where checkpoints live; created on the first save.
+        model (nn.Module): the model, plain or wrapped in phalanx's or torch's DDP.
+        optimizer (Optimizer, optional): plain, or sharded (``consolidate_state_dict``, as
+            phalanx's and torch's ``ZeroRedundancyOptimizer``). Default ``None``.
+        scheduler (optional): an lr scheduler. Default ``None``.
+        scaler (optional): a ``torch.amp.GradScaler``. Default ``None``.
+        sampler (optional): a sampler with ``state_dict``/``load_state_dict``, such as
+            :class:`phalanx.DistributedSampler`. Default ``None``.
+        keep (int or None, optional): how many checkpoints to keep; ``None`` keeps all.
+            Default ``3``.
+        group (ProcessGroup, optional): the ranks that save and load together; its rank 0
+            writes. Default ``None``: the world (or this process alone when no process group
+            is initialised).
+        map_location (optional): where loaded tensors go. Default: this rank's device
+            (``phalanx.get_device()``).
+
+    .. warning::
+        ``save`` and ``load`` are collectives. If loading fails part-way (e.g. the optimizer
+        does not fit after the model was loaded), the objects may be partly restored: do not
+        train on after a :class:`~phalanx.errors.CheckpointError`.
+
+    Example::
+
+        >>> sampler = phalanx.DistributedSampler(dataset)
+        >>> loader = DataLoader(dataset, batch_size=32, sampler=sampler,
+        ...                     generator=torch.Generator())
+        >>> ckpt = phalanx.Checkpointer("runs/exp1", model, optimizer, sampler=sampler)
+        >>> state = ckpt.load()             # resume="auto": newest checkpoint, or None
+        >>> epoch, step = (state.epoch, state.step) if state else (0, 0)
+        >>> for epoch in range(epoch, n_epochs):
+        ...     sampler.set_epoch(epoch)    # keeps the restored mid-epoch position
+        ...     for i, batch in enumerate(loader):
+        ...         train_step(batch)
+        ...         step += 1
+        ...         if step % 100 == 0:
+        ...             ckpt.save(epoch, step, consumed=(i + 1) * 32)
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        scheduler: Any = None,
+        scaler: Any = None,
+        sampler: Any = None,
+        keep: int | None = 3,
+        group: dist.ProcessGroup | None = None,
+        map_location: Any = None,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"Invalid keep {keep!r}, expected a positive integer or None")
+        self.directory = Path(directory)
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.sampler = sampler
+        self.keep = keep
+        self.group = group
+        self.map_location = process_group.get_device() if map_location is None else map_location
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model without its DDP (or ``torch.compile``) wrappers."""
+        return unwrap(self.model)
+
+    def checkpoints(self) -> list[Path]:
+        """The complete checkpoints in :attr:`directory`, oldest first (not a collective)."""
+        return list_checkpoints(self.directory)
+
+    def save(
+        self,
+        epoch: int,
+        step: int,
+        *,
+        consumed: int | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> Path:
+        """Write a checkpoint of the current state (a collective); return its path.
+
+        Args:
+            epoch (int): the current epoch.
+            step (int): the global step count; names the file.
+            consumed (int, optional): samples of this epoch's iteration the training loop has
+                used on each rank, passed to ``sampler.state_dict(consumed=...)`` (needed
+                when the ``DataLoader`` prefetches, see :class:`phalanx.DistributedSampler`).
+                Default ``None``: the sampler counts what it handed out.
+            extra (dict, optional): anything else to keep (rank 0's is saved): tensors,
+                numbers, strings, and lists/tuples/dicts of them.
+
+        Raises:
+            ValueError, TypeError: a bad argument, or an ``extra`` value safe loading could
+                not rebuild (named), on every rank.
+            RankMismatchError: ranks passed different ``epoch``/``step``.
+            CheckpointError: writing failed (on every rank).
+        """
+        _check_count("epoch", epoch)
+        _check_count("step", step)
+        if extra is not None and not isinstance(extra, Mapping):
+            raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
+        if hasattr(self.optimizer, "consolidate_state_dict"):
+            self.optimizer.consolidate_state_dict(to=0)
+        gathered = _gather_to_writer((epoch, step, capture_rng_state()), self.group)
+        path = self.directory / checkpoint_name(step)
+        error = None
+        if gathered is not None:
+            try:
+                self._write(path, gathered, consumed, dict(extra or {}))
+            except Exception as e:
+                error = _shareable(e, f"Saving checkpoint {path} failed on rank 0")
+                if error is not e:
+                    error.__cause__ = e
+        outcome = _broadcast_from_writer(_describe(error), self.group)
+        if error is not None:
+            raise error
+        if outcome is not None:
+            raise _rebuild(outcome)
+        return path
+
+    def _write(self, path: Path, gathered: list, consumed: int | None, extra: dict) -> None:
+        epoch, step, _ = gathered[0]
+        differ = [r for r, (e, s, _) in enumerate(gathered) if (e, s) != (epoch, step)]
+        if differ:
+            e, s, _ = gathered[differ[0]]
+            raise RankMismatchError(
+                f"save(epoch, step) differs across ranks: ranks {', '.join(map(str, differ))} "
+                f"disagree with rank 0, which has epoch={epoch}, step={step}; rank {differ[0]} "
+                f"has epoch={e}, step={s}"
+            )
+        state = {"version": STATE_VERSION, "epoch": epoch, "step": step,
+                 "world_size": len(gathered), "model": self.module.state_dict(),
+                 "rng": [rng for _, _, rng in gathered], "extra": extra}
+        for name in _OPTIONAL:
+            obj = getattr(self, name)
+            if obj is not None:
+                wants_consumed = name == "sampler" and consumed is not None
+                state[name] = obj.state_dict(consumed=consumed) if wants_consumed else obj.state_dict()
+        for key, value in state.items():
+            check_loadable(value, key)
+        for stale in clean_stale_temps(self.directory):
+            _log.info("removed %s, left by a writer that died", stale)
+        size = write_checkpoint(path, state)
+        if self.keep is not None:
+            prune(self.directory, self.keep)
+        _log.info("saved %s (%.1f MB, epoch %d, step %d)", path, size / 1e6, epoch, step)
+
+    def load(self, resume: str | os.PathLike = "auto") -> TrainingState | None:
+        """Restore the state from a checkpoint (a collective).
+
+        Args:
+            resume (str or PathLike): ``"auto"`` for the newest usable checkpoint of
+                :attr:`directory`, or the path of a checkpoint file. Default ``"auto"``.
+
+        Returns:
+            A :class:`TrainingState`, or ``None`` when ``"auto"`` found no checkpoint (a log
+            line says training starts fresh).
+
+        Raises:
+            CheckpointError: on every rank, naming the file and what failed: missing, empty,
+                truncated, checksum mismatch, refused by safe loading, or not fitting the
+                model/optimizer/scheduler/scaler/sampler given.
+        """
+        if not isinstance(resume, (str, os.PathLike)):
+            raise TypeError(f"resume must be 'auto' or a path, got {type(resume).__name__}")
+        auto = resume == "auto"
+        mine = None
+        if _is_writer(self.group):
+            mine = [str(p) for p in reversed(self.checkpoints())] if auto else [os.fspath(resume)]
+        candidates = _broadcast_from_writer(mine, self.group)
+        if not candidates:
+            _log0.info("no checkpoint in %s: starting fresh", self.directory)
+            return None
+        state, path = self._read_first_usable([Path(c) for c in candidates], auto)
+        _, failure = _attempt(self._apply, state, path)
+        _agree(failure, self.group, f"Loading {path}")
+        return TrainingState(epoch=state["epoch"], step=state["step"], path=path,
+                             world_size=state["world_size"], extra=state["extra"])
+
+    def _read_first_usable(self, candidates: list[Path], auto: bool) -> tuple[dict, Path]:
+        skipped = []
+        for path in candidates:
+            state, failure = _attempt(self._read, path)
+            try:
+                _agree(failure, self.group, f"Reading {path}")
+                return state, path
+            except CheckpointError as e:
+                if not auto:
+                    raise
+                _log0.warning("skipping checkpoint: %s", e)
+                skipped.append(str(e))
+        raise CheckpointError(f"No usable checkpoint in {self.directory}: " + "; ".join(skipped))
+
+    def _read(self, path: Path) -> dict:
+        state = read_checkpoint(path, map_location=self.map_location)
+        required = ("version", "epoch", "step", "world_size", "model", "rng", "extra")
+        if not isinstance(state, dict) or any(k not in state for k in required):
+            raise CheckpointError(
+                f"Checkpoint {path} does not hold a training state: expected the keys "
+                f"{', '.join(required)}"
+            )
+        if state["version"] != STATE_VERSION:
+            raise CheckpointError(
+                f"Checkpoint {path} holds state version {state['version']}; this phalanx "
+                f"reads version {STATE_VERSION}"
+            )
+        return state
+
+    def _apply(self, state: dict, path: Path) -> None:
+        check_fits(self.module, state["model"], path)
+        self.module.load_state_dict(state["model"])
+        for name in _OPTIONAL:
+            obj = getattr(self, name)
+            if obj is None:
+                continue
+            if name not in state:
+                raise CheckpointError(f"Checkpoint {path} holds no {name} state, but a {name} was given")
+            try:
+                obj.load_state_dict(state[name])
+            except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+                raise CheckpointError(
+                    f"Checkpoint {path}: its {name} state does not fit the {name} given: {e}"
+                ) from e
+        rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        saved = state["rng"]
+        if rank < len(saved):
+            restore_rng_state(saved[rank])
+        else:
+            _log.info("checkpoint %s was saved by %d ranks: rank %d keeps its own RNG state",
+                      path, len(saved), rank)
+
+
+def _check_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"Invalid {name} {value!r}, expected a non-negative integer")
+
+
+def _attempt(fn: Any, *args: Any) -> tuple[Any, str | None]:
+    """``(fn(*args), None)``, or ``(None, message)`` if it raised."""
+    try:
+        return fn(*args), None
+    except Exception as e:
+        return None, str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+
+
+def _agree(failure: str | None, group: dist.ProcessGroup | None, what: str) -> None:
+    """Raise the same ``CheckpointError`` on every rank if ``failure`` is set on any."""
+    failures = comm.all_gather_object(failure, group) if _distributed(group) else [failure]
+    by_message: dict[str, list[int]] = {}
+    for rank, message in enumerate(failures):
+        if message is not None:
+            by_message.setdefault(message, []).append(rank)
+    if not by_message:
+        return
+    if len(by_message) == 1 and len(next(iter(by_message.values()))) == len(failures):
+        raise CheckpointError(next(iter(by_message)))
+    parts = [f"on rank(s) {', '.join(map(str, ranks))}: {msg}" for msg, ranks in by_message.items()]
+    raise CheckpointError(f"{what} failed " + "; ".join(parts))
+
+
+def _distributed(group: dist.ProcessGroup | None) -> bool:
+    return dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _is_writer(group: dist.ProcessGroup | None) -> bool:
+    return not dist.is_initialized() or dist.get_rank(group) == 0
+
+
+def _writer_global_rank(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def _gather_to_writer(obj: Any, group: dist.ProcessGroup | None) -> list | None:
+    """Every rank's ``obj`` on the group's rank 0 (``None`` elsewhere)."""
+    if not _distributed(group):
+        return [obj]
+    out = [None] * dist.get_world_size(group) if _is_writer(group) else None
+    dist.gather_object(obj, out, dst=_writer_global_rank(group), group=group)
+    return out
+
+
+def _broadcast_from_writer(obj: Any, group: dist.ProcessGroup | None) -> Any:
+    if not _distributed(group):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=_writer_global_rank(group), group=group)
+    return box[0]
+
+
+def _shareable(error: Exception, what: str) -> Exception:
+    if isinstance(error, _SHARED_ERRORS):
+        return error
+    return CheckpointError(f"{what}: {type(error).__name__}: {error}")
+
+
+def _describe(error: Exception | None) -> tuple[str, str] | None:
+    if error is None:
+        return None
+    kind = next(cls for cls in _SHARED_ERRORS if isinstance(error, cls))
+    return kind.__name__, str(error)
+
+
+def _rebuild(outcome: tuple[str, str]) -> Exception:
+    kind, message = outcome
+    return {cls.__name__: cls for cls in _SHARED_ERRORS}[kind](message)

@@ -1,0 +1,286 @@
+"""One checkpoint file on disk: atomic write, checksum, verified and safe read, housekeeping.
+
+Single-process code; :mod:`phalanx.checkpoint` decides who calls it and when.
+
+File layout (format 1, little-endian)::
+
+    [0, 64)      header: magic b"PHALANX\\x00", format (u32), payload length (u64),
+                 payload CRC-32 (u32), zero padding, and at [60, 64) the CRC-32 of [0, 60)
+    [64, end)    payload: the bytes of ``torch.save(state)``
+
+Every byte is covered by a checksum: a flipped byte anywhere is reported, as is a file whose
+size does not match the length its header announces. The payload is decoded only after its
+checksum matched, from the very bytes that were checked (one read-only mapping of the file),
+and only by ``torch.load(..., weights_only=True)``, which builds tensors and plain containers
+and refuses any other object: a checkpoint cannot run code when it is loaded.
+
+Writing: a temporary file in the target directory (created exclusively and ``flock``-ed by its
+writer), the payload streamed through the checksum, the header written last, flush, fsync,
+rename onto the final name, fsync of the directory. A writer that dies at any point leaves the
+final names untouched; the temporary it leaves is removed by the next writer, which can tell a
+dead writer's file by taking its lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import mmap
+import os
+import pickle
+import re
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+
+MAGIC = b"PHALANX\x00"
+FORMAT_VERSION = 1
+# 64 bytes keep the payload (and torch's 64-byte aligned storages inside it) aligned.
+HEADER_SIZE = 64
+_FIELDS = struct.Struct("<8sIQI")  # magic, format, payload length, payload CRC-32
+_HEADER_CRC_AT = HEADER_SIZE - 4
+
+_NAME = re.compile(r"^ckpt-(\d{12})\.ckpt$")
+_TEMP = re.compile(r"^\.ckpt-\d{12}\.ckpt\.tmp-")
+
+
+def checkpoint_name(step: int) -> str:
+    """The file name of the checkpoint of ``step``: ``ckpt-000000000042.ckpt``."""
+    return f"ckpt-{step:012d}.ckpt"
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints (final names) in ``directory``, oldest step first; ``[]`` if none."""
+    directory = Path(directory)
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = sorted((int(m.group(1)), name) for name in names if (m := _NAME.match(name)))
+    return [directory / name for _, name in found]
+
+
+class _ChecksumWriter:
+    """A write-only file object that checksums what passes through it to ``file``."""
+
+    def __init__(self, file: io.BufferedWriter) -> None:
+        self._file = file
+        self.crc = 0
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        written = self._file.write(data)
+        self.size += written
+        return written
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+def _header(payload_size: int, payload_crc: int) -> bytes:
+    fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, payload_size, payload_crc)
+    head = fields.ljust(_HEADER_CRC_AT, b"\x00")
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+def write_checkpoint(path: str | os.PathLike, state: Any) -> int:
+    """Write ``state`` to ``path`` atomically (see the module notes); return the file's size.
+
+    The directory is created if needed. ``state`` must be made of what
+    ``torch.load(weights_only=True)`` accepts; the caller checks that.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        # Held until the file is closed: tells clean_stale_temps this writer is alive.
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with os.fdopen(fd, "wb") as f:
+            f.write(bytes(HEADER_SIZE))
+            writer = _ChecksumWriter(f)
+            torch.save(state, writer)
+            f.seek(0)
+            f.write(_header(writer.size, writer.crc))
+            f.flush()
+            os.fsync(f.fileno())
+            os.replace(tmp, path)  # still open and locked: no cleaner can take it meanwhile
+    except BaseException:
+        _remove(tmp)
+        raise
+    fsync_directory(path.parent)
+    return HEADER_SIZE + writer.size
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make the directory's entries (a rename, an unlink) durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def clean_stale_temps(directory: str | os.PathLike) -> list[Path]:
+    """Remove temporary files left by writers that died; return what was removed.
+
+    A temporary whose ``flock`` can be taken has no living writer (the kernel drops a
+    process's locks when it dies), so a concurrent save in progress is never touched.
+    """
+    directory = Path(directory)
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if not _TEMP.match(name):
+            continue
+        path = directory / name
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its writer is alive
+        else:
+            _remove(path)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def prune(directory: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints in ``directory``; return the deleted."""
+    doomed = list_checkpoints(directory)[:-keep]
+    for path in doomed:
+        _remove(path)
+    if doomed:
+        fsync_directory(Path(directory))
+    return doomed
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable file object over a byte buffer (no copy until read)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), len(self._view) - self._pos))
+        buffer[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+
+def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
+    """Verify the file at ``path`` and return what was saved in it, tensors on ``map_location``.
+
+    Raises:
+        CheckpointError: naming ``path`` and what failed: missing, empty, truncated, not a
+            phalanx checkpoint, header or payload checksum mismatch, an object that safe
+            loading refuses (e.g. a pickle that would run code), or undecodable content.
+    """
+    path = Path(path)
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise CheckpointError(f"Checkpoint {path} does not exist") from None
+    except OSError as e:
+        raise CheckpointError(f"Checkpoint {path} cannot be opened: {e}") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise CheckpointError(f"Checkpoint {path} is empty (0 bytes)")
+        if size < HEADER_SIZE:
+            raise CheckpointError(
+                f"Checkpoint {path} is truncated: {size} bytes, shorter than its "
+                f"{HEADER_SIZE}-byte header"
+            )
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        return _decode(memoryview(mapped), path, map_location)
+    finally:
+        try:
+            mapped.close()
+        except BufferError:
+            pass  # a traceback still holds a view into it; the mapping goes with it
+
+
+def _decode(view: memoryview, path: Path, map_location: Any) -> Any:
+    magic, version, payload_size, payload_crc = _FIELDS.unpack_from(view)
+    if magic != MAGIC:
+        raise CheckpointError(
+            f"Checkpoint {path} is not a phalanx checkpoint: it starts with {bytes(view[:8])!r}, "
+            f"expected {MAGIC!r}"
+        )
+    (header_crc,) = struct.unpack_from("<I", view, _HEADER_CRC_AT)
+    if zlib.crc32(view[:_HEADER_CRC_AT]) != header_crc:
+        raise CheckpointError(f"Checkpoint {path} is corrupt: its header fails its checksum")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"Checkpoint {path} has format {version}; this phalanx reads format {FORMAT_VERSION}"
+        )
+    expected = HEADER_SIZE + payload_size
+    if len(view) != expected:
+        state = "truncated" if len(view) < expected else "too long"
+        raise CheckpointError(
+            f"Checkpoint {path} is {state}: {len(view)} bytes, its header announces {expected}"
+        )
+    payload = view[HEADER_SIZE:]
+    found = zlib.crc32(payload)
+    if found != payload_crc:
+        raise CheckpointError(
+            f"Checkpoint {path} is corrupt: checksum mismatch (CRC-32 stored {payload_crc:#010x}, "
+            f"computed {found:#010x})"
+        )
+    try:
+        return torch.load(_Window(payload), map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"Checkpoint {path} was refused: it holds objects that safe loading "
+            f"(torch.load weights_only=True) does not allow, such as a pickle that would run "
+            f"code; nothing in it was executed. torch says: {_unpickler_reason(e)}"
+        ) from None
+    except Exception as e:
+        raise CheckpointError(f"Checkpoint {path} cannot be decoded: {type(e).__name__}: {e}") from e
+
+
+def _unpickler_reason(error: Exception) -> str:
+    """The specific part of torch's weights-only refusal (its second paragraph names the object)."""
+    paragraphs = [p.strip() for p in str(error).split("\n\n") if p.strip()]
+    if not paragraphs:
+        return type(error).__name__
+    return paragraphs[1] if len(paragraphs) > 1 else paragraphs[0]

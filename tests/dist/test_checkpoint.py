@@ -1,0 +1,180 @@
+"""Checkpointer on real ranks: one writer, per-rank RNG, errors raised on every rank,
+resume at another world size, preemption agreed by all ranks."""
+
+import os
+import random
+import signal
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import phalanx
+from phalanx import checkpoint as checkpoint_module
+from phalanx.checkpoint import Checkpointer, read_checkpoint
+from phalanx.errors import PREEMPTED_EXIT_CODE
+from phalanx.preemption import PreemptionHandler
+from tests.harness import run_ranks
+
+
+def _draws():
+    return torch.rand(3).tolist(), random.random(), float(np.random.rand())
+
+
+def _seed(rank):
+    torch.manual_seed(100 + rank)
+    random.seed(200 + rank)
+    np.random.seed(300 + rank)
+
+
+def _error(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def _protocol(rank, world_size, directory):
+    out = {}
+    writes = []
+    original = checkpoint_module.write_checkpoint
+    checkpoint_module.write_checkpoint = lambda *a: writes.append(a[0]) or original(*a)
+    _seed(rank)
+    model = TorchDDP(torch.nn.Linear(4, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    ckpt = Checkpointer(directory, model, optimizer)
+    out["path"] = str(ckpt.save(1, 5, extra={"rank0_says": rank}))
+    out["writes"] = len(writes)
+    out["draws"] = _draws()
+    out["params"] = [p.tolist() for p in model.parameters()]
+    _seed(rank + 50)  # wander off: other RNG states, other parameters
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    state = ckpt.load()
+    out["state"] = (state.epoch, state.step, state.world_size, state.extra)
+    out["restored_draws"] = _draws()
+    out["restored_params"] = [p.tolist() for p in model.parameters()]
+
+    # errors: the same exception type on every rank, nobody left waiting
+    out["step_mismatch"] = _error(ckpt.save, 1, 6 + (rank == world_size - 1))
+    out["bad_extra"] = _error(ckpt.save, 1, 7, extra={"f": print} if rank == 0 else {})
+    blocked = os.path.join(directory, "a_file")
+    if rank == 0:
+        open(blocked, "w").close()
+    out["write_fails"] = _error(Checkpointer(blocked, model).save, 1, 8)
+    narrow = torch.nn.Linear(4, 2 if rank == 1 else 3)
+    out["one_rank_misfits"] = _error(Checkpointer(directory, narrow).load)
+    out["missing"] = _error(ckpt.load, os.path.join(directory, "nope.ckpt"))
+    out["files"] = sorted(os.listdir(directory))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_save_load_protocol_and_errors_on_every_rank(tmp_path, world_size):
+    directory = str(tmp_path)
+    results = run_ranks(_protocol, world_size, directory)
+    path = os.path.join(directory, "ckpt-000000000005.ckpt")
+    saved = read_checkpoint(path)
+    assert not any(k.startswith("module.") for k in saved["model"])
+    assert len(saved["rng"]) == world_size and saved["extra"] == {"rank0_says": 0}
+    last = world_size - 1
+    for rank, out in enumerate(results):
+        assert out["path"] == path
+        assert out["writes"] == (1 if rank == 0 else 0)
+        assert out["state"] == (1, 5, world_size, {"rank0_says": 0})
+        assert out["restored_draws"] == out["draws"]
+        assert out["restored_params"] == out["params"]
+        assert out["step_mismatch"] == ("RankMismatchError", (
+            f"save(epoch, step) differs across ranks: ranks {last} disagree with rank 0, which "
+            f"has epoch=1, step=6; rank {last} has epoch=1, step=7"))
+        assert out["bad_extra"][0] == "TypeError"
+        assert out["bad_extra"][1].startswith("Cannot checkpoint extra['f']: it is a builtins.")
+        kind, message = out["write_fails"]
+        assert kind == "CheckpointError" and message.startswith(
+            f"Saving checkpoint {directory}/a_file/ckpt-000000000008.ckpt failed on rank 0: ")
+        kind, message = out["one_rank_misfits"]
+        assert kind == "CheckpointError" and message == (
+            f"Loading {path} failed on rank(s) 1: Checkpoint {path} does not fit the model: "
+            "'weight' has shape (3, 4) in the checkpoint and (2, 4) in the model")
+        assert out["missing"] == ("CheckpointError",
+                                  f"Checkpoint {directory}/nope.ckpt does not exist")
+        assert out["files"] == ["a_file", "ckpt-000000000005.ckpt"]
+    # every rank drew its own numbers: the RNG states really are per rank
+    assert len({str(out["draws"]) for out in results}) == world_size
+
+
+def _consume_then_save(rank, world_size, directory, length, per_rank):
+    _seed(rank)
+    sampler = phalanx.DistributedSampler(range(length), seed=5)
+    sampler.set_epoch(3)
+    it = iter(sampler)
+    taken = [next(it) for _ in range(per_rank)]
+    Checkpointer(directory, torch.nn.Linear(2, 2), sampler=sampler).save(3, per_rank)
+    return taken, _draws()
+
+
+def _resume_rest(rank, world_size, directory):
+    sampler = phalanx.DistributedSampler(range(32), seed=5)
+    ckpt = Checkpointer(directory, torch.nn.Linear(2, 2), sampler=sampler)
+    _seed(rank)
+    own = _draws()
+    _seed(rank)
+    state = ckpt.load()
+    draws = _draws()
+    sampler.set_epoch(state.epoch)
+    return list(sampler), draws, own, state.world_size
+
+
+def test_resume_from_two_ranks_on_three(tmp_path):
+    directory = str(tmp_path)
+    before = run_ranks(_consume_then_save, 2, directory, 32, 4)
+    after = run_ranks(_resume_rest, 3, directory)
+    order = torch.randperm(32, generator=torch.Generator().manual_seed(5 + 3)).tolist()
+    assert [before[r][0][i] for i in range(4) for r in range(2)] == order[:8]
+    # the rest of the epoch, in the same global order, dealt round-robin to three ranks
+    assert [after[r][0] for r in range(3)] == [order[8 + r :: 3] for r in range(3)]
+    served = [i for taken, *_ in before for i in taken] + [i for rest, *_ in after for i in rest]
+    assert sorted(served) == list(range(32))
+    # ranks 0 and 1 continue their own RNG streams; the new rank 2 keeps what it seeded
+    assert after[0][1] == before[0][1] and after[1][1] == before[1][1]
+    assert after[2][1] == after[2][2]
+    assert {a[3] for a in after} == {2}
+
+
+def _preempt(rank, world_size, directory, sender, signum, check_every):
+    previous = signal.getsignal(signal.SIGTERM)
+    model = torch.nn.Linear(2, 2)
+    ckpt = Checkpointer(directory, model)
+    stopped_at, code = None, None
+    with PreemptionHandler(check_every=check_every) as preemption:
+        for step in range(1, 20):
+            if step == 4 and rank == sender:
+                os.kill(os.getpid(), signum)
+            if preemption.should_stop():
+                stopped_at = step
+                ckpt.save(0, step)
+                try:
+                    preemption.exit()
+                except SystemExit as e:
+                    code = e.code
+                break
+    received = preemption.received.name if preemption.received else None
+    return stopped_at, code, received, signal.getsignal(signal.SIGTERM) is previous
+
+
+@pytest.mark.parametrize("sender, signum, check_every, stop", [
+    (1, signal.SIGTERM, 1, 4),  # every step: the very boundary after the signal
+    (0, signal.SIGUSR1, 3, 6),  # every 3rd call: the next check, step 6
+])
+def test_preemption_agreed_by_every_rank(tmp_path, sender, signum, check_every, stop):
+    directory = str(tmp_path)
+    results = run_ranks(_preempt, 3, directory, sender, signum, check_every)
+    for rank, (stopped_at, code, received, restored) in enumerate(results):
+        assert (stopped_at, code, restored) == (stop, PREEMPTED_EXIT_CODE, True)
+        assert received == (signal.Signals(signum).name if rank == sender else None)
+    assert os.listdir(directory) == [f"ckpt-{stop:012d}.ckpt"]
