@@ -30,6 +30,9 @@ __version__ = "0.1.0"
 # the workers start. Export a new name by adding it here, to the TYPE_CHECKING block and to
 # __all__; tests/e2e/test_launch_cli.py checks that the launcher's start stays torch-free.
 _LAZY = {
+    "Checkpointer": "checkpoint",
+    "TrainingState": "checkpoint",
+    "PreemptionHandler": "preemption",
     "DistributedDataParallel": "ddp",
     "barrier": "process_group",
     "destroy_process_group": "process_group",
@@ -46,6 +49,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
+    from .checkpoint import Checkpointer, TrainingState
     from .ddp import DistributedDataParallel
     from .process_group import (
         barrier,
@@ -58,6 +62,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         init_process_group,
         is_initialized,
     )
+    from .preemption import PreemptionHandler
     from .sampler import DistributedSampler
     from .sync_batchnorm import SyncBatchNorm
     from .zero import ZeroRedundancyOptimizer
@@ -77,15 +82,18 @@ def __dir__() -> list[str]:
 __all__ = [
     "AlreadyInitializedError",
     "CheckpointError",
+    "Checkpointer",
     "DistEnv",
     "DistributedDataParallel",
     "DistributedSampler",
     "EnvironmentConfigError",
     "NotInitializedError",
     "PhalanxError",
+    "PreemptionHandler",
     "RankMismatchError",
     "RendezvousError",
     "SyncBatchNorm",
+    "TrainingState",
     "UnusedParametersError",
     "ZeroRedundancyOptimizer",
     "barrier",
