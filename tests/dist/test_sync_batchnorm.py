@@ -1,6 +1,7 @@
 """SyncBatchNorm on real ranks against BatchNorm on the concatenated batch, and its conversion."""
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -54,29 +55,30 @@ def _reference_class(dim):
     return {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[dim]
 
 
-def _global_batch(sizes, trail, step, offset):
+def _global_batch(sizes, trail, step, offset, device="cpu"):
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(sum(sizes), CHANNELS, *trail, generator=g) * 2 + offset
     dy = torch.randn(x.shape, generator=g)
-    return x, dy
+    return x.to(device), dy.to(device)
 
 
 def _max_err(a, b):
     return 0.0 if a is None and b is None else (a - b).abs().max().item() if a.numel() else 0.0
 
 
-def _run_case(rank, world_size, sizes, trail, kwargs, offset):
+def _run_case(rank, world_size, sizes, trail, kwargs, offset, device="cpu"):
     sizes = sizes[:world_size]
     lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
-    ours, ref = phalanx.SyncBatchNorm(CHANNELS, **kwargs), _reference_class(2 + len(trail))(CHANNELS, **kwargs)
+    ours = phalanx.SyncBatchNorm(CHANNELS, **kwargs, device=device)
+    ref = _reference_class(2 + len(trail))(CHANNELS, **kwargs, device=device)
     if ours.affine:
         with torch.no_grad():
             for p, q in zip(ours.parameters(), ref.parameters()):
-                p.copy_(torch.linspace(0.5, 1.5, CHANNELS))
+                p.copy_(torch.linspace(0.5, 1.5, CHANNELS, device=device))
                 q.copy_(p)
     errs, collectives = {}, []
     for step in range(STEPS):
-        x_all, dy_all = _global_batch(sizes, trail, step, offset)
+        x_all, dy_all = _global_batch(sizes, trail, step, offset, device)
         x_all.requires_grad_(True)
         x = x_all.detach()[lo:hi].clone().requires_grad_(True)
         with _CollectiveCounter() as counter:
@@ -96,7 +98,7 @@ def _run_case(rank, world_size, sizes, trail, kwargs, offset):
         for name in ("running_mean", "running_var"):
             errs[name] = max(errs.get(name, 0.0), _max_err(getattr(ours, name), getattr(ref, name)))
     ours.eval(), ref.eval()
-    x_all, _ = _global_batch(sizes, trail, STEPS, offset)
+    x_all, _ = _global_batch(sizes, trail, STEPS, offset, device)
     with _CollectiveCounter() as counter:
         y = ours(x_all[lo:hi]).detach()
     # running stats when tracked; without them eval uses each rank's own batch, as torch's does
@@ -147,18 +149,22 @@ def _all_cases(rank, world_size):
     return out
 
 
+def _check_cases(rank, out):
+    for name, _sizes, _trail, kwargs in CASES:
+        case = out[name]
+        for what, err in case["errs"].items():
+            assert err <= TOL, (rank, name, what, err)
+        # one all-reduce forward, one backward; eval communicates nothing
+        assert case["collectives"] == [2] * STEPS, (rank, name)
+        assert case["eval_collectives"] == 0, (rank, name)
+        assert case["tracked"] == (STEPS if kwargs.get("track_running_stats", True) else None)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_matches_batchnorm_on_the_concatenated_batch(world_size):
     results = run_ranks(_all_cases, world_size)
     for rank, out in enumerate(results):
-        for name, sizes, trail, kwargs in CASES:
-            case = out[name]
-            for what, err in case["errs"].items():
-                assert err <= TOL, (rank, name, what, err)
-            # one all-reduce forward, one backward; eval communicates nothing
-            assert case["collectives"] == [2] * STEPS, (rank, name)
-            assert case["eval_collectives"] == 0, (rank, name)
-            assert case["tracked"] == (STEPS if kwargs.get("track_running_stats", True) else None)
+        _check_cases(rank, out)
         if world_size == 3 and rank < 2:
             assert out["subgroup"] <= TOL, out["subgroup"]
         big = out["large_mean"]
@@ -167,6 +173,70 @@ def test_matches_batchnorm_on_the_concatenated_batch(world_size):
         assert big["out_err"] <= 2 * big["torch_out_err"], big
         assert "Expected more than 1 value per channel when training, got 1 value per channel " \
             "over all ranks" in out["single_value"], rank
+
+
+
+def _cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4, momentum=None), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2),
+    )
+
+
+def _train_in_ddp(rank, world_size, sizes, broadcast_buffers):
+    """phalanx DDP over a converted CNN vs the plain CNN on the concatenated batch."""
+    lo, hi, total = sum(sizes[:rank]), sum(sizes[: rank + 1]), sum(sizes)
+    ref = _cnn()
+    model = phalanx.DistributedDataParallel(
+        phalanx.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(ref)),
+        broadcast_buffers=broadcast_buffers,
+    )
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref)]
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        x, target = torch.randn(total, 3, 6, 6, generator=g), torch.randn(total, 2, generator=g)
+        for opt in opts:
+            opt.zero_grad()
+        # DDP averages over ranks: scale each rank's sum so the average is the global mean loss
+        ((model(x[lo:hi]) - target[lo:hi]) ** 2).sum().mul(world_size / total).backward()
+        ((ref(x) - target) ** 2).sum().div(total).backward()
+        for opt in opts:
+            opt.step()
+    state, expected = model.module.state_dict(), ref.state_dict()
+    errs = {k: _max_err(state[k].double(), expected[k].double()) for k in expected}
+    model.eval(), ref.eval()
+    x = torch.randn(5, 3, 6, 6, generator=torch.Generator().manual_seed(99))
+    errs["eval_out"] = _max_err(model(x).detach(), ref(x).detach())
+    return errs
+
+
+def _ddp_cases(rank, world_size):
+    return {flag: _train_in_ddp(rank, world_size, [3, 0, 4], flag) for flag in (True, False)}
+
+
+def test_inside_phalanx_ddp_with_and_without_broadcast_buffers():
+    for rank, out in enumerate(run_ranks(_ddp_cases, 3)):
+        for flag, errs in out.items():
+            assert len(errs) == 24, errs  # 7 layers x (weight, bias), 3 BNs x 3 buffers, eval output
+            for what, err in errs.items():
+                assert err <= TOL, (rank, flag, what, err)
+
+def _cuda_cases(rank, world_size):
+    phalanx.init_process_group(backend="nccl")  # pins this rank to cuda:LOCAL_RANK
+    try:
+        device = torch.device("cuda", torch.cuda.current_device())
+        return {name: _run_case(rank, world_size, sizes, trail, kwargs, 0.5, device)
+                for name, sizes, trail, kwargs in CASES}
+    finally:
+        phalanx.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs CUDA and 2 GPUs (NCCL)")
+def test_cuda_nccl_matches_batchnorm():
+    for rank, out in enumerate(run_ranks(_cuda_cases, 2, init=False)):
+        _check_cases(rank, out)
 
 
 class _Block(nn.Module):
