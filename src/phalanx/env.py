@@ -14,6 +14,9 @@ This is the only module that reads environment variables; everything else receiv
     ``MASTER_ADDR``/``MASTER_PORT`` override the derived address and port.
 ``single``
     Nothing set: one process, world size 1.
+
+The other direction, for the launcher: :func:`worker_environ` builds a worker's environment,
+the same variables under the same names torchrun sets, so :func:`detect` reads it back.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ from .errors import EnvironmentConfigError
 # ports below 1024, the common 8000/8080 services, and Linux's ephemeral range (32768+) mostly.
 _SLURM_PORT_BASE = 15000
 _SLURM_PORT_SPAN = 20000
+
+# What torchrun 2.13 puts in every worker's environment besides the rank variables
+# (torch/distributed/elastic/agent/server/local_elastic_agent.py, launcher/api.py).
+_TORCHRUN_ROLE = "default"
+# torchrun's --signals-to-handle default: the signals that stop the launcher and its workers.
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 @dataclass(frozen=True)
@@ -194,3 +203,79 @@ def tasks_on_node(tasks_per_node: str, node: int) -> int:
         )
     return counts[node]
 
+
+
+def launcher_environ(
+    env: DistEnv, *, group_world_size: int, max_restarts: int, run_id: str, error_file: str
+) -> dict[str, str]:
+    """The variables a launcher sets for one worker, named as torchrun names them.
+
+    The inverse of :func:`detect`: ``detect(launcher_environ(e, ...)) == e`` for any
+    launcher-made ``e``. ``group_world_size`` is the number of nodes.
+    """
+    return {
+        "RANK": str(env.rank),
+        "LOCAL_RANK": str(env.local_rank),
+        "WORLD_SIZE": str(env.world_size),
+        "LOCAL_WORLD_SIZE": str(env.local_world_size),
+        "GROUP_RANK": str(env.node_rank),
+        "GROUP_WORLD_SIZE": str(group_world_size),
+        "ROLE_NAME": _TORCHRUN_ROLE,
+        "ROLE_RANK": str(env.rank),
+        "ROLE_WORLD_SIZE": str(env.world_size),
+        "MASTER_ADDR": str(env.master_addr),
+        "MASTER_PORT": str(env.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(env.restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": str(env.use_agent_store),
+        "TORCHELASTIC_ERROR_FILE": error_file,
+    }
+
+
+def default_omp_threads(local_world_size: int, cpus: int | None = None) -> int:
+    """``OMP_NUM_THREADS`` for a worker when the user set none: this machine's usable cores
+    (``os.sched_getaffinity``, so taskset and cgroup limits count) shared among the local
+    workers, at least 1. torchrun sets 1 whatever the machine, starving intra-op parallelism."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0))
+    return max(1, cpus // local_world_size)
+
+
+def worker_environ(
+    env: DistEnv,
+    *,
+    group_world_size: int,
+    max_restarts: int,
+    run_id: str,
+    error_file: str,
+    base: Mapping[str, str] | None = None,
+    cpus: int | None = None,
+) -> dict[str, str]:
+    """A worker's whole environment: ``base`` (default: this process's), the launcher
+    variables of :func:`launcher_environ`, and defaults for what the user left unset.
+
+    Defaults, each applied only when ``base`` lacks the variable:
+
+    * ``OMP_NUM_THREADS``: :func:`default_omp_threads`;
+    * ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` and ``TORCHELASTIC_SIGNALS_TO_HANDLE``, as torchrun;
+    * ``PYTHONUNBUFFERED=1``: workers write into pipes read by the launcher, where Python
+      would otherwise hold ``print`` output back in 8 KiB blocks.
+    """
+    base = os.environ if base is None else base
+    out = dict(base)
+    defaults = {
+        "OMP_NUM_THREADS": str(default_omp_threads(env.local_world_size, cpus)),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(STOP_SIGNALS),
+        "PYTHONUNBUFFERED": "1",
+    }
+    for name, value in defaults.items():
+        out.setdefault(name, value)
+    out.update(
+        launcher_environ(
+            env, group_world_size=group_world_size, max_restarts=max_restarts,
+            run_id=run_id, error_file=error_file,
+        )
+    )
+    return out

@@ -1,0 +1,283 @@
+"""The supervisor: start a round of workers, watch it, stop it, restart or report.
+
+A *round* is one attempt of the whole group. It ends with the first of
+
+* a worker exiting non-zero or killed by a signal (on any node): ``failed``; exit status
+  :data:`~phalanx.errors.PREEMPTED_EXIT_CODE` instead means ``preempted`` (resumable);
+* a stop signal (SIGINT, SIGTERM, SIGHUP, SIGQUIT) reaching a launcher: ``signal``;
+* every worker of every node exiting 0: ``succeeded``.
+
+The first ending published wins and every node acts on it: workers still running get SIGTERM
+(or the signal the launcher received), then SIGKILL after ``shutdown_timeout``. A failed round
+is followed by a new one while restarts are left; otherwise the launcher prints a summary
+naming the node, rank, exit code or signal and the end of that worker's traceback, and exits
+with that worker's status.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+
+from ..env import DistEnv, worker_environ
+from ..errors import PREEMPTED_EXIT_CODE
+from .config import STDERR, STDOUT, LaunchConfig
+from .events import FORWARD_SIGNALS, STOP_SIGNALS, Pump, SignalInbox
+from .output import Console, WorkerOutput
+from .rendezvous import Interrupted, Layout, meet
+from .workers import Guardian, Worker, describe_exit, shell_status, spawn
+
+_RULE = "=" * 64
+
+
+class Agent:
+    """Runs the rounds of one node. Built by :func:`launch`; see the module docstring."""
+
+    def __init__(self, config: LaunchConfig, layout: Layout, board, store, console: Console,
+                 inbox: SignalInbox, guardian: Guardian) -> None:
+        self.config, self.layout, self.board, self.store = config, layout, board, store
+        self.console, self.inbox, self.guardian = console, inbox, guardian
+        self._pump = Pump(inbox)
+        self._scratch = tempfile.mkdtemp(prefix="phalanx-")  # torch's per-worker error files
+        self._host = socket.gethostname()
+        self._checked_out = False
+
+    def run(self) -> int:
+        """All rounds; returns the launcher's exit status."""
+        last = self.config.max_restarts
+        for round_ in range(last + 1):
+            record, workers = self._round(round_)
+            if not self._restarts(record, round_):
+                return self._finish(record, workers, round_)
+            self.console.note(
+                f"attempt {round_ + 1} of {last + 1} failed: {self._who(record)}: "
+                f"{describe_exit(record['returncode'])}"
+                f"{_last_line(record['traceback'])}; restarting every worker "
+                f"({last - round_} restart(s) left)"
+            )
+        raise AssertionError("unreachable: the last round always finishes")
+
+    def close(self) -> None:
+        self._pump.close()
+        shutil.rmtree(self._scratch, ignore_errors=True)
+
+    def _restarts(self, record: dict, round_: int) -> bool:
+        return (record["kind"] == "failed" and round_ < self.config.max_restarts
+                and self.inbox.pending_stop() is None)
+
+    def _check_out(self) -> None:
+        if not self._checked_out:
+            self._checked_out = True
+            self.board.check_out()
+
+    def _round(self, round_: int) -> tuple[dict, list[Worker]]:
+        if self.board.nnodes > 1:
+            # Other nodes' workers start once the barrier passes: the fresh store must be up.
+            self.board.start_round(round_, self.store.open_round if self.store else None)
+        workers: list[Worker] = []
+        try:
+            for local_rank in range(self.config.nproc_per_node):
+                workers.append(self._spawn(round_, local_rank))
+            if self.board.nnodes == 1:
+                # The socket already listens; its server starts while the workers import torch.
+                self.store.open_round()
+            record = self._watch(workers, round_)
+            if not self._restarts(record, round_):
+                self._check_out()  # before stopping: node 0 may close the store after this
+            self._stop(workers, record)
+        finally:
+            self._clean_up(workers)
+        return record, workers
+
+    def _spawn(self, round_: int, local_rank: int) -> Worker:
+        config, layout = self.config, self.layout
+        rank = layout.rank_offset + local_rank
+        dist_env = DistEnv(
+            rank=rank, world_size=layout.world_size, local_rank=local_rank,
+            local_world_size=config.nproc_per_node, node_rank=config.node_rank,
+            master_addr=layout.store_host, master_port=layout.store_port,
+            restart_count=round_, use_agent_store=True, source="launcher",
+        )
+        error_dir = os.path.join(self._scratch, f"attempt_{round_}", str(local_rank))
+        os.makedirs(error_dir)
+        env = worker_environ(
+            dist_env, group_world_size=layout.nnodes, max_restarts=config.max_restarts,
+            run_id=layout.run_id, error_file=os.path.join(error_dir, "error.json"),
+        )
+        logs = {}
+        if config.log_dir is not None:
+            stem = os.path.join(config.log_dir, f"attempt_{round_}", f"rank{rank}")
+            logs = {STDOUT: stem + ".stdout.log", STDERR: stem + ".stderr.log"}
+        output = WorkerOutput(rank, self.console, config.console.for_rank(local_rank), logs)
+        worker = spawn(config.command, env, rank, local_rank, output)
+        self.guardian.watch(worker.pid)
+        self._pump.add(worker)
+        return worker
+
+    def _watch(self, workers: list[Worker], round_: int) -> dict:
+        interval = self.config.monitor_interval
+        reported_done = False
+        next_board_look = 0.0
+        while True:
+            self._pump.wait(interval)
+            for signum in self.inbox.take():
+                if signum in STOP_SIGNALS:
+                    return self.board.publish_end(round_, {
+                        "kind": "signal", "signal": signal.Signals(signum).name,
+                        "node": self.config.node_rank, "host": self._host})
+                self._forward(workers, signum)
+            if self.store is not None:
+                self.store.check()
+            ended = [w for w in workers if w.returncode not in (None, 0)]
+            if ended:
+                return self.board.publish_end(round_, self._exit_record(ended[0]))
+            if not reported_done and all(w.returncode == 0 for w in workers):
+                self.board.report_done(round_)
+                reported_done = True
+            if time.monotonic() >= next_board_look:
+                next_board_look = time.monotonic() + interval
+                record = self.board.end_record(round_)
+                if record is not None:
+                    return record
+                if reported_done and self.board.all_done(round_):
+                    return {"kind": "succeeded"}
+
+    def _exit_record(self, worker: Worker) -> dict:
+        self._pump.drain([worker])  # its last words may still sit in the pipe
+        code = worker.returncode
+        return {
+            "kind": "preempted" if code == PREEMPTED_EXIT_CODE else "failed",
+            "node": self.config.node_rank, "host": self._host, "rank": worker.rank,
+            "local_rank": worker.local_rank, "returncode": code,
+            "traceback": worker.output.traceback(),
+        }
+
+    def _forward(self, workers: list[Worker], signum: int) -> None:
+        for worker in workers:
+            if worker.returncode is None:
+                worker.signal_group(signum)
+
+    def _stop(self, workers: list[Worker], record: dict) -> None:
+        """Signal the running workers, give them ``shutdown_timeout``, then SIGKILL."""
+        signum = signal.SIGTERM
+        if record["kind"] == "signal" and record["node"] == self.config.node_rank:
+            signum = signal.Signals[record["signal"]]
+        self._forward(workers, signum)
+        deadline = time.monotonic() + self.config.shutdown_timeout
+        while any(w.returncode is None for w in workers):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._forward(workers, signal.SIGKILL)
+                break
+            self._pump.wait(min(left, self.config.monitor_interval))
+            for again in self.inbox.take():  # passed on; the timeout still bounds the wait
+                if again in STOP_SIGNALS or again in FORWARD_SIGNALS:
+                    self._forward(workers, again)
+
+    def _clean_up(self, workers: list[Worker]) -> None:
+        for worker in workers:  # the whole tree, leftovers of clean exits included
+            worker.signal_group(signal.SIGKILL)
+        for worker in workers:
+            worker.popen.wait()
+        self._pump.remove(workers)
+        for worker in workers:
+            worker.output.close()
+            self.guardian.release(worker.pid)
+        if self.store is not None:
+            self.store.close_round()
+
+    def _finish(self, record: dict, workers: list[Worker], round_: int) -> int:
+        self._check_out()
+        kind = record["kind"]
+        if kind == "succeeded":
+            if round_ > 0:
+                self.console.note(f"succeeded on attempt {round_ + 1}")
+            return 0
+        states = ", ".join(f"rank {w.rank}: {describe_exit(w.returncode)}" for w in workers)
+        if kind == "preempted":
+            self.console.note(
+                f"preempted: {self._who(record)} exited with {PREEMPTED_EXIT_CODE} "
+                f"(preempted, resumable; not a failure). Run the same command again to resume. "
+                f"Workers on this node: {states}"
+            )
+            return PREEMPTED_EXIT_CODE
+        if kind == "signal":
+            codes = [w.returncode for w in workers]
+            preempted = PREEMPTED_EXIT_CODE in codes and set(codes) <= {0, PREEMPTED_EXIT_CODE}
+            self.console.note(
+                f"{record['signal']} received by the launcher of node {record['node']}: "
+                f"stopped every worker. Workers on this node: {states}"
+                + (" (preempted, resumable)" if preempted else "")
+            )
+            return PREEMPTED_EXIT_CODE if preempted else 128 + signal.Signals[record["signal"]]
+        self.console.note(self._failure_summary(record, states, round_))
+        return shell_status(record["returncode"])
+
+    def _who(self, record: dict) -> str:
+        return (f"rank {record['rank']} (local rank {record['local_rank']}) "
+                f"on node {record['node']} ({record['host']})")
+
+    def _failure_summary(self, record: dict, states: str, round_: int) -> str:
+        name = self.config.entrypoint
+        return "\n".join([
+            _RULE,
+            f"{name} failed on attempt {round_ + 1} of {self.config.max_restarts + 1}",
+            f"root cause: {self._who(record)}: {describe_exit(record['returncode'])}",
+            f"end of rank {record['rank']}'s stderr:",
+            *("  " + line for line in (record["traceback"] or "(empty)").splitlines()),
+            f"workers on node {self.config.node_rank}: {states}",
+            _RULE,
+        ])
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return f" ({lines[-1].strip()})" if lines else ""
+
+
+def launch(config: LaunchConfig) -> int:
+    """Run ``config`` on this node until it succeeds, fails for good or is stopped.
+
+    Returns:
+        The launcher's exit status: 0; the failing worker's exit code (128 + N for signal N);
+        :data:`~phalanx.errors.PREEMPTED_EXIT_CODE` when preempted; 128 + N after the launcher
+        received stop signal N.
+
+    Raises:
+        LaunchConfigError: the master port is in use, or the master address is not this host's.
+        RendezvousError: the master or another node could not be reached in time.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            "launch() must run on the main thread: it handles signals, and the workers' "
+            "parent-death signal is tied to the thread that forks them"
+        )
+    console = Console(sys.stdout.buffer, sys.stderr.buffer)
+    guardian = Guardian()  # first, while this process has no threads and no workers
+    try:
+        with SignalInbox() as inbox:
+            return _meet_and_run(config, console, inbox, guardian)
+    finally:
+        guardian.close()
+
+
+def _meet_and_run(config: LaunchConfig, console: Console, inbox: SignalInbox,
+                  guardian: Guardian) -> int:
+    store = board = agent = None
+    try:
+        board, store, layout = meet(config, config.nproc_per_node, inbox.pending_stop, guardian)
+        agent = Agent(config, layout, board, store, console, inbox, guardian)
+        return agent.run()
+    except Interrupted as e:
+        console.note(f"{signal.Signals(e.signum).name} received while waiting for the other nodes")
+        return 128 + e.signum
+    finally:
+        for part in (agent, board, store):
+            if part is not None:
+                part.close()

@@ -1,0 +1,227 @@
+"""What ``phalanx run`` is asked to do, validated: :class:`LaunchConfig`.
+
+Parsing the command line (``phalanx.cli``), checking the request (here) and running it
+(:mod:`phalanx.launcher.agent`) are three separate steps, so a program can build a
+:class:`LaunchConfig` itself and call :func:`phalanx.launcher.launch`.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+
+from ..errors import LaunchConfigError
+
+# torchrun's defaults for a node started without --standalone
+# (torch/distributed/run.py: --master-addr 127.0.0.1; MASTER_PORT 29500 is torch's own default).
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+# torchrun's --monitor-interval default (seconds between health checks of the workers).
+DEFAULT_MONITOR_INTERVAL = 0.1
+# torchrun's --shutdown-timeout default (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s): SIGTERM, then
+# this long before SIGKILL.
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+# torchrun's static rendezvous waits 600 s for the other nodes (static_tcp_rendezvous.py).
+DEFAULT_RDZV_TIMEOUT = 600.0
+
+# The streams of a worker, as bits, in torchrun's --redirects/--tee numbering.
+STDOUT, STDERR = 1, 2
+BOTH = STDOUT | STDERR
+
+
+@dataclass(frozen=True)
+class StreamChoice:
+    """Which of a worker's streams reach the console, by local rank (torchrun's ``--tee``
+    format: ``"3"`` for every rank, or ``"0:3,1:0"`` per local rank; 1 stdout, 2 stderr).
+
+    Args:
+        default: streams of the local ranks not listed. Default ``3`` (both).
+        per_rank: ``(local_rank, streams)`` pairs. Default none.
+    """
+
+    default: int = BOTH
+    per_rank: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def parse(cls, spec: str, option: str) -> "StreamChoice":
+        """Read ``"3"`` or ``"0:3,1:0"``; ``option`` names the flag in error messages."""
+        spec = spec.strip()
+        if re.fullmatch(r"[0-3]", spec):
+            return cls(default=int(spec))
+        pairs = []
+        for part in spec.split(","):
+            match = re.fullmatch(r"\s*(\d+)\s*:\s*([0-3])\s*", part)
+            if not match:
+                raise LaunchConfigError(
+                    f"Invalid {option} {spec!r}: expected 0 (none), 1 (stdout), 2 (stderr), "
+                    "3 (both), or per local rank such as '0:3,1:0'"
+                )
+            pairs.append((int(match.group(1)), int(match.group(2))))
+        # Local ranks not listed get nothing, as torchrun's per-rank maps do.
+        return cls(default=0, per_rank=tuple(pairs))
+
+    def inverted(self) -> "StreamChoice":
+        """The streams *not* chosen (``--redirects`` names what leaves the console)."""
+        return StreamChoice(BOTH & ~self.default, tuple((r, BOTH & ~s) for r, s in self.per_rank))
+
+    def for_rank(self, local_rank: int) -> int:
+        """The stream bits for ``local_rank``."""
+        return dict(self.per_rank).get(local_rank, self.default)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    r"""A validated request to run a script on ``nproc_per_node`` workers on each of ``nnodes`` nodes.
+
+    One launcher runs on every node. Node 0's launcher hosts the rendezvous store (torch's
+    ``TCPStore``) at ``master_addr:master_port``, bound to that address's interface only;
+    the other nodes' launchers register there and agree on the world size and rank offsets.
+    Each worker gets torchrun's environment variables (see :func:`phalanx.env.worker_environ`).
+
+    .. note::
+        Every restart is a new round with a fresh store, so a group restarted after a failure
+        never reads the keys of the attempt before it.
+
+    Args:
+        entrypoint (str): the script's path, or the module name when ``module=True``.
+        args (tuple of str): the script's own arguments. Default ``()``.
+        module (bool): run ``python -m entrypoint``. Default ``False``.
+        nproc_per_node (int): workers on this node. Default ``1``.
+        nnodes (int): number of nodes. Default ``1``.
+        node_rank (int): this node's index, in ``[0, nnodes)``. Default ``0``.
+        master_addr (str): node 0's address. Default ``"127.0.0.1"``.
+        master_port (int): node 0's rendezvous port. Default ``29500``.
+        standalone (bool): one node on loopback, on a free port. Default ``False``.
+        max_restarts (int): restarts of the whole group after a failure. Default ``0``.
+        monitor_interval (float): seconds between health checks. Default ``0.1``.
+        shutdown_timeout (float): seconds between SIGTERM and SIGKILL. Default ``30``.
+        rdzv_timeout (float): seconds to wait for the master and the other nodes. Default ``600``.
+        run_id (str): the job's id (``TORCHELASTIC_RUN_ID``); ``""`` draws one. Default ``""``.
+        log_dir (str, optional): write each worker's stdout and stderr to files here.
+            Default ``None``.
+        console (StreamChoice): the streams shown on the console, per local rank; anything
+            but "both" needs ``log_dir``. Default: both, for every rank.
+
+    .. warning::
+        ``node_rank`` 0 must run on the host that owns ``master_addr``: it listens there.
+
+    Example::
+
+        >>> from phalanx.launcher import LaunchConfig, launch
+        >>> config = LaunchConfig("train.py", args=("--epochs", "3"), nproc_per_node=2, standalone=True)
+        >>> exit_code = launch(config)
+    """
+
+    entrypoint: str
+    args: tuple[str, ...] = ()
+    module: bool = False
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = DEFAULT_MASTER_PORT
+    standalone: bool = False
+    max_restarts: int = 0
+    monitor_interval: float = DEFAULT_MONITOR_INTERVAL
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
+    run_id: str = ""
+    log_dir: str | None = None
+    console: StreamChoice = field(default_factory=StreamChoice)
+
+    def __post_init__(self) -> None:
+        _at_least("--nproc-per-node", self.nproc_per_node, 1)
+        _at_least("--nnodes", self.nnodes, 1)
+        if not 0 <= self.node_rank < self.nnodes:
+            raise LaunchConfigError(
+                f"Invalid --node-rank {self.node_rank}: with --nnodes {self.nnodes} it must be "
+                f"in [0, {self.nnodes - 1}]"
+            )
+        if self.standalone and self.nnodes != 1:
+            raise LaunchConfigError(
+                f"--standalone runs one node, but --nnodes is {self.nnodes}; drop one of them"
+            )
+        low = 0 if self.standalone else 1
+        if not low <= self.master_port <= 65535:
+            raise LaunchConfigError(
+                f"Invalid --master-port {self.master_port}: expected a port in [1, 65535]"
+            )
+        _at_least("--max-restarts", self.max_restarts, 0)
+        _positive("--monitor-interval", self.monitor_interval)
+        _positive("--rdzv-timeout", self.rdzv_timeout)
+        if self.shutdown_timeout < 0:
+            raise LaunchConfigError(
+                f"Invalid --shutdown-timeout {self.shutdown_timeout}: expected seconds >= 0"
+            )
+        if self.log_dir is None and self.console != StreamChoice():
+            raise LaunchConfigError(
+                "--tee and --redirects choose which streams also go to the console besides "
+                "the log files, so they need --log-dir"
+            )
+        if self.log_dir is not None and os.path.exists(self.log_dir) and not os.path.isdir(self.log_dir):
+            raise LaunchConfigError(f"--log-dir {self.log_dir!r} exists and is not a directory")
+        _check_entrypoint(self.entrypoint, self.module)
+
+    @property
+    def command(self) -> list[str]:
+        """The worker's command line."""
+        head = ["-m", self.entrypoint] if self.module else [self.entrypoint]
+        return [sys.executable, *head, *self.args]
+
+
+def _at_least(option: str, value: int, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LaunchConfigError(f"Invalid {option} {value!r}: expected an integer")
+    if value < low:
+        kind = "a positive integer" if low == 1 else f"an integer >= {low}"
+        raise LaunchConfigError(f"Invalid {option} {value}: expected {kind}")
+
+
+def _positive(option: str, value: float) -> None:
+    if not value > 0:
+        raise LaunchConfigError(f"Invalid {option} {value}: expected a number of seconds > 0")
+
+
+def _check_entrypoint(entrypoint: str, module: bool) -> None:
+    if not module:
+        if not os.path.isfile(entrypoint):
+            raise LaunchConfigError(
+                f"Script {entrypoint!r} not found (looked in {os.getcwd()}); "
+                "pass a path to a Python file, or -m for a module"
+            )
+        return
+    top = entrypoint.split(".")[0]
+    if not re.fullmatch(r"[A-Za-z_][\w.]*", entrypoint):
+        raise LaunchConfigError(f"Invalid module name {entrypoint!r} for -m")
+    # Look, without importing anything, where `python -m` will: the current directory first.
+    path = [os.getcwd(), *sys.path[1:]]
+    if top not in sys.builtin_module_names and importlib.machinery.PathFinder.find_spec(top, path) is None:
+        raise LaunchConfigError(
+            f"Module {entrypoint!r} not found: no {top!r} in the current directory or on sys.path"
+        )
+
+
+def resolve_nproc(spec: str) -> int:
+    """``--nproc-per-node``: an integer, or ``cpu`` (usable cores), ``gpu`` (CUDA devices),
+    ``auto`` (accelerators if any, else cores), as torchrun resolves them."""
+    spec = str(spec).strip()
+    if re.fullmatch(r"-?\d+", spec):
+        return int(spec)
+    if spec == "cpu":
+        return len(os.sched_getaffinity(0))
+    if spec in ("gpu", "auto"):
+        import torch  # only these two need it; the usual integer path starts without torch
+
+        if spec == "gpu":
+            if not torch.cuda.is_available():
+                raise LaunchConfigError("--nproc-per-node gpu needs CUDA GPUs, and none is available")
+            return torch.cuda.device_count()
+        if torch.accelerator.is_available():
+            return torch.accelerator.device_count()
+        return len(os.sched_getaffinity(0))
+    raise LaunchConfigError(
+        f"Invalid --nproc-per-node {spec!r}: expected a positive integer, 'auto', 'cpu' or 'gpu'"
+    )

@@ -1,0 +1,163 @@
+"""Worker processes: started so that none outlives the launcher, stopped as whole trees.
+
+* Each worker leads its own session (so its process group holds its whole tree, and a Ctrl-C
+  on the terminal reaches only the launcher, which forwards it).
+* Each worker asks the kernel for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``).
+  The kernel sends it when the *thread* that forked exits, so workers are forked from the
+  launcher's main thread only.
+* A :class:`Guardian` process, forked before anything else, holds a pipe from the launcher and
+  SIGKILLs every registered worker group when that pipe closes: the launcher has exited,
+  however it exited (SIGKILL included), and the workers' own children go too, which
+  parent-death signals alone would leave behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+from dataclasses import dataclass
+
+from .output import WorkerOutput
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _die_with_parent(parent_pid: int):
+    """A ``preexec_fn``: SIGKILL this child when the launcher dies, even before exec."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved in the parent, not after fork
+    sigkill = int(signal.SIGKILL)
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, sigkill)
+        if os.getppid() != parent_pid:  # the launcher died between fork and prctl
+            os.kill(os.getpid(), sigkill)
+
+    return preexec
+
+
+@dataclass
+class Worker:
+    """One worker process of this node and where its output goes."""
+
+    rank: int
+    local_rank: int
+    popen: subprocess.Popen
+    output: WorkerOutput
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    def signal_group(self, signum: int) -> None:
+        """Send ``signum`` to the worker's whole process group (its tree)."""
+        try:
+            os.killpg(self.pid, signum)
+        except (ProcessLookupError, PermissionError):  # the whole group is gone already
+            pass
+
+
+def start_tied(command: list[str], env: dict[str, str] | None = None, pipe_output: bool = True,
+               pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    """Start a child that dies with the launcher: its own session, parent-death SIGKILL,
+    stdin from /dev/null, stdout/stderr piped back (or inherited)."""
+    pipe = subprocess.PIPE if pipe_output else None
+    return subprocess.Popen(
+        command,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=pipe,
+        stderr=pipe,
+        start_new_session=True,
+        pass_fds=pass_fds,
+        preexec_fn=_die_with_parent(os.getpid()),
+    )
+
+
+def spawn(command: list[str], env: dict[str, str], rank: int, local_rank: int,
+          output: WorkerOutput) -> Worker:
+    """Start one worker (see :func:`start_tied`)."""
+    return Worker(rank, local_rank, start_tied(command, env), output)
+
+
+def describe_exit(returncode: int) -> str:
+    """``"exit code 3"`` or ``"signal SIGKILL"``."""
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def shell_status(returncode: int) -> int:
+    """A worker's status as a shell reports it: the code, or 128 + the signal's number."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class Guardian:
+    """A small process that SIGKILLs the registered worker process groups once the
+    launcher is gone. Fork it first, before threads or workers exist.
+
+    The launcher writes ``+PGID`` / ``-PGID`` lines to it; end of file means the launcher
+    has exited, and every group still registered is killed.
+    """
+
+    def __init__(self) -> None:
+        read_end, self._write_end = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - runs in the forked child
+            os.close(self._write_end)
+            _guard(read_end)
+        os.close(read_end)
+
+    def watch(self, pgid: int) -> None:
+        self._send(f"+{pgid}\n")
+
+    def release(self, pgid: int) -> None:
+        self._send(f"-{pgid}\n")
+
+    def _send(self, line: str) -> None:
+        try:
+            os.write(self._write_end, line.encode())
+        except OSError:  # the guardian was killed; parent-death signals still cover workers
+            pass
+
+    def close(self) -> None:
+        """Let the guardian go (it exits at end of file) and reap it."""
+        os.close(self._write_end)
+        os.waitpid(self.pid, 0)
+
+
+def _guard(read_end: int) -> None:  # pragma: no cover - runs in the forked child
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
+                       signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(signum, signal.SIG_IGN)  # only end of file ends it
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):  # hold none of the caller's pipes open
+            os.dup2(devnull, fd)
+        os.closerange(3, read_end)
+        os.closerange(read_end + 1, os.sysconf("SC_OPEN_MAX"))
+        groups: set[int] = set()
+        pending = b""
+        while True:
+            chunk = os.read(read_end, 4096)
+            if not chunk:
+                break
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                (groups.add if line[:1] == b"+" else groups.discard)(int(line[1:]))
+        for pgid in groups:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except OSError:
+                pass
+    finally:
+        os._exit(0)

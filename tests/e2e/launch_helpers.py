@@ -1,0 +1,93 @@
+"""Running ``phalanx run`` (and torchrun) as real processes, for the launcher tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+BEHAVE = str(SCRIPTS / "behave.py")
+TRAIN = str(SCRIPTS / "train_tiny.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Finished:
+    code: int
+    out: str
+    err: str
+    seconds: float
+
+
+def base_env(**extra: str | None) -> dict[str, str]:
+    """This environment, without launcher variables a test runner may carry, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCHELASTIC_", "PET_")) and k not in (
+               "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+               "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    for key, value in extra.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def phalanx_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "phalanx", "run", *args]
+
+
+def start(cmd: list[str], env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+    # bytes, decoded below: text mode would turn the "\r" of progress bars into newlines
+    return subprocess.Popen(cmd, env=env or base_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, **kw)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120, began: float | None = None) -> Finished:
+    began = time.monotonic() if began is None else began
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"launcher did not finish in {timeout} s\n{out}\n{err}")
+    return Finished(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"),
+                    time.monotonic() - began)
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 120) -> Finished:
+    began = time.monotonic()
+    return finish(start(cmd, env), timeout, began)
+
+
+def wait_for_files(paths: list[Path], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never appeared: {[str(p) for p in paths if not p.exists()]}")
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie is dead: it only waits for init to reap it)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_all_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait up to ``timeout`` s; return the pids still alive then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [pid for pid in pids if alive(pid)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)

@@ -1,0 +1,167 @@
+"""phalanx run supervising real worker processes: failures, restarts, signals, orphans, logs.
+
+The workers here (tests/e2e/scripts/behave.py) do not import torch, so each launch takes a
+fraction of a second; the launcher is the thing under test.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import psutil
+import pytest
+
+from phalanx.errors import PREEMPTED_EXIT_CODE
+from tests.e2e.launch_helpers import (
+    BEHAVE,
+    alive,
+    finish,
+    phalanx_cmd,
+    run,
+    start,
+    wait_all_gone,
+    wait_for_files,
+)
+
+
+def _launch(tmp_path, *worker_args, opts=("--standalone", "--nproc-per-node", "2")):
+    return phalanx_cmd(*opts, BEHAVE, "--record", str(tmp_path), *worker_args)
+
+
+def _attempts(tmp_path) -> list[str]:
+    return sorted((tmp_path / "attempts.log").read_text().splitlines())
+
+
+def test_worker_failure_stops_the_others_and_reports_the_root_cause(tmp_path):
+    # rank 0 would sleep 60 s; rank 1 raises. Rank 0 must be stopped (SIGTERM) well within the
+    # 10 s shutdown timeout, and the launcher must exit 1, naming rank 1 and its exception.
+    res = run(_launch(tmp_path, "--sleep", "60", "--fail-rank", "1", "--fail-after", "0.3",
+                      opts=("--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "10")))
+    assert res.code == 1, res.err
+    assert res.seconds < 10, res.seconds
+    assert "root cause: rank 1 (local rank 1) on node 0" in res.err
+    assert "exit code 1" in res.err
+    assert re.search(r"\[phalanx\]\s+ValueError: boom from rank 1 on attempt 0", res.err)
+    assert "Traceback (most recent call last):" in res.err
+    assert "rank 0: signal SIGTERM" in res.err  # stopped by the launcher
+    assert "[rank0]: worker 0 attempt 0 ready" in res.out
+    assert "[rank1]: worker 1 attempt 0 ready" in res.out
+    assert not alive(int((tmp_path / "pid.0").read_text()))
+
+
+def test_restart_after_a_first_attempt_failure_succeeds(tmp_path):
+    res = run(_launch(tmp_path, "--fail-rank", "1", "--only-first-attempt", "--exit-code", "4",
+                      opts=("--standalone", "--nproc-per-node", "2", "--max-restarts", "2")))
+    assert res.code == 0, res.err
+    assert _attempts(tmp_path) == ["attempt 0 rank 0", "attempt 0 rank 1",
+                                   "attempt 1 rank 0", "attempt 1 rank 1"]
+    assert "attempt 1 of 3 failed: rank 1 (local rank 1) on node 0" in res.err
+    assert "exit code 4; restarting every worker (2 restart(s) left)" in res.err
+    assert "succeeded on attempt 2" in res.err
+
+
+def test_a_worker_that_always_fails_gets_exactly_three_attempts(tmp_path):
+    res = run(_launch(tmp_path, "--fail-rank", "0", "--exit-code", "7",
+                      opts=("--standalone", "--nproc-per-node", "2", "--max-restarts", "2")))
+    assert res.code == 7, res.err
+    ranks0 = [line for line in _attempts(tmp_path) if line.endswith("rank 0")]
+    assert ranks0 == ["attempt 0 rank 0", "attempt 1 rank 0", "attempt 2 rank 0"]
+    assert res.err.count("restarting every worker") == 2
+    assert "failed on attempt 3 of 3" in res.err
+    assert "root cause: rank 0 (local rank 0) on node 0" in res.err
+
+
+def test_a_preempted_worker_is_reported_as_resumable_and_not_restarted(tmp_path):
+    res = run(_launch(tmp_path, "--sleep", "60", "--fail-rank", "1",
+                      "--exit-code", str(PREEMPTED_EXIT_CODE),
+                      opts=("--standalone", "--nproc-per-node", "2", "--max-restarts", "2")))
+    assert res.code == PREEMPTED_EXIT_CODE, res.err
+    assert len(_attempts(tmp_path)) == 2  # one attempt, no restart
+    assert "preempted, resumable; not a failure" in res.err
+    assert "failed" not in res.err
+
+
+def _start_and_wait(tmp_path, *worker_args, opts):
+    began = time.monotonic()
+    proc = start(_launch(tmp_path, *worker_args, opts=opts))
+    wait_for_files([tmp_path / "pid.0", tmp_path / "pid.1"])
+    return proc, began
+
+
+def test_sigterm_to_the_launcher_is_forwarded_and_preemption_reported(tmp_path):
+    # The workers catch SIGTERM and exit 75, as phalanx's preemption handler makes them do.
+    proc, _ = _start_and_wait(tmp_path, "--sleep", "60", "--on-sigterm-exit",
+                              str(PREEMPTED_EXIT_CODE),
+                              opts=("--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "5"))
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    res = finish(proc, began=sent)
+    assert res.seconds < 5, res.seconds
+    assert res.code == PREEMPTED_EXIT_CODE, res.err
+    assert [(tmp_path / f"signal.{r}").read_text() for r in (0, 1)] == ["SIGTERM", "SIGTERM"]
+    assert "SIGTERM received by the launcher of node 0" in res.err
+    assert "(preempted, resumable)" in res.err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP, signal.SIGTERM])
+def test_stop_signals_end_every_worker_within_the_shutdown_timeout(tmp_path, signum):
+    proc, _ = _start_and_wait(tmp_path, "--sleep", "60",
+                              opts=("--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "5"))
+    workers = [int((tmp_path / f"pid.{r}").read_text()) for r in (0, 1)]
+    sent = time.monotonic()
+    proc.send_signal(signum)
+    res = finish(proc, began=sent)
+    assert res.seconds < 5, res.seconds
+    assert res.code == 128 + signum, res.err
+    assert not [pid for pid in workers if alive(pid)]
+    assert f"signal {signum.name}" in res.err  # each worker died of the forwarded signal
+
+
+def test_a_worker_ignoring_sigterm_is_killed_after_the_configured_timeout(tmp_path):
+    timeout = 2.0
+    proc, _ = _start_and_wait(tmp_path, "--sleep", "60", "--ignore-sigterm", "0",
+                              "--fail-rank", "1", "--fail-after", "0.5",
+                              opts=("--standalone", "--nproc-per-node", "2",
+                                    "--shutdown-timeout", str(timeout)))
+    res = finish(proc)
+    failed_at = os.stat(tmp_path / "pid.1").st_mtime + 0.5  # rank 1 raised 0.5 s after this
+    stopped = time.time() - failed_at  # launcher exit, measured from the failure
+    assert res.code == 1, res.err
+    assert "rank 0: signal SIGKILL" in res.err
+    assert timeout <= stopped < timeout + 4, stopped
+
+
+def test_no_worker_outlives_a_sigkilled_launcher(tmp_path):
+    # torchrun leaves its workers running here; phalanx's get a parent-death SIGKILL, and the
+    # guardian kills their whole process groups, grandchildren included.
+    proc, _ = _start_and_wait(tmp_path, "--sleep", "300", "--grandchild",
+                              opts=("--standalone", "--nproc-per-node", "2"))
+    tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+    pids = {name: int((tmp_path / f"{name}.{r}").read_text())
+            for name in ("pid", "child") for r in (0, 1)}
+    assert set(pids.values()) <= set(tree)
+    proc.kill()
+    proc.communicate()
+    left = wait_all_gone(tree, timeout=5)
+    assert not left, [psutil.Process(p).cmdline() for p in left if alive(p)]
+
+
+def test_log_dir_files_and_tee_per_rank(tmp_path):
+    logs = tmp_path / "logs"
+    res = run(_launch(tmp_path, "--progress", "--fail-rank", "1", "--fail-after", "1",
+                      opts=("--standalone", "--nproc-per-node", "2", "--log-dir", str(logs),
+                            "--tee", "0:3")))
+    assert res.code == 1
+    out0 = (logs / "attempt_0" / "rank0.stdout.log").read_text()
+    err0 = (logs / "attempt_0" / "rank0.stderr.log").read_bytes()
+    err1 = (logs / "attempt_0" / "rank1.stderr.log").read_text()
+    assert out0.startswith("worker 0 attempt 0 ready")
+    assert err0.startswith(b"\rstep 0/3\rstep 1/3\rstep 2/3\n")  # raw, unprefixed
+    assert "ValueError: boom from rank 1" in err1
+    # console: rank 0 only (tee 0:3), progress redrawn in place, each segment prefixed
+    assert "[rank1]:" not in res.out + res.err
+    assert "\r[rank0]: step 1/3\r[rank0]: step 2/3\n" in res.err
+    assert "ValueError: boom from rank 1" in res.err  # the summary still has rank 1's end
