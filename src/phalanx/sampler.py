@@ -1,4 +1,4 @@
-"""DistributedSampler: torch's, index for index, with a resumable global cursor and exact evaluation.
+"""DistributedSampler: torch's, index for index, plus a resumable global cursor and exact eval.
 
 Every rank draws the same permutation of the data set (seeded by ``seed + epoch``) and takes the
 positions ``rank, rank + R, rank + 2R, ...`` of it (``R`` ranks), exactly as
@@ -148,7 +148,7 @@ class DistributedSampler(Sampler[int]):
         return (remaining - self.rank + n - 1) // n
 
     def _served(self, start: int) -> int:
-        """How many global positions (padding included) all ranks together take from ``start`` on."""
+        """Global positions (padding included) all ranks together take from ``start`` on."""
         if self.drop_last or self.pad:
             return self._share(start) * self.num_replicas
         return self._length - start

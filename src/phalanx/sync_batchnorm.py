@@ -52,8 +52,9 @@ def _local_moments(x: torch.Tensor, local: int) -> tuple[torch.Tensor, torch.Ten
 
     Summing around a float32 estimate of the mean keeps every term small; the float64
     correction then removes the estimate's rounding (1e-3 at a mean of 1e4), which would
-    otherwise enter the variance between ranks linearly. (torch's ``var_mean`` and float64
-    ``sum`` are as accurate but ~50x slower on CPU for this layout.)
+    otherwise enter the variance between ranks linearly. (torch's ``var_mean`` and a float64
+    ``sum`` are as accurate but far slower on CPU over dims (0, 2, 3): ~11 ms each against
+    ~0.3 ms per pass here, measured on a 32x32x32x32 float32 batch with one thread.)
     """
     dims = _reduce_dims(x)
     shift = x.mean(dims, keepdim=True)
@@ -160,7 +161,7 @@ class SyncBatchNorm(_BatchNorm):
     .. note::
         Ranks may have different batch sizes, and a rank's batch may be empty: it still joins
         both collectives. The running variance is unbiased over the global count. Weight and
-        bias gradients are this rank's share; DDP's averaging makes them the global ones.
+        bias gradients are this rank's share, averaged by DDP like any other parameter's.
 
     .. note::
         In eval mode (and with a single process, or no process group) it is plain

@@ -1,4 +1,4 @@
-"""DistributedSampler on real ranks: defaults from the process group, one cursor, exact evaluation."""
+"""DistributedSampler on real ranks: defaults from the process group, one cursor, exact eval."""
 
 import torch
 import torch.distributed as dist
