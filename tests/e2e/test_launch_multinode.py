@@ -1,0 +1,118 @@
+"""Two launchers, ``--nnodes 2``, training with phalanx DDP across 4 ranks.
+
+The final parameters must equal, bit for bit, those of a 4-process single-node run: same
+global ranks, same batches, same all-reduces. Once on loopback, once with the two nodes in
+separate network namespaces joined by a veth pair (a real second interface: Gloo and the
+stores must use the master address, and node 0's stores must listen on it alone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from tests.e2e.launch_helpers import TRAIN, base_env, finish, phalanx_cmd, run, start
+from tests.harness import free_port
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "ref.pt"
+    res = run(phalanx_cmd("--standalone", "--nproc-per-node", "4", TRAIN, "--out", str(out)))
+    assert res.code == 0, res.err
+    return torch.load(out)
+
+
+def _two_nodes(addr, port, nprocs, outs, wrap=(None, None), envs=(None, None)):
+    """Start node 1 then node 0 (order must not matter); return both results."""
+    procs = []
+    for node in (1, 0):
+        cmd = phalanx_cmd("--nnodes", "2", "--node-rank", str(node), "--master-addr", addr,
+                          "--master-port", str(port), "--nproc-per-node", str(nprocs[node]),
+                          "--rdzv-timeout", "120", TRAIN, *outs[node])
+        procs.append(start((wrap[node] or []) + cmd, envs[node]))
+    return [finish(p, timeout=240) for p in reversed(procs)]
+
+
+def _assert_same(result: dict, reference: dict) -> None:
+    assert result["world"] == reference["world"] == 4
+    assert result["state"].keys() == reference["state"].keys()
+    for name, value in reference["state"].items():
+        assert torch.equal(result["state"][name], value), name
+
+
+def test_two_nodes_on_loopback_equal_one_node(tmp_path, reference):
+    out = tmp_path / "params.pt"
+    node0, node1 = _two_nodes("127.0.0.1", free_port(), (2, 2),
+                              (["--out", str(out)], ["--out", str(tmp_path / "unused.pt")]))
+    assert node0.code == 0 and node1.code == 0, node0.err + node1.err
+    assert "[rank0]: rank 0/4" in node0.out and "[rank1]: rank 1/4" in node0.out
+    assert "[rank2]: rank 2/4" in node1.out and "[rank3]: rank 3/4" in node1.out
+    _assert_same(torch.load(out), reference)
+
+
+@contextlib.contextmanager
+def _veth_namespaces():
+    """Two network namespaces joined by a veth pair: (ns, interface, address) for each."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    if shutil.which("ip") is None:
+        pytest.skip("the `ip` command (iproute2) is not installed")
+    tag = os.getpid() % 100000
+    names = [f"phx{tag}a", f"phx{tag}b"]
+    nodes = [(names[0], f"vphx{tag}a", "10.213.0.1"), (names[1], f"vphx{tag}b", "10.213.0.2")]
+
+    def ip(*args):
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+    created = []
+    try:
+        for ns in names:
+            try:
+                ip("netns", "add", ns)
+            except subprocess.CalledProcessError as e:
+                if not created:  # root, but not allowed to (no CAP_SYS_ADMIN, say)
+                    pytest.skip(f"cannot create a network namespace: {e.stderr.strip()}")
+                raise
+            created.append(ns)
+        ip("link", "add", nodes[0][1], "type", "veth", "peer", "name", nodes[1][1])
+        for ns, dev, addr in nodes:
+            ip("link", "set", dev, "netns", ns)
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        yield nodes
+    finally:
+        for ns in created:  # deleting a namespace deletes its end of the veth pair
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_two_nodes_in_network_namespaces_equal_one_node(tmp_path, reference):
+    out, listeners = tmp_path / "params.pt", tmp_path / "listeners.json"
+    with _veth_namespaces() as nodes:
+        (ns0, dev0, addr0), (ns1, dev1, _) = nodes
+        # Gloo picks its interface from the hostname, which resolves to loopback here; on a
+        # real cluster one sets GLOO_SOCKET_IFNAME (or NCCL_SOCKET_IFNAME) the same way.
+        envs = (base_env(GLOO_SOCKET_IFNAME=dev0), base_env(GLOO_SOCKET_IFNAME=dev1))
+        # node 0 runs 1 worker, node 1 runs 3: the nodes agree on rank offsets 0 and 1
+        node0, node1 = _two_nodes(
+            addr0, 29500, (1, 3),
+            (["--out", str(out), "--listeners", str(listeners)], ["--out", str(tmp_path / "x")]),
+            wrap=(["ip", "netns", "exec", ns0], ["ip", "netns", "exec", ns1]), envs=envs,
+        )
+    assert node0.code == 0 and node1.code == 0, node0.err + node1.err
+    assert "[rank0]: rank 0/4" in node0.out
+    assert all(f"[rank{r}]: rank {r}/4" in node1.out for r in (1, 2, 3))
+    _assert_same(torch.load(out), reference)
+    # node 0's launcher (rendezvous store, workers' store socket) and its store host listen
+    # on the master address only, never on every interface
+    found = json.loads(listeners.read_text())
+    assert len(found) == 2 and all(found.values()), found
+    assert {addr for addrs in found.values() for addr in addrs} == {addr0}, found
+
