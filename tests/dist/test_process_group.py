@@ -1,0 +1,135 @@
+"""Process-group set-up on real ranks: discovery, collectives helpers, and the errors."""
+
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import phalanx
+from phalanx import comm
+from tests.harness import free_port, run_ranks
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "MASTER_ADDR", "MASTER_PORT")
+
+
+def _many_checks(rank, world_size):
+    out = {}
+    out["ids"] = (phalanx.get_rank(), phalanx.get_world_size(), phalanx.get_local_rank(),
+                  phalanx.get_local_world_size(), dist.get_backend(), str(phalanx.get_device()))
+    phalanx.barrier()
+    # broadcast_tensors: rank 0's values everywhere, across dtypes and chunk boundaries
+    tensors = [torch.full((3, 4), float(rank)), torch.full((5,), rank, dtype=torch.int64),
+               torch.full((7,), float(rank) + 0.5, dtype=torch.float64), torch.empty(0)]
+    comm.broadcast_tensors(tensors, chunk_bytes=40)
+    out["broadcast"] = [t.tolist() for t in tensors[:3]]
+    # all_reduce_any: true everywhere iff true somewhere
+    out["any"] = (comm.all_reduce_any(rank == world_size - 1), comm.all_reduce_any(False))
+    # consistent items pass; a difference raises on every rank, naming the first difference
+    comm.check_same_across_ranks([("w", (2, 3)), ("b", (3,))], "parameters")
+    items = [("w", (2, 3)), ("b", (3 + (rank == 1),))]
+    try:
+        comm.check_same_across_ranks(items, "parameters")
+    except phalanx.RankMismatchError as e:
+        out["mismatch"] = str(e)
+    try:
+        phalanx.init_process_group()
+    except phalanx.AlreadyInitializedError as e:
+        out["twice"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_group_helpers_and_errors(world_size):
+    results = run_ranks(_many_checks, world_size)
+    for rank, out in enumerate(results):
+        assert out["ids"] == (rank, world_size, rank, world_size, "gloo", "cpu")
+        assert out["broadcast"] == [[[0.0] * 4] * 3, [0] * 5, [0.5] * 7]
+        assert out["any"] == (True, False)
+        assert out["mismatch"] == (
+            "parameters differ across ranks: ranks 1 disagree with rank 0 (2 vs 2 entries on "
+            "rank 0 and rank 1). First difference at position 1: rank 0 has 'b' (3,), "
+            "rank 1 has 'b' (4,)"
+        )
+        assert f"already rank {rank} of {world_size}" in out["twice"]
+
+
+def _single(rank, world_size):
+    env = phalanx.init_process_group()
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    phalanx.barrier()
+    phalanx.destroy_process_group()
+    phalanx.destroy_process_group()  # a second destroy is harmless
+    return env.source, env.world_size, t.tolist(), phalanx.is_initialized()
+
+
+def test_nothing_in_environment_runs_alone():
+    no_launcher = {k: None for k in _LAUNCHER_VARS}
+    [(source, world, summed, still)] = run_ranks(_single, 1, init=False, env=no_launcher)
+    assert (source, world, summed, still) == ("single", 1, [1.0, 1.0, 1.0], False)
+
+
+def _init_expecting_error(_rank, _world_size, /, timeout_s=None, **kwargs):
+    if timeout_s is not None:
+        kwargs["timeout"] = timedelta(seconds=timeout_s)
+    try:
+        phalanx.init_process_group(**kwargs)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_unreachable_master_names_address_port_and_timeout():
+    port = free_port()  # nothing listens there
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": str(port)}
+    [(kind, message)] = run_ranks(_init_expecting_error, 1, init=False, env=env, timeout_s=2)
+    assert kind == "RendezvousError"
+    assert f"could not reach the master at 127.0.0.1:{port} within 2 s (timeout)" in message
+
+
+def test_master_port_in_use_is_named():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": str(port)}
+        [(kind, message)] = run_ranks(_init_expecting_error, 1, init=False, env=env, timeout_s=2)
+    assert kind == "RendezvousError"
+    assert f"Rank 0 could not listen on 127.0.0.1:{port}" in message
+
+
+@pytest.mark.parametrize(
+    "kwargs, kind, message",
+    [
+        ({"backend": "glooo"}, "ValueError", "Unknown backend 'glooo': expected one of gloo, nccl"),
+        ({"backend": "nccl"}, "ValueError", "Backend 'nccl' needs CUDA"),
+        ({"rank": 5}, "EnvironmentConfigError", "Invalid rank 5, rank should be in the interval [0, 1]"),
+        ({"backend": 3}, "TypeError", "backend must be a string or None, got int"),
+    ],
+)
+def test_bad_arguments(kwargs, kind, message):
+    [result] = run_ranks(_init_expecting_error, 1, init=False, env={"WORLD_SIZE": "2"}, **kwargs)
+    assert result[0] == kind and message in result[1]
+
+
+def _slurm_rank(rank, world_size):
+    env = phalanx.init_process_group()
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return env.source, env.rank, env.world_size, env.local_rank, env.master_port, t.item()
+
+
+def test_srun_without_launcher():
+    job_id = 4242
+    port = 15000 + job_id
+    def slurm_env(rank):
+        env = {k: None for k in _LAUNCHER_VARS}
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+                   SLURM_NODEID="0", SLURM_TASKS_PER_NODE="2",
+                   SLURM_JOB_NODELIST="127.0.0.1", SLURM_JOB_ID=str(job_id))
+        return env
+    results = run_ranks(_slurm_rank, 2, init=False, env=slurm_env)
+    assert results == [("slurm", r, 2, r, port, 1.0) for r in range(2)]
