@@ -114,13 +114,13 @@ def write_checkpoint(path: str | os.PathLike, state: Any) -> int:
     except BaseException:
         _remove(tmp)
         raise
-    fsync_directory(path.parent)
+    fsync_path(path.parent)
     return HEADER_SIZE + writer.size
 
 
-def fsync_directory(directory: Path) -> None:
-    """Make the directory's entries (a rename, an unlink) durable."""
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file, or a directory, which makes its renames and unlinks durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -172,7 +172,7 @@ def prune(directory: str | os.PathLike, keep: int) -> list[Path]:
     for path in doomed:
         _remove(path)
     if doomed:
-        fsync_directory(Path(directory))
+        fsync_path(directory)
     return doomed
 
 

@@ -12,8 +12,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+from torch.nn.parallel import DataParallel, DistributedDataParallel
 
+from .ddp import DistributedDataParallel as PhalanxDDP
 from .errors import CheckpointError
+
+_WRAPPERS = (PhalanxDDP, DistributedDataParallel, DataParallel)
 
 # What torch.load(weights_only=True) rebuilds besides tensors and containers (tried on torch 2.13).
 _LEAF_TYPES = (type(None), bool, int, float, complex, str, bytes, bytearray,
@@ -24,24 +28,13 @@ _SEQUENCE_TYPES = (list, tuple, set)
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` without DDP (phalanx's, torch's), DataParallel or ``torch.compile`` wrappers."""
-    wrappers = _wrapper_types()
     while True:
-        if isinstance(model, wrappers):
+        if isinstance(model, _WRAPPERS):
             model = model.module
         elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
-            model = model._orig_mod
+            model = model._orig_mod  # torch.compile's wrapper; its class lives in torch._dynamo
         else:
             return model
-
-
-def _wrapper_types() -> tuple[type, ...]:
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
-
-    try:
-        from .ddp import DistributedDataParallel as PhalanxDDP
-    except ImportError:  # pragma: no cover - only while ddp.py is absent
-        return (DistributedDataParallel, DataParallel)
-    return (DistributedDataParallel, DataParallel, PhalanxDDP)
 
 
 def capture_rng_state() -> dict[str, Any]:

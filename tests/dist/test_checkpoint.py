@@ -108,26 +108,42 @@ def test_save_load_protocol_and_errors_on_every_rank(tmp_path, world_size):
     assert len({str(out["draws"]) for out in results}) == world_size
 
 
+def _sharded(seed):
+    torch.manual_seed(seed)
+    model = phalanx.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 4), torch.nn.Linear(4, 1)))
+    optimizer = phalanx.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.1)
+    return model, optimizer
+
+
 def _consume_then_save(rank, world_size, directory, length, per_rank):
+    model, optimizer = _sharded(0)
+    model(torch.randn(3, 6)).sum().backward()
+    optimizer.step()
     _seed(rank)
     sampler = phalanx.DistributedSampler(range(length), seed=5)
     sampler.set_epoch(3)
     it = iter(sampler)
     taken = [next(it) for _ in range(per_rank)]
-    Checkpointer(directory, torch.nn.Linear(2, 2), sampler=sampler).save(3, per_rank)
+    Checkpointer(directory, model, optimizer, sampler=sampler).save(3, per_rank)
     return taken, _draws()
 
 
 def _resume_rest(rank, world_size, directory):
+    model, optimizer = _sharded(1)
     sampler = phalanx.DistributedSampler(range(32), seed=5)
-    ckpt = Checkpointer(directory, torch.nn.Linear(2, 2), sampler=sampler)
+    ckpt = Checkpointer(directory, model, optimizer, sampler=sampler)
     _seed(rank)
     own = _draws()
     _seed(rank)
     state = ckpt.load()
     draws = _draws()
     sampler.set_epoch(state.epoch)
-    return list(sampler), draws, own, state.world_size
+    optimizer.consolidate_state_dict(to=0)
+    full = optimizer.state_dict()["state"] if rank == 0 else None
+    as_lists = full and {i: {k: v.tolist() for k, v in s.items()} for i, s in full.items()}
+    params = [p.tolist() for p in model.parameters()]
+    return list(sampler), draws, own, state.world_size, as_lists, params
 
 
 def test_resume_from_two_ranks_on_three(tmp_path):
@@ -144,6 +160,13 @@ def test_resume_from_two_ranks_on_three(tmp_path):
     assert after[0][1] == before[0][1] and after[1][1] == before[1][1]
     assert after[2][1] == after[2][2]
     assert {a[3] for a in after} == {2}
+    # the ZeRO state saved from 2 shards, reloaded into 3 shards and gathered again: the same
+    saved = read_checkpoint(os.path.join(directory, "ckpt-000000000004.ckpt"))
+    assert list(saved["model"]) == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
+    assert saved["optimizer"]["zero"]["world_size"] == 2 and len(saved["optimizer"]["state"]) == 6
+    expected = {i: {k: v.tolist() for k, v in s.items()} for i, s in saved["optimizer"]["state"].items()}
+    assert after[0][4] == expected
+    assert all(a[5] == [p.tolist() for p in saved["model"].values()] for a in after)
 
 
 def _preempt(rank, world_size, directory, sender, signum, check_every):
@@ -178,3 +201,32 @@ def test_preemption_agreed_by_every_rank(tmp_path, sender, signum, check_every, 
         assert (stopped_at, code, restored) == (stop, PREEMPTED_EXIT_CODE, True)
         assert received == (signal.Signals(signum).name if rank == sender else None)
     assert os.listdir(directory) == [f"ckpt-{stop:012d}.ckpt"]
+
+
+def _cuda_round_trip(rank, world_size, directory):
+    phalanx.init_process_group(backend="nccl")
+    try:
+        device = phalanx.get_device()
+        torch.manual_seed(rank)
+        model = phalanx.DistributedDataParallel(torch.nn.Linear(4, 4).to(device),
+                                                device_ids=[device.index])
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.randn(2, 4, device=device)).sum().backward()
+        optimizer.step()
+        ckpt = Checkpointer(directory, model, optimizer)
+        path = ckpt.save(0, 1)
+        expected = torch.rand(3, device=device).tolist()
+        with PreemptionHandler() as preemption:  # its flag travels on a Gloo side group
+            stop = preemption.should_stop()
+        ckpt.load()
+        restored = torch.rand(3, device=device).tolist() == expected
+        mapped = read_checkpoint(path, map_location=ckpt.map_location)["model"]["weight"].device
+        return str(ckpt.map_location), str(mapped), restored, stop
+    finally:
+        phalanx.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL")
+def test_cuda_each_rank_loads_onto_its_own_device(tmp_path):
+    results = run_ranks(_cuda_round_trip, 2, str(tmp_path), init=False)
+    assert results == [(f"cuda:{r}", f"cuda:{r}", True, False) for r in range(2)]

@@ -11,7 +11,7 @@ from phalanx.checkpoint import Checkpointer, read_checkpoint
 from phalanx.checkpoint_file import checkpoint_name
 from tests.harness import RankError, run_ranks
 
-# Each kill point: (function of checkpoint_file to intercept, what the kill interrupts).
+# Where the writer is SIGKILLed, and what that interrupts.
 _KILL_POINTS = {
     "mid-payload": "the payload stream, after its third write",
     "before-fsync": "before the temporary is fsynced",
@@ -50,7 +50,7 @@ def _intercept(point):
     elif point == "before-rename":
         checkpoint_file.os.replace = _die
     elif point == "before-dir-fsync":
-        checkpoint_file.fsync_directory = _die
+        checkpoint_file.fsync_path = _die
     elif point == "mid-prune":
         checkpoint_file._remove = _die
 
@@ -74,18 +74,19 @@ def test_kill_during_save_at_every_point(tmp_path):
 
     previous, new = checkpoint_name(1), checkpoint_name(2)
     for point, directory, result in zip(_KILL_POINTS, directories, results):
-        assert isinstance(result, RankError) and "exit code -9" in result.message, (point, result)
+        why = f"killed {_KILL_POINTS[point]} ({point})"
+        assert isinstance(result, RankError) and "exit code -9" in result.message, (why, result)
         names = os.listdir(directory)
         finals = sorted(n for n in names if not n.startswith("."))
         temps = [n for n in names if n.startswith(".")]
         renamed = point in ("before-dir-fsync", "mid-prune")
-        assert finals == ([previous, new] if renamed else [previous]), (point, names)
-        assert len(temps) == (0 if renamed else 1), (point, names)
-        assert (directory / previous).read_bytes() == before[directory], point
-        assert read_checkpoint(directory / previous)["model"]["0.weight"].eq(1.0).all(), point
+        assert finals == ([previous, new] if renamed else [previous]), (why, names)
+        assert len(temps) == (0 if renamed else 1), (why, names)
+        assert (directory / previous).read_bytes() == before[directory], why
+        assert read_checkpoint(directory / previous)["model"]["0.weight"].eq(1.0).all(), why
         if renamed:
-            assert read_checkpoint(directory / new)["model"]["0.weight"].eq(2.0).all(), point
+            assert read_checkpoint(directory / new)["model"]["0.weight"].eq(2.0).all(), why
 
         # the next save (a new process in real life) cleans up after the dead writer
         Checkpointer(directory, _model(3.0), keep=1).save(0, 3)
-        assert os.listdir(directory) == [checkpoint_name(3)], (point, os.listdir(directory))
+        assert os.listdir(directory) == [checkpoint_name(3)], (why, os.listdir(directory))
