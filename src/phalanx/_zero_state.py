@@ -125,7 +125,12 @@ def _match(
     return global_of
 
 
-def _check_group(g: int, saved: Mapping[str, Any], group: dict[str, Any]) -> None:
+def _check_group(g: int, saved: Any, group: dict[str, Any]) -> None:
+    if not isinstance(saved, Mapping) or "params" not in saved:
+        raise ValueError(
+            f"state_dict does not fit: parameter group {g} there should be a dict with a "
+            f"'params' list, got {saved!r:.80}"
+        )
     saved_count, count = len(saved["params"]), len(group["params"])
     if saved_count != count:
         raise ValueError(

@@ -25,6 +25,13 @@ from .errors import NotInitializedError
 
 __all__ = ["ZeroRedundancyOptimizer", "optimizer_state_bytes", "partition_by_size"]
 
+# Parameters this large are broadcast in place, each alone; smaller ones are coalesced. On Gloo
+# over loopback a broadcast costs ~0.3 ms however small, copying 1 MiB ~0.03 ms, and several
+# large broadcasts in flight overlap: with thresholds from 256 KiB to 16 MiB tried on three
+# model shapes (2 ranks, CPU), 1 MiB was fastest or near it on each, and up to 3x faster than
+# coalescing everything.
+_IN_PLACE_BYTES = 1 << 20
+
 
 def partition_by_size(
     sizes: Sequence[int], world_size: int, loads: Sequence[int] | None = None
@@ -54,7 +61,7 @@ def partition_by_size(
 
 
 def optimizer_state_bytes(optimizer: Optimizer) -> int:
-    """Bytes held by the tensors in ``optimizer.state`` (for a ZeRO optimizer: this rank's shard)."""
+    """Bytes of the tensors in ``optimizer.state`` (for a ZeRO optimizer: this rank's shard)."""
     return sum(
         value.numel() * value.element_size()
         for per_param in optimizer.state.values()
@@ -106,8 +113,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         **defaults: hyper-parameters passed to ``optimizer_class`` (``lr=...``, ...).
 
     .. warning::
-        ``step()``, ``add_param_group()`` and ``consolidate_state_dict()`` are collectives:
-        every rank of ``process_group`` must call them in the same order. A closure given to
+        Construction, ``step()``, ``add_param_group()`` and ``consolidate_state_dict()``
+        are collectives: every rank of ``process_group`` must call them in the same order. A closure given to
         ``step()`` runs once per rank per local ``step()``; optimizers that call it a
         data-dependent number of times (LBFGS) would leave ranks out of step.
 
@@ -154,7 +161,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._loads = [0] * len(self._global_ranks)  # bytes of parameters owned per rank
         self._by_owner: list[list[torch.Tensor]] = [[] for _ in self._global_ranks]
         self._local_index: list[list[int]] = []  # per group: global indices this rank owns
-        self._shard_cache: dict[int, dict[str, Any]] | None = None  # see consolidate_state_dict
+        self._consolidated: dict[int, dict[str, Any]] | None = None  # see consolidate_state_dict
         # torch.optim.Optimizer.__init__ validates the groups through add_param_group, which
         # only records them while self.optim does not exist yet.
         super().__init__(params, defaults)
@@ -200,7 +207,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             raise
         [local] = self._assign(self.param_groups[first:])
         self.optim.add_param_group(local)
-        self._shard_cache = None
+        self._consolidated = None
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Update this rank's parameters, then broadcast every owner's to all ranks.
@@ -208,7 +215,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         Returns:
             The closure's loss, if a closure was given.
         """
-        self._shard_cache = None
+        self._consolidated = None
         for group, local in zip(self.param_groups, self.optim.param_groups):
             local.update(_hyperparameters(group))
         loss = self.optim.step() if closure is None else self.optim.step(closure)
@@ -234,9 +241,9 @@ class ZeroRedundancyOptimizer(Optimizer):
         shard = {index[id(p)]: _to_cpu_copy(s) for p, s in self.optim.state.items()}
         gathered: list[Any] | None = [None] * world_size if self._rank == to else None
         dist.gather_object(shard, gathered, dst=self._global_ranks[to], group=self.process_group)
-        self._shard_cache = None
+        self._consolidated = None
         if gathered is not None:
-            self._shard_cache = {i: s for part in gathered for i, s in part.items()}
+            self._consolidated = {i: s for part in gathered for i, s in part.items()}
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer state, keyed by global parameter index (see the class notes).
@@ -245,14 +252,14 @@ class ZeroRedundancyOptimizer(Optimizer):
             RuntimeError: :meth:`consolidate_state_dict` was not called on every rank since
                 the last ``step()``/load, or it gathered the state on another rank.
         """
-        if self._shard_cache is None:
+        if self._consolidated is None:
             raise RuntimeError(
                 f"state_dict() on rank {self._rank}: no consolidated state here. Call "
                 f"consolidate_state_dict(to={self._rank}) on every rank after the last step() "
                 "(state is consolidated to one rank only, and a step() makes it stale)"
             )
         return _zero_state.pack(
-            self.param_groups, self._shard_cache, self._params, len(self._global_ranks)
+            self.param_groups, self._consolidated, self._params, len(self._global_ranks)
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -270,7 +277,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update(_hyperparameters(saved))
         self.optim.load_state_dict(local)
-        self._shard_cache = None
+        self._consolidated = None
 
     def _assign(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Give ``groups``' parameters owners; return the local optimizer's groups for them."""
@@ -296,8 +303,43 @@ class ZeroRedundancyOptimizer(Optimizer):
         return local_groups
 
     def _broadcast_owned_params(self) -> None:
-        for owned, global_rank in zip(self._by_owner, self._global_ranks):
-            comm.broadcast_tensors(owned, src=global_rank, group=self.process_group)
+        """Every owner's parameters to every rank: all broadcasts in flight, then wait.
+
+        Parameters of ``_IN_PLACE_BYTES`` or more go in place, one broadcast each; smaller
+        ones are coalesced per owner, device and dtype into flat buffers.
+        """
+        works, landing = [], []
+        for owned, src in zip(self._by_owner, self._global_ranks):
+            small = []
+            for p in owned:
+                if p.numel() * p.element_size() >= _IN_PLACE_BYTES and p.is_contiguous():
+                    works.append(dist.broadcast(p.detach(), src, self.process_group, async_op=True))
+                elif p.numel():
+                    small.append(p)
+            for chunk in _coalesce(small, comm.BROADCAST_CHUNK_BYTES):
+                flat = comm.flatten(chunk)
+                works.append(dist.broadcast(flat, src, self.process_group, async_op=True))
+                if src != dist.get_rank():
+                    landing.append((flat, chunk))
+        for work in works:
+            work.wait()
+        for flat, chunk in landing:
+            comm.unflatten_into(flat, chunk)
+
+
+def _coalesce(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by (device, dtype), in order, each group cut at ``limit`` bytes."""
+    chunks: list[list[torch.Tensor]] = []
+    open_chunk: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], int]] = {}
+    for t in tensors:
+        key, nbytes = (t.device, t.dtype), t.numel() * t.element_size()
+        chunk, size = open_chunk.get(key, (None, 0))
+        if chunk is None or size + nbytes > limit:
+            chunk, size = [], 0
+            chunks.append(chunk)
+        chunk.append(t)
+        open_chunk[key] = (chunk, size + nbytes)
+    return chunks
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:

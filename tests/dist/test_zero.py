@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, StepLR
 
 import phalanx
-from phalanx.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
+from phalanx.zero import ZeroRedundancyOptimizer, optimizer_state_bytes, partition_by_size
 from tests.harness import run_ranks
 
 GLOBAL_BATCH = 12  # divisible by the world sizes 2 and 3: every rank gets an equal slice
@@ -29,6 +29,23 @@ OPTIMIZERS = {
 }
 
 
+def test_partition_is_sorted_greedy_and_bounded():
+    # largest first, each to the least-loaded rank; ties to the lower index and rank
+    assert partition_by_size([5, 9, 1, 9, 3], 2) == ([0, 0, 1, 1, 1], [14, 13])
+    assert partition_by_size([4, 4], 3, loads=[0, 1, 0]) == ([0, 2], [4, 1, 4])
+    g = torch.Generator().manual_seed(0)
+    for world_size in (2, 3, 4):
+        sizes = torch.randint(1, 1000, (50,), generator=g).tolist()
+        owners, loads = partition_by_size(sizes, world_size)
+        assert loads == [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(world_size)]
+        assert max(loads) <= sum(sizes) / world_size + max(sizes)
+
+
+def test_needs_a_process_group():
+    with pytest.raises(phalanx.NotInitializedError, match="needs init_process_group"):
+        ZeroRedundancyOptimizer([torch.nn.Parameter(torch.zeros(1))], torch.optim.SGD)
+
+
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(
@@ -42,7 +59,8 @@ def _groups(model):
     named = list(model.named_parameters())
     return [
         {"params": [(n, p) for n, p in named if n.endswith("weight")]},
-        {"params": [(n, p) for n, p in named if n.endswith("bias")], "lr": 0.05, "weight_decay": 0.0},
+        {"params": [(n, p) for n, p in named if n.endswith("bias")], "lr": 0.05,
+         "weight_decay": 0.0},
     ]
 
 
@@ -54,7 +72,8 @@ def _batch(step):
 def _loss(model, step, rank=0, world_size=1):
     x, y = _batch(step)
     n = GLOBAL_BATCH // world_size
-    return torch.nn.functional.mse_loss(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n])
+    mine = slice(rank * n, (rank + 1) * n)
+    return torch.nn.functional.mse_loss(model(x[mine]), y[mine])
 
 
 def _backward_averaged(model, step, rank, world_size):
@@ -107,21 +126,30 @@ def _train_like_plain(rank, world_size, name):
 
 
 def _memory(rank, world_size):
-    """Adam on parameters of very different sizes: each rank's state bytes and their bound."""
+    """Adam on parameters of very different sizes: each rank's state bytes and their bound.
+
+    The 600 x 512 table (1.2 MiB) is broadcast in place, the transposed (non-contiguous)
+    parameter and the small ones through flat buffers.
+    """
     torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 40),
-                                torch.nn.Linear(40, 12), torch.nn.Linear(12, 30),
-                                torch.nn.Linear(30, 4))
-    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
-    plain = torch.optim.Adam(copy.deepcopy(model).parameters(), lr=1e-3)
-    for opt in (zero, plain):
-        for p in (p for g in opt.param_groups for p in g["params"]):
-            p.grad = torch.ones_like(p)
-        opt.step()
-    per_param = [_param_state_bytes(plain, p) for p in plain.param_groups[0]["params"]]
+    params = [torch.nn.Parameter(torch.randn(*shape)) for shape in
+              [(600, 512), (8, 40), (40,), (40, 12), (12,), (12, 30), (30,), (30, 4), (4,)]]
+    params.append(torch.nn.Parameter(torch.randn(40, 8).t()))
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    zero = ZeroRedundancyOptimizer(params, torch.optim.Adam, lr=1e-3)
+    plain = torch.optim.Adam(ref, lr=1e-3)
+    for step in range(2):
+        for p, q in zip(params, ref):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+            q.grad = p.grad.clone()
+        zero.step()
+        plain.step()
+    per_param = [_param_state_bytes(plain, p) for p in ref]
     return {"local": optimizer_state_bytes(zero), "total": optimizer_state_bytes(plain),
             "per_param": per_param, "owners": zero.param_owners,
-            "stateful": [i for i, p in enumerate(model.parameters()) if zero.state.get(p)]}
+            "stateful": [i for i, p in enumerate(params) if zero.state.get(p)],
+            "diff": max((p - q).abs().max().item() for p, q in zip(params, ref)),
+            "checksum": [p.detach().double().sum().item() for p in params]}
 
 
 def _param_state_bytes(opt, param):
@@ -153,10 +181,37 @@ def _add_param_group(rank, world_size):
             "lr": [g["lr"] for g in zero.optim.param_groups]}
 
 
+def _subgroup(rank, world_size):
+    """ZeRO over global ranks [1, 2] only: owners, sources and `to` are ranks in that group."""
+    group = dist.new_group([1, 2])  # every rank must call new_group
+    out = _train_in_subgroup(rank, group) if rank != 0 else None
+    dist.barrier()  # rank 0 hosts the store the subgroup still needs: it waits here
+    return out
+
+
+def _train_in_subgroup(rank, group):
+    model = _model()
+    ref = copy.deepcopy(model)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group,
+                                   lr=0.1, momentum=0.9)
+    plain = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+            q.grad = p.grad.clone()
+        zero.step()
+        plain.step()
+    zero.consolidate_state_dict(to=1)
+    state = sorted(zero.state_dict()["state"]) if rank == 2 else None
+    return {"diff": _max_diff(model, ref), "owners": zero.param_owners, "state": state}
+
+
 def _train_checks(rank, world_size):
     out = {name: _train_like_plain(rank, world_size, name) for name in OPTIMIZERS}
     out["memory"] = _memory(rank, world_size)
     out["add_group"] = _add_param_group(rank, world_size)
+    if world_size == 3:
+        out["subgroup"] = _subgroup(rank, world_size)
     return out
 
 
@@ -200,12 +255,18 @@ def test_equivalence_memory_and_add_param_group(world_size):
         assert m["stateful"] == [i for i, owner in enumerate(owners) if owner == rank]
         assert m["local"] == sum(b for b, owner in zip(per_param, owners) if owner == rank)
     assert sum(m["local"] for m in mem) == total
+    assert all(m["diff"] <= TOL and m["checksum"] == mem[0]["checksum"] for m in mem)
+    assert owners.count(owners[0]) == 1  # the big table's owner holds nothing else
     for out in results:
         add = out["add_group"]
         assert add["diff"] <= TOL
         assert add["owners_after"][:3] == add["owners_before"]
         assert len(add["owners_after"]) == 6 and add["lr"] == [0.1, 0.02]
     assert sum(sum(out["add_group"]["local_groups"]) for out in results) == 6
+    if world_size == 3:
+        sub = [out["subgroup"] for out in results]
+        assert sub[0] is None and all(s["diff"] <= TOL for s in sub[1:])
+        assert set(sub[1]["owners"]) == {0, 1} and sub[2]["state"] == list(range(6))
 
 
 RESHARD_AT = 4  # steps before the checkpoint; as many again after it
@@ -301,7 +362,8 @@ def _load_errors(errors, zero, good):
         "keys": (variant(lambda sd: sd.pop("param_groups")), ValueError),
         "groups": (variant(lambda sd: sd["param_groups"].pop()), ValueError),
         "group_size": (variant(lambda sd: sd["param_groups"][1]["params"].pop()), ValueError),
-        "shape": (variant(lambda sd: sd["zero"]["param_shapes"].__setitem__(4, [3, 7])), ValueError),
+        "shape": (variant(lambda sd: sd["zero"]["param_shapes"].__setitem__(4, [3, 7])),
+                  ValueError),
         "name": (variant(lambda sd: sd["param_groups"][0]["param_names"].__setitem__(1, "x")),
                  ValueError),
         "unknown_id": (variant(lambda sd: sd["state"].__setitem__(99, sd["state"][0])), ValueError),
@@ -309,7 +371,8 @@ def _load_errors(errors, zero, good):
     before = (optimizer_state_bytes(zero), [g["lr"] for g in zero.param_groups])
     for key, (fn, kind) in cases.items():
         _expect(errors, key, fn, kind)
-    errors["unchanged"] = before == (optimizer_state_bytes(zero), [g["lr"] for g in zero.param_groups])
+    after = (optimizer_state_bytes(zero), [g["lr"] for g in zero.param_groups])
+    errors["unchanged"] = before == after
 
 
 def _error_checks(rank, world_size):
@@ -350,8 +413,8 @@ def test_errors_name_what_is_wrong():
         for key in ("mismatch", "add_mismatch"):
             assert errors[key].startswith("RankMismatchError: ZeroRedundancyOptimizer parameters "
                                           "differ across ranks: ranks 1 disagree with rank 0"), key
-        assert "rank 0 has nothing, rank 1 has 'param group 0 parameter 6' ((2,), 'torch.float32')" \
-            in errors["mismatch"]
+        assert ("rank 0 has nothing, rank 1 has 'param group 0 parameter 6' ((2,), "
+                "'torch.float32')") in errors["mismatch"]
         assert "rank 0 has 'param group 2 parameter 0' ((2,)," in errors["add_mismatch"]
         assert errors["groups_after_add"] == 2
         assert errors["to"] == ("ValueError: Invalid rank 2 for consolidate_state_dict(to=...), "
@@ -371,6 +434,7 @@ def test_errors_name_what_is_wrong():
                                    "'2.bias') has shape (3, 7) there and (8,) in this optimizer")
         assert errors["name"] == ("ValueError: state_dict does not fit: parameter 1 of group 0 is "
                                   "named 'x' there and '2.weight' in this optimizer")
-        assert errors["unknown_id"] == ("ValueError: state_dict does not fit: it has state for "
-                                        "parameter ids [99] that none of its parameter groups lists")
+        assert errors["unknown_id"] == (
+            "ValueError: state_dict does not fit: it has state for parameter ids [99] that none "
+            "of its parameter groups lists")
         assert errors["unchanged"] and errors["reloaded"]

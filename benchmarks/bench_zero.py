@@ -1,0 +1,143 @@
+"""Optimizer-state memory and step time: unsharded Adam, phalanx ZeRO, torch's ZeRO.
+
+Usage::
+
+    python benchmarks/bench_zero.py                      # world size 2, Gloo on loopback
+    python benchmarks/bench_zero.py --width 2048 --rounds 11 --json zero.json
+
+Each rank builds the same MLP three times, one per optimizer, with the same fixed gradients,
+and takes one warm-up step with each (Adam creates its state on the first step). Then, for
+``--rounds`` rounds, each optimizer in turn (the order rotating every round, A B C, B C A, ...)
+runs ``--steps`` timed ``step()`` calls. A round's time is the slowest rank's, since a step is
+done only when every replica has its parameters; the table shows medians over rounds.
+``step()`` includes the parameter broadcast for both ZeRO variants; gradients are given, so
+no backward pass or gradient all-reduce is timed. State memory is the bytes of the tensors in
+each rank's (local) optimizer state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+import phalanx
+from phalanx.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
+
+VARIANTS = ("unsharded", "phalanx_zero", "torch_zero")
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world-size", "--world_size", type=int, default=2)
+    p.add_argument("--width", type=int, default=1024, help="hidden size of the MLP (default 1024)")
+    p.add_argument("--layers", type=int, default=4, help="Linear(width, width) layers (default 4)")
+    p.add_argument("--rounds", type=int, default=7, help="timed rounds per optimizer (default 7)")
+    p.add_argument("--steps", type=int, default=5, help="step() calls per round (default 5)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--json", help="also write the results to this file")
+    return p.parse_args(argv)
+
+
+def _model(args: argparse.Namespace) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(args.width, args.width) for _ in range(args.layers)]
+    model = torch.nn.Sequential(*layers)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    return model
+
+
+def _optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = list(model.parameters())
+    if name == "unsharded":
+        return torch.optim.Adam(params, lr=1e-3)
+    if name == "phalanx_zero":
+        return ZeroRedundancyOptimizer(params, torch.optim.Adam, lr=1e-3)
+    return TorchZero(params, optimizer_class=torch.optim.Adam, lr=1e-3)
+
+
+def _local_state_bytes(name: str, opt: torch.optim.Optimizer) -> int:
+    # torch's ZeRO keeps its shard in .optim and leaves its own .state empty.
+    return optimizer_state_bytes(opt.optim if name == "torch_zero" else opt)
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _rank(rank: int, args: argparse.Namespace, port: int, queue) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(args.world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(args.threads)
+    phalanx.init_process_group(backend="gloo")
+    try:
+        opts = {name: _optimizer(name, _model(args)) for name in VARIANTS}
+        for opt in opts.values():
+            opt.step()  # warm-up: creates the state
+        memory = {name: [None] * args.world_size for name in VARIANTS}
+        for name, opt in opts.items():
+            dist.all_gather_object(memory[name], _local_state_bytes(name, opt))
+        times = {name: [] for name in VARIANTS}
+        for r in range(args.rounds):
+            for name in VARIANTS[r % 3:] + VARIANTS[: r % 3]:
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    opts[name].step()
+                times[name].append(_slowest(time.perf_counter() - start) / args.steps)
+        if rank == 0:
+            queue.put({"memory": memory, "times": times})
+    finally:
+        phalanx.destroy_process_group()
+
+
+def _report(args: argparse.Namespace, result: dict) -> dict:
+    memory, times = result["memory"], result["times"]
+    base_mem = max(memory["unsharded"])
+    base_ms = statistics.median(times["unsharded"]) * 1e3
+    n_params = args.layers * (args.width * args.width + args.width)
+    print(f"world size {args.world_size}, MLP {args.layers} x Linear({args.width}, {args.width}) "
+          f"= {n_params / 1e6:.1f} M params, Adam, {args.rounds} rounds x {args.steps} steps, "
+          f"{args.threads} thread(s) per rank")
+    print(f"{'optimizer':<14}{'state MiB per rank':>24}{'vs unsharded':>14}"
+          f"{'step ms (median)':>18}{'vs unsharded':>14}")
+    rows = {}
+    for name in VARIANTS:
+        per_rank = [b / 2**20 for b in memory[name]]
+        ms = statistics.median(times[name]) * 1e3
+        rows[name] = {"state_bytes_per_rank": memory[name], "step_ms_median": ms,
+                      "step_ms_all": [t * 1e3 for t in times[name]]}
+        print(f"{name:<14}{' / '.join(f'{m:.1f}' for m in per_rank):>24}"
+              f"{max(memory[name]) / base_mem:>13.2f}x{ms:>18.2f}{ms / base_ms:>13.2f}x")
+    return rows
+
+
+def main(argv=None) -> None:
+    args = _parse(argv)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_rank, args=(args, port, queue), nprocs=args.world_size,
+                       start_method="spawn")
+    rows = _report(args, queue.get())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
