@@ -274,6 +274,7 @@ class Checkpointer:
             line says training starts fresh).
 
         Raises:
+            TypeError: ``resume`` is neither ``"auto"`` nor a path.
             CheckpointError: on every rank, naming the file and what failed: missing, empty,
                 truncated, checksum mismatch, refused by safe loading, or not fitting the
                 model/optimizer/scheduler/scaler/sampler given.

@@ -81,7 +81,7 @@ class PreemptionHandler:
     ) -> None:
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
             raise ValueError(f"Invalid check_every {check_every!r}, expected a positive integer")
-        self.signals = tuple(signal.Signals(s) for s in signals)
+        self.signals = tuple(dict.fromkeys(_signal(s) for s in signals))  # once each
         if not self.signals:
             raise ValueError("PreemptionHandler needs at least one signal, got none")
         self.check_every = check_every
@@ -145,6 +145,15 @@ class PreemptionHandler:
     def exit(self) -> NoReturn:
         """End the process as preempted: ``SystemExit(PREEMPTED_EXIT_CODE)``."""
         raise SystemExit(PREEMPTED_EXIT_CODE)
+
+
+def _signal(value: int) -> signal.Signals:
+    try:
+        return signal.Signals(value)
+    except ValueError:
+        raise ValueError(
+            f"Invalid signal {value!r}, expected a signal number such as signal.SIGTERM"
+        ) from None
 
 
 def _cpu_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
