@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 
-_FORMAT = "[rank%(rank)s] %(name)s: %(message)s"
+_FORMAT = "[rank%(rank)s] %(source)s: %(message)s"
+_RANK_ZERO_SUFFIX = ".rank0"
 
 
 def _current_rank() -> str:
@@ -32,10 +33,11 @@ def _current_rank() -> str:
 
 
 class _AddRank(logging.Filter):
-    """Adds ``record.rank`` for the formatter (installed on the handler)."""
+    """Adds ``record.rank`` and ``record.source`` (the logger's name) for the formatter."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.rank = _current_rank()
+        record.source = record.name.removesuffix(_RANK_ZERO_SUFFIX)
         return True
 
 
@@ -50,7 +52,7 @@ def get_logger(name: str, rank_zero_only: bool = False) -> logging.Logger:
     """A logger under ``phalanx`` that prefixes each line with ``[rankN]``."""
     logger = logging.getLogger(name if name.startswith("phalanx") else f"phalanx.{name}")
     if rank_zero_only:
-        logger = logger.getChild("rank0")
+        logger = logging.getLogger(logger.name + _RANK_ZERO_SUFFIX)
         if not any(isinstance(f, _RankZeroOnly) for f in logger.filters):
             logger.addFilter(_RankZeroOnly())
     root = logging.getLogger("phalanx")

@@ -1,0 +1,211 @@
+"""Train a small CNN on scikit-learn's digits, on as many processes as you start.
+
+Run book::
+
+    phalanx run --nproc-per-node 2 examples/train_digits.py    # 2 processes on this machine
+    torchrun --nproc-per-node 2 examples/train_digits.py       # the same script under torchrun
+    srun --ntasks 4 python examples/train_digits.py            # under Slurm, no launcher
+    python examples/train_digits.py                            # one process
+
+Run it again and it resumes from its newest checkpoint in ``--out`` (``--fresh`` starts over).
+A SIGTERM (e.g. from ``phalanx run`` being stopped) makes every rank save one checkpoint at
+the same step and exit with the "preempted" code; the next run continues from there.
+
+The steps, in order:
+
+1. ``init_process_group`` joins the job and pins this process to its device (``LOCAL_RANK``);
+2. the model is wrapped in ``DistributedDataParallel``: rank 0's weights are broadcast, and
+   gradients are averaged by all-reduce while the backward pass runs;
+3. a ``DistributedSampler`` gives every process its own slice, reshuffled by ``set_epoch``;
+4. training, then an exact evaluation (every test sample counted once, sums all-reduced);
+5. a checkpoint written by rank 0 alone, the other ranks waiting at a barrier;
+6. ``destroy_process_group``.
+
+Outputs in ``--out``: ``ckpt-*.ckpt`` checkpoints, ``curves.png`` (loss and accuracy per
+epoch) and ``metrics.json``. Needs ``pip install 'phalanx[examples]'`` (scikit-learn,
+matplotlib, tqdm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import phalanx
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=32, help="per process")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/digits", help="checkpoints, curves.png, metrics.json")
+    p.add_argument("--fresh", action="store_true", help="ignore existing checkpoints")
+    p.add_argument("--sync-bn", action="store_true", help="batch statistics over all processes")
+    return p.parse_args(argv)
+
+
+def digits(seed: int) -> tuple[TensorDataset, TensorDataset]:
+    """scikit-learn's 1797 8x8 digits, split 80/20 identically on every rank."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+    y = torch.tensor(y, dtype=torch.int64)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    n_test = len(x) // 5
+    test, train = order[:n_test], order[n_test:]
+    return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+        nn.MaxPool2d(2), nn.Flatten(),
+        nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Dropout(0.25),
+        nn.Linear(128, 10),
+    )
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tuple[float, float]:
+    """Loss and accuracy over the whole test set: each rank sums its own, then all-reduce."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        totals += torch.stack([
+            F.cross_entropy(logits, y, reduction="sum").double(),
+            (logits.argmax(1) == y).sum().double(),
+            torch.tensor(float(len(y)), dtype=torch.float64, device=device),
+        ])
+    dist.all_reduce(totals)
+    model.train()
+    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+
+def progress(total: int, desc: str, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is a nicety; training does not need it
+        return None
+    # a refresh every half second keeps logs (and the launcher's rank prefixes) readable
+    return tqdm(total=total, desc=desc, unit="batch", leave=False, disable=not enabled,
+                mininterval=0.5)
+
+
+def plot(history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [h["epoch"] for h in history]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.5))
+    ax_loss.plot(epochs, [h["train_loss"] for h in history], label="train")
+    ax_loss.plot(epochs, [h["test_loss"] for h in history], label="test")
+    ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
+    ax_loss.legend()
+    ax_acc.plot(epochs, [100 * h["test_accuracy"] for h in history], color="tab:green")
+    ax_acc.set(xlabel="epoch", ylabel="%", title="test accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    # 1. join the job; the process is pinned to cuda:LOCAL_RANK when it has a GPU
+    phalanx.init_process_group()
+    rank, world = phalanx.get_rank(), phalanx.get_world_size()
+    device = phalanx.get_device()
+    torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP broadcasts rank 0's anyway)
+
+    train_set, test_set = digits(args.seed)
+    # 3. each rank its own slice; the test sampler pads nothing, so evaluation is exact
+    sampler = phalanx.DistributedSampler(train_set, shuffle=True, seed=args.seed)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
+                        generator=torch.Generator())  # own generator: resume stays exact
+    test_loader = DataLoader(test_set, batch_size=256,
+                             sampler=phalanx.DistributedSampler(test_set, shuffle=False, pad=False))
+
+    model = cnn()
+    if args.sync_bn:
+        model = phalanx.SyncBatchNorm.convert_sync_batchnorm(model)
+    # 2. full replica per process; gradients averaged during backward
+    model = phalanx.DistributedDataParallel(model.to(device))
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
+
+    # 5. rank 0 writes, the others wait; rerunning resumes from the newest checkpoint
+    out = Path(args.out)
+    ckpt = phalanx.Checkpointer(out, model, optimizer, scheduler=scheduler, sampler=sampler, keep=2)
+    state = None if args.fresh else ckpt.load()
+    start_epoch, step = (state.epoch, state.step) if state else (0, 0)
+    history = state.extra.get("history", []) if state else []
+    if state and rank == 0:
+        print(f"resumed from {state.path.name}: epoch {start_epoch}, step {step}", flush=True)
+
+    with phalanx.PreemptionHandler() as preemption:
+        for epoch in range(start_epoch, args.epochs):
+            sampler.set_epoch(epoch)  # same shuffle on every rank, new each epoch
+            bar = progress(len(loader), f"epoch {epoch + 1}/{args.epochs}", rank == 0)
+            loss_sum, seen, started = 0.0, 0, time.perf_counter()
+            for i, (x, y) in enumerate(loader):
+                x, y = x.to(device), y.to(device)
+                loss = F.cross_entropy(model(x), y)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()  # all-reduce of gradient buckets overlaps this
+                optimizer.step()
+                scheduler.step()
+                step += 1
+                loss_sum += loss.item() * len(y)
+                seen += len(y)
+                if bar is not None:
+                    rate = seen * world / (time.perf_counter() - started)
+                    bar.set_postfix(loss=f"{loss.item():.3f}", samples_s=f"{rate:.0f}")
+                    bar.update()
+                if preemption.should_stop():  # agreed by all ranks at this step boundary
+                    ckpt.save(epoch, step, consumed=(i + 1) * args.batch_size,
+                              extra={"history": history})
+                    preemption.exit()
+            if bar is not None:
+                bar.close()
+            # 4. exact evaluation on the unwrapped model (ranks may hold different batch counts)
+            test_loss, accuracy = evaluate(model.module, test_loader, device)
+            train_loss = torch.tensor([loss_sum, seen], dtype=torch.float64, device=device)
+            dist.all_reduce(train_loss)
+            history.append({"epoch": epoch + 1, "train_loss": (train_loss[0] / train_loss[1]).item(),
+                            "test_loss": test_loss, "test_accuracy": accuracy})
+            if rank == 0:
+                h = history[-1]
+                print(f"epoch {epoch + 1}: train loss {h['train_loss']:.4f}  test loss "
+                      f"{test_loss:.4f}  test accuracy {100 * accuracy:.2f}%", flush=True)
+            ckpt.save(epoch + 1, step, extra={"history": history})
+
+    test_loss, accuracy = evaluate(model.module, test_loader, device)
+    if rank == 0:
+        plot(history, out / "curves.png")
+        (out / "metrics.json").write_text(json.dumps(
+            {"world_size": world, "test_accuracy": accuracy, "test_loss": test_loss,
+             "history": history}, indent=2))
+        print(f"final test accuracy {100 * accuracy:.2f}% on {len(test_set)} samples "
+              f"({world} processes); curves in {out / 'curves.png'}", flush=True)
+    phalanx.barrier()
+    # 6. leave the job
+    phalanx.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
