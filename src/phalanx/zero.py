@@ -26,10 +26,10 @@ from .errors import NotInitializedError
 __all__ = ["ZeroRedundancyOptimizer", "optimizer_state_bytes", "partition_by_size"]
 
 # Parameters this large are broadcast in place, each alone; smaller ones are coalesced. On Gloo
-# over loopback a broadcast costs ~0.3 ms however small, copying 1 MiB ~0.03 ms, and several
-# large broadcasts in flight overlap: with thresholds from 256 KiB to 16 MiB tried on three
-# model shapes (2 ranks, CPU), 1 MiB was fastest or near it on each, and up to 3x faster than
-# coalescing everything.
+# over loopback (2 ranks, a shared 2-core machine) a broadcast cost ~0.3 ms however small,
+# copying 1 MiB ~0.03 ms, and several large broadcasts in flight overlapped: of thresholds
+# from 256 KiB to 16 MiB tried on three model shapes, 1 MiB was fastest or near it on each,
+# and up to 3x faster than coalescing everything.
 _IN_PLACE_BYTES = 1 << 20
 
 
@@ -75,8 +75,10 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     Parameters are partitioned across the ranks of ``process_group``; each rank builds a
     local ``optimizer_class`` over the parameters it owns, ``step()`` updates only those, and
-    the owners then broadcast the updated values (one coalesced flat buffer per owner, dtype
-    and device), so all replicas are identical after ``step()``.
+    the owners then broadcast the updated values, so all replicas are identical after
+    ``step()``. Parameters of 1 MiB or more are broadcast in place; smaller ones travel
+    coalesced in flat buffers (per owner, device and dtype); all broadcasts are in flight
+    together.
 
     The partition is sorted-greedy by size in bytes: parameters, largest first, each go to
     the rank holding the fewest bytes so far (ties: lower parameter index, lower rank). It is
@@ -114,9 +116,9 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     .. warning::
         Construction, ``step()``, ``add_param_group()`` and ``consolidate_state_dict()``
-        are collectives: every rank of ``process_group`` must call them in the same order. A closure given to
-        ``step()`` runs once per rank per local ``step()``; optimizers that call it a
-        data-dependent number of times (LBFGS) would leave ranks out of step.
+        are collectives: every rank of ``process_group`` must call them in the same order.
+        A closure given to ``step()`` runs once per rank per local ``step()``; optimizers
+        that call it a data-dependent number of times (LBFGS) would leave ranks out of step.
 
     .. warning::
         ``state`` holds only this rank's shard (``self.optim.state``); other ranks'

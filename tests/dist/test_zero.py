@@ -206,12 +206,32 @@ def _train_in_subgroup(rank, group):
     return {"diff": _max_diff(model, ref), "owners": zero.param_owners, "state": state}
 
 
+def _more_ranks_than_params(rank, world_size):
+    """Two parameters on three ranks: rank 2 owns nothing, still steps, and can consolidate."""
+    torch.manual_seed(0)
+    model, ref = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+    ref.load_state_dict(model.state_dict())
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.1)
+    plain = torch.optim.Adam(ref.parameters(), lr=0.1)
+    x = torch.ones(4, 3)
+    for _ in range(3):
+        zero.zero_grad()
+        zero.step(lambda: model(x).pow(2).mean().backward())
+        ref(x).pow(2).mean().backward()
+        plain.step()
+        plain.zero_grad()
+    zero.consolidate_state_dict(to=2)
+    state = zero.state_dict()["state"] if rank == 2 else {}
+    return {"diff": _max_diff(model, ref), "local": len(zero.state), "state": sorted(state)}
+
+
 def _train_checks(rank, world_size):
     out = {name: _train_like_plain(rank, world_size, name) for name in OPTIMIZERS}
     out["memory"] = _memory(rank, world_size)
     out["add_group"] = _add_param_group(rank, world_size)
     if world_size == 3:
         out["subgroup"] = _subgroup(rank, world_size)
+        out["tiny"] = _more_ranks_than_params(rank, world_size)
     return out
 
 
@@ -267,6 +287,9 @@ def test_equivalence_memory_and_add_param_group(world_size):
         sub = [out["subgroup"] for out in results]
         assert sub[0] is None and all(s["diff"] <= TOL for s in sub[1:])
         assert set(sub[1]["owners"]) == {0, 1} and sub[2]["state"] == list(range(6))
+        tiny = [out["tiny"] for out in results]
+        assert [t["local"] for t in tiny] == [1, 1, 0] and tiny[2]["state"] == [0, 1]
+        assert all(t["diff"] <= TOL for t in tiny)
 
 
 RESHARD_AT = 4  # steps before the checkpoint; as many again after it
