@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .bucketing import FIRST_BUCKET_BYTES, MIB, BucketSpec, plan_buckets
+from .bucketing import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MIB, BucketSpec, plan_buckets
 from .errors import NotInitializedError
 from .reducer import AllReduceMean, Reducer
 
@@ -35,8 +35,8 @@ class DistributedDataParallel(nn.Module):
     ``module.``-prefixed ``state_dict`` keys), written on c10d collectives. At construction
     every rank checks that all ranks hold the same parameters and buffers (names, shapes,
     dtypes, count) and the same settings, then takes rank 0's values. During ``backward()``
-    gradients are copied into flat buckets (reverse registration order, a 1 MiB first bucket,
-    then ``bucket_cap_mb``); each bucket's asynchronous all-reduce starts as soon as its last
+    gradients are copied into flat buckets (reverse registration order, ``bucket_cap_mb``
+    each); each bucket's asynchronous all-reduce starts as soon as its last
     gradient is ready, buckets start in the same order on every rank, and ``backward()``
     returns only when every ``.grad`` holds the average over ranks.
 
@@ -69,8 +69,9 @@ class DistributedDataParallel(nn.Module):
             Default ``True``.
         process_group (ProcessGroup, optional): the group to average over. Default ``None``
             (the world).
-        bucket_cap_mb (float): bucket size in MiB. Default ``25`` (torch's). The first bucket
-            is ``min(1 MiB, bucket_cap_mb)``.
+        bucket_cap_mb (float, optional): bucket size in MiB. Default ``None``: 25 MiB with a
+            1 MiB first bucket, so the first all-reduce starts early; a number given
+            explicitly caps every bucket, the first included (torch 2.13 does the same).
         find_unused_parameters (bool): after each forward, walk the autograd graph from the
             outputs (any nesting of tuples, lists, dicts, dataclasses); parameters it does
             not reach are settled at the start of backward so nothing waits for them, and
@@ -111,7 +112,7 @@ class DistributedDataParallel(nn.Module):
         output_device: int | torch.device | None = None,
         broadcast_buffers: bool = True,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float = 25,  # torch's default, see bucketing.DEFAULT_BUCKET_CAP_MB
+        bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
@@ -151,8 +152,11 @@ class DistributedDataParallel(nn.Module):
         with torch.no_grad():
             comm.broadcast_tensors(list(module.parameters()) + list(module.buffers()), src=src, group=group)
         named = list(module.named_parameters())
-        cap = int(bucket_cap_mb * MIB)
-        self.bucket_plan = plan_buckets(named, cap, min(FIRST_BUCKET_BYTES, cap))
+        if bucket_cap_mb is None:
+            self.bucket_plan = plan_buckets(named, DEFAULT_BUCKET_CAP_MB * MIB, FIRST_BUCKET_BYTES)
+        else:
+            cap = int(bucket_cap_mb * MIB)
+            self.bucket_plan = plan_buckets(named, cap, cap)
         self._reducer = Reducer(
             named,
             self.bucket_plan,
@@ -237,10 +241,11 @@ def _check_group(group: Any) -> None:
 def _check_arguments(module: Any, bucket_cap_mb: Any, flags: dict[str, Any]) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, Real):
-        raise TypeError(f"bucket_cap_mb must be a number of MiB, got {type(bucket_cap_mb).__name__}")
-    if not bucket_cap_mb * MIB >= 1:  # also refuses NaN
-        raise ValueError(f"bucket_cap_mb must be positive (MiB per bucket), got {bucket_cap_mb}")
+    if bucket_cap_mb is not None:
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, Real):
+            raise TypeError(f"bucket_cap_mb must be a number of MiB or None, got {type(bucket_cap_mb).__name__}")
+        if not bucket_cap_mb * MIB >= 1:  # a bucket of at least one byte; also refuses NaN
+            raise ValueError(f"bucket_cap_mb must be positive (MiB per bucket), got {bucket_cap_mb}")
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")

@@ -27,6 +27,7 @@ as torch does, so e.g. Adam skips them).
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -116,10 +117,12 @@ class Reducer:
             self._bucket_of += [b] * len(spec.slots)
         self._views = [view for bucket in self._buckets for view in bucket.views]
         self._index = {id(p): k for k, p in enumerate(self.params)}
+        # The hooks hold the reducer weakly: a discarded DDP leaves nothing acting on the model.
+        me = weakref.ref(self)
         self._hooks = [
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, k))
-            for k, p in enumerate(self.params)
+            p.register_post_accumulate_grad_hook(functools.partial(_hook, me, k)) for k, p in enumerate(self.params)
         ]
+        weakref.finalize(self, _remove_all, list(self._hooks))
         self._armed = False  # hooks act: the last forward was a synchronising one
         self.awaiting_backward = False  # a synchronising forward ran, its backward has not ended
         self._reached: set[int] | None = None  # find_unused: reachable from the outputs
@@ -138,6 +141,8 @@ class Reducer:
 
     def prepare(self, sync: bool, outputs: Any = None) -> None:
         """Called after each forward: arm (``sync``) or disarm the next backward's hooks."""
+        if self._started:  # a backward that failed midway never reached _finalize
+            self._reset()
         self._armed = sync
         if not sync:
             return
@@ -264,11 +269,16 @@ class Reducer:
         everyone = comm.all_gather_object(self._describe(), self.comm.group)
         raise UnusedParametersError(_problem_message(dict(enumerate(everyone)), self.static_graph))
 
-    def remove_hooks(self) -> None:
-        """Detach from the parameters (the reducer does nothing afterwards)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+
+def _hook(reducer: weakref.ref, k: int, param: torch.Tensor) -> None:
+    alive = reducer()
+    if alive is not None:
+        alive._on_grad(k, param)
+
+
+def _remove_all(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _problem_message(by_rank: dict[int, dict[str, list[str]]], static_graph: bool) -> str:

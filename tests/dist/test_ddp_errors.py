@@ -90,7 +90,7 @@ def test_construction_errors_on_every_rank():
         assert ("rank 0 has 'arguments' accepted, rank 2 has 'arguments' refused: bucket_cap_mb must be "
                 "positive (MiB per bucket), got -1") in message
         assert out["not_module"] == ("TypeError", "module must be a torch.nn.Module, got function")
-        assert out["cap_type"] == ("TypeError", "bucket_cap_mb must be a number of MiB, got str")
+        assert out["cap_type"] == ("TypeError", "bucket_cap_mb must be a number of MiB or None, got str")
         assert out["cap_zero"] == ("ValueError", "bucket_cap_mb must be positive (MiB per bucket), got 0")
         assert out["flag_type"] == ("TypeError", "find_unused_parameters must be True or False, got 'yes'")
         assert out["cpu_device_ids"] == ("ValueError", (

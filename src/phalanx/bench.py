@@ -1,0 +1,176 @@
+"""The DDP benchmark engine: models, timed training steps, interleaved comparisons, the table.
+
+Run inside an initialised process group (one process per rank); ``benchmarks/bench_ddp.py``
+spawns the ranks, and ``phalanx bench`` can call the same functions. Everything a rank
+measures is a list of step times; a step is ``zero_grad``, forward, loss, backward (which,
+under DDP, includes waiting for the gradient all-reduce) and an SGD step.
+
+* :func:`compare` runs the implementations in turn, ``A B A B ...``, each repeat on a fresh
+  model built from the same seed, with the same data and bucket size, so a noisy neighbour
+  hurts all of them alike; it reports every step time, with and without gradient sync.
+* Exposed communication is the step time minus the step time of the same implementation
+  under ``no_sync()`` (no all-reduce at all): the communication the backward did not hide.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .ddp import DistributedDataParallel
+
+IMPLEMENTATIONS = ("bare", "phalanx", "torch")
+
+
+def mlp(width: int = 2048, depth: int = 3, inputs: int = 1024, classes: int = 10) -> nn.Module:
+    """An MLP; the defaults give 10.5M parameters (42 MB of fp32 gradients)."""
+    layers: list[nn.Module] = [nn.Linear(inputs, width), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, classes))
+    return nn.Sequential(*layers)
+
+
+def cnn(classes: int = 10) -> nn.Module:
+    """A small CNN for 3x32x32 images (0.29M parameters), with BatchNorm buffers to broadcast."""
+
+    def block(cin: int, cout: int) -> list[nn.Module]:
+        return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(), nn.MaxPool2d(2)]
+
+    return nn.Sequential(*block(3, 32), *block(32, 64), *block(64, 128), nn.Flatten(),
+                         nn.Linear(128 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, classes))
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "mlp": (mlp, (1024,)),  # builder, shape of one input sample
+    "cnn": (cnn, (3, 32, 32)),
+}
+
+
+def make_batch(model: str, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random inputs and class labels for ``model`` (seeded: every run sees the same data)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = MODELS[model][1]
+    return torch.randn(batch_size, *shape, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
+
+
+def build(model: str, impl: str, bucket_cap_mb: float | None = None, seed: int = 0) -> nn.Module:
+    """A fresh ``model``, bare or wrapped by phalanx's or torch's DDP (``None``: their default buckets)."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl must be one of {', '.join(IMPLEMENTATIONS)}, got {impl!r}")
+    torch.manual_seed(seed)
+    net = MODELS[model][0]()
+    if impl == "phalanx":
+        return DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb)
+    if impl == "torch":
+        return torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb)
+    return net
+
+
+class Trainer:
+    """One implementation's model, optimizer and batch; :meth:`step` times one training step."""
+
+    def __init__(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.net = net
+        self.opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+        self.batch = batch
+
+    def step(self, sync: bool = True) -> float:
+        """Seconds for zero_grad, forward, loss, backward, optimizer step (``sync=False``: in ``no_sync()``)."""
+        x, y = self.batch
+        start = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        if sync or not hasattr(self.net, "no_sync"):
+            F.cross_entropy(self.net(x), y).backward()
+        else:
+            with self.net.no_sync():
+                F.cross_entropy(self.net(x), y).backward()
+        self.opt.step()
+        return time.perf_counter() - start
+
+
+def compare(
+    model: str,
+    impls: Sequence[str],
+    repeats: int = 5,
+    steps: int = 10,
+    warmup: int = 3,
+    batch_size: int = 64,
+    bucket_cap_mb: float | None = None,
+    with_no_sync: bool = True,
+) -> dict[str, dict[str, list[float]]]:
+    """Step times per implementation: ``{impl: {"sync": [...], "no_sync": [...]}}``.
+
+    Each repeat builds every implementation afresh from seed 0 and gives each ``warmup``
+    untimed steps (torch's DDP rebuilds its buckets after the first). Then the implementations
+    take turns step by step (A B, B A, A B, ...): ``steps`` timed steps each, then, if
+    ``with_no_sync``, ``steps`` more under ``no_sync()``. Every rank must call this with the
+    same arguments.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    batch = make_batch(model, batch_size, seed=1 + rank)
+    out: dict[str, dict[str, list[float]]] = {impl: {"sync": [], "no_sync": []} for impl in impls}
+    modes = ["sync", "no_sync"] if with_no_sync else ["sync"]
+    for _ in range(repeats):
+        trainers = {impl: Trainer(build(model, impl, bucket_cap_mb), batch) for impl in impls}
+        for trainer in trainers.values():
+            for _ in range(warmup):
+                trainer.step()
+        for mode in modes:
+            times: dict[str, list[float]] = {impl: [] for impl in impls}
+            for i in range(steps):
+                order = list(impls) if i % 2 == 0 else list(reversed(impls))
+                for impl in order:
+                    times[impl].append(trainers[impl].step(sync=mode == "sync"))
+            for impl in impls:
+                if mode == "sync" or impl != "bare":
+                    out[impl][mode] += _slowest(times[impl])
+    return out
+
+
+def _slowest(times: list[float]) -> list[float]:
+    """Each step's time on the slowest rank: a data-parallel step ends when every rank's does."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return times
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def summarize(model: str, times: dict[str, dict[str, list[float]]], global_batch: int) -> list[dict]:
+    """One row per implementation: medians in ms, samples/s, ratio to torch (or to bare), exposed comm."""
+    base = "torch" if "torch" in times else "bare"
+    base_ms = 1000 * statistics.median(times[base]["sync"])
+    rows = []
+    for impl, t in times.items():
+        step_ms = 1000 * statistics.median(t["sync"])
+        no_sync_ms = 1000 * statistics.median(t["no_sync"]) if t["no_sync"] else None
+        rows.append({
+            "model": model,
+            "impl": impl,
+            "step_ms": step_ms,
+            "samples_per_s": global_batch / (step_ms / 1000),
+            f"ratio_vs_{base}": step_ms / base_ms,
+            "no_sync_ms": no_sync_ms,
+            "exposed_comm_ms": None if no_sync_ms is None else step_ms - no_sync_ms,
+        })
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """A markdown table of :func:`summarize` rows."""
+    if not rows:
+        return ""
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [f"{v:.3f}" if isinstance(v, float) and k.startswith("ratio") else
+                 f"{v:.1f}" if isinstance(v, float) else "-" if v is None else str(v) for k, v in row.items()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
