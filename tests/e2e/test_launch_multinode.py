@@ -12,12 +12,22 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 
 import pytest
 import torch
 
-from tests.e2e.launch_helpers import TRAIN, base_env, finish, phalanx_cmd, run, start
+from tests.e2e.launch_helpers import (
+    BEHAVE,
+    TRAIN,
+    base_env,
+    finish,
+    phalanx_cmd,
+    run,
+    start,
+    wait_for_files,
+)
 from tests.harness import free_port
 
 
@@ -116,3 +126,45 @@ def test_two_nodes_in_network_namespaces_equal_one_node(tmp_path, reference):
     assert len(found) == 2 and all(found.values()), found
     assert {addr for addrs in found.values() for addr in addrs} == {addr0}, found
 
+
+
+def _behaving_nodes(tmp_path, *worker_args, opts=()):
+    """Two one-worker nodes on loopback running the torch-free test worker; node 0 first."""
+    port = str(free_port())
+    return [start(phalanx_cmd("--nnodes", "2", "--node-rank", str(node), "--master-addr",
+                              "127.0.0.1", "--master-port", port, *opts, BEHAVE,
+                              "--record", str(tmp_path), *worker_args))
+            for node in (0, 1)]
+
+
+def test_a_failure_on_one_node_restarts_every_node(tmp_path):
+    procs = _behaving_nodes(tmp_path, "--fail-rank", "1", "--only-first-attempt", "--sleep", "1",
+                            opts=("--max-restarts", "1"))
+    node0, node1 = [finish(p) for p in procs]
+    assert node0.code == 0 and node1.code == 0, node0.err + node1.err
+    assert sorted((tmp_path / "attempts.log").read_text().splitlines()) == [
+        "attempt 0 rank 0", "attempt 0 rank 1", "attempt 1 rank 0", "attempt 1 rank 1"]
+    for res in (node0, node1):  # both launchers name the same root cause
+        assert ("attempt 1 of 2 failed: rank 1 (local rank 0) on node 1" in res.err
+                and "(ValueError: boom from rank 1 on attempt 0)" in res.err)
+        assert "succeeded on attempt 2" in res.err
+
+
+def test_the_root_cause_on_one_node_is_reported_by_every_node(tmp_path):
+    procs = _behaving_nodes(tmp_path, "--fail-rank", "1", "--fail-after", "0.5", "--sleep", "60")
+    node0, node1 = [finish(p) for p in procs]
+    assert node0.code == node1.code == 1, node0.err + node1.err
+    for res in (node0, node1):
+        assert "root cause: rank 1 (local rank 0) on node 1" in res.err
+        assert "ValueError: boom from rank 1 on attempt 0" in res.err
+    assert "workers on node 0: rank 0: signal SIGTERM" in node0.err  # stopped on node 0 too
+
+
+def test_sigterm_to_one_launcher_stops_every_node(tmp_path):
+    procs = _behaving_nodes(tmp_path, "--sleep", "60")
+    wait_for_files([tmp_path / "pid.0", tmp_path / "pid.1"])
+    procs[0].send_signal(signal.SIGTERM)
+    node0, node1 = [finish(p, timeout=60) for p in procs]
+    assert node0.code == node1.code == 128 + signal.SIGTERM, node0.err + node1.err
+    for res in (node0, node1):
+        assert "SIGTERM received by the launcher of node 0: stopped every worker" in res.err

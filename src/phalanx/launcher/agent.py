@@ -26,7 +26,7 @@ import threading
 import time
 
 from ..env import DistEnv, worker_environ
-from ..errors import PREEMPTED_EXIT_CODE
+from ..errors import PREEMPTED_EXIT_CODE, RendezvousError
 from .config import STDERR, STDOUT, LaunchConfig
 from .events import FORWARD_SIGNALS, STOP_SIGNALS, Pump, SignalInbox
 from .output import Console, WorkerOutput
@@ -50,8 +50,8 @@ class Agent:
 
     def run(self) -> int:
         """All rounds; returns the launcher's exit status."""
-        last = self.config.max_restarts
-        for round_ in range(last + 1):
+        last, round_ = self.config.max_restarts, 0
+        while True:
             record, workers = self._round(round_)
             if not self._restarts(record, round_):
                 return self._finish(record, workers, round_)
@@ -61,7 +61,7 @@ class Agent:
                 f"{_last_line(record['traceback'])}; restarting every worker "
                 f"({last - round_} restart(s) left)"
             )
-        raise AssertionError("unreachable: the last round always finishes")
+            round_ += 1
 
     def close(self) -> None:
         self._pump.close()
@@ -87,7 +87,11 @@ class Agent:
             if self.board.nnodes == 1:
                 # The socket already listens; its server starts while the workers import torch.
                 self.store.open_round()
-            record = self._watch(workers, round_)
+            try:
+                record = self._watch(workers, round_)
+            except RendezvousError:  # the other nodes are gone: stop ours gracefully all the same
+                self._stop(workers, {"kind": "lost"})
+                raise
             if not self._restarts(record, round_):
                 self._check_out()  # before stopping: node 0 may close the store after this
             self._stop(workers, record)

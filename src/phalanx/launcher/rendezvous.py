@@ -219,6 +219,7 @@ class NodeBoard:
         self._where = f"{config.master_addr}:{config.master_port}"
         self._timeout = config.rdzv_timeout
         self._interrupted = interrupted
+        self._checked_out = False
 
     def _op(self, fn: Callable, *args: Any) -> Any:
         try:
@@ -303,10 +304,12 @@ class NodeBoard:
     def check_out(self) -> None:
         """This node needs the store no more."""
         self._op(self._store.add, "checked_out", 1)
+        self._checked_out = True
 
     def close(self) -> None:
-        """Node 0 keeps the store up until every node has checked out (bounded)."""
-        if self._node == 0:
+        """Node 0, once the job has ended, keeps the store up until every node has checked
+        out (bounded); after a rendezvous failure nobody will."""
+        if self._node == 0 and self._checked_out:
             deadline = time.monotonic() + _CHECK_OUT_WAIT_S
             while time.monotonic() < deadline:
                 if self._op(self._store.add, "checked_out", 0) >= self.nnodes:
