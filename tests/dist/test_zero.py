@@ -424,6 +424,17 @@ def _error_checks(rank, world_size):
     _expect(errors, "stale", zero.state_dict, RuntimeError)
     zero.load_state_dict(good[0])  # what fits loads, after all those failures
     errors["reloaded"] = optimizer_state_bytes(zero) > 0
+    # a plain optimizer's state dict loads too: each rank takes its parameters' entries
+    twin = copy.deepcopy(model)
+    plain = torch.optim.Adam(_groups(twin), lr=0.02)
+    for p in twin.parameters():
+        p.grad = torch.ones_like(p)
+    plain.step()
+    zero.load_state_dict(plain.state_dict())
+    pairs = [(zero.state[p], plain.state[q]) for p, q in zip(model.parameters(), twin.parameters())
+             if p in zero.state]
+    errors["from_plain"] = (len(pairs), zero.param_groups[0]["lr"],
+                            all(torch.equal(a["exp_avg"], b["exp_avg"]) for a, b in pairs))
     return errors
 
 
@@ -461,3 +472,6 @@ def test_errors_name_what_is_wrong():
             "ValueError: state_dict does not fit: it has state for parameter ids [99] that none "
             "of its parameter groups lists")
         assert errors["unchanged"] and errors["reloaded"]
+    owned = [errors["from_plain"][0] for errors in results]
+    assert sum(owned) == 6 and all(n > 0 for n in owned)
+    assert all(errors["from_plain"][1:] == (0.02, True) for errors in results)
