@@ -168,3 +168,15 @@ def test_sigterm_to_one_launcher_stops_every_node(tmp_path):
     assert node0.code == node1.code == 128 + signal.SIGTERM, node0.err + node1.err
     for res in (node0, node1):
         assert "SIGTERM received by the launcher of node 0: stopped every worker" in res.err
+
+
+def test_launchers_started_with_different_options_both_refuse(tmp_path):
+    port = str(free_port())
+    procs = [start(phalanx_cmd("--nnodes", "2", "--node-rank", str(node), "--master-addr",
+                               "127.0.0.1", "--master-port", port, "--max-restarts", str(node),
+                               BEHAVE, "--record", str(tmp_path)))
+             for node in (0, 1)]
+    for res in [finish(p, timeout=60) for p in procs]:
+        assert res.code == 1, res.err
+        assert "disagree on --max-restarts: node 0 has 0, node 1 has 1" in res.err
+    assert not (tmp_path / "attempts.log").exists()  # no worker started anywhere

@@ -106,6 +106,18 @@ def test_sigterm_to_the_launcher_is_forwarded_and_preemption_reported(tmp_path):
     assert "(preempted, resumable)" in res.err
 
 
+def test_sigusr1_is_only_forwarded_and_the_preempted_exit_reported(tmp_path):
+    # Slurm's --signal announces preemption with SIGUSR1: the launcher passes it on and keeps
+    # watching; the workers save and exit 75 on their own.
+    proc, _ = _start_and_wait(tmp_path, "--sleep", "60", "--on-sigterm-exit",
+                              str(PREEMPTED_EXIT_CODE), opts=("--standalone", "--nproc-per-node", "2"))
+    proc.send_signal(signal.SIGUSR1)
+    res = finish(proc, timeout=30)
+    assert res.code == PREEMPTED_EXIT_CODE, res.err
+    assert [(tmp_path / f"signal.{r}").read_text() for r in (0, 1)] == ["SIGUSR1", "SIGUSR1"]
+    assert "exited with 75 (preempted, resumable; not a failure)" in res.err
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP, signal.SIGTERM])
 def test_stop_signals_end_every_worker_within_the_shutdown_timeout(tmp_path, signum):
     proc, _ = _start_and_wait(tmp_path, "--sleep", "60",

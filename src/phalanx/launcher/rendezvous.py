@@ -6,11 +6,11 @@ Everything here stands on torch's ``TCPStore``; no protocol of our own goes over
   ``--standalone``), never to all interfaces, and handed to ``TCPStore`` with
   ``master_listen_fd``. A port already taken is a :class:`~phalanx.errors.LaunchConfigError`.
 * **The workers' store** (:class:`WorkerStore`), what ``MASTER_ADDR:MASTER_PORT`` point at, is
-  hosted by node 0's launcher (``TORCHELASTIC_USE_AGENT_STORE=True``, as torchrun does). Each
-  round gets a *new* ``TCPStore`` server on the same listening socket, so a restarted group never
-  reads the keys of the attempt before (torchrun reuses its store, and a restarted Gloo group
-  can connect to the dead attempt's addresses). Connections made while no server runs wait in
-  the socket's backlog.
+  hosted by node 0's launcher (``TORCHELASTIC_USE_AGENT_STORE=True``, as torchrun does), in a
+  child process of its own. Each round gets a *new* ``TCPStore`` server on the same listening
+  socket, so a restarted group never reads the keys of the attempt before (torchrun reuses its
+  store, and a restarted Gloo group can dial the dead attempt's addresses). Connections made
+  while no server runs wait in the socket's backlog.
 * **Several nodes** (:class:`NodeBoard`): node 0's launcher also hosts a rendezvous store at
   ``--master-addr:--master-port``; every launcher registers there, they agree on the world size
   and rank offsets, hold a barrier before each round, and publish how each round ended.
@@ -254,23 +254,32 @@ class NodeBoard:
         if self._node == 0:
             info.update(run_id=config.run_id or str(uuid.uuid4()), store_port=store_port)
         self._op(self._store.set, f"node{self._node}/info", json.dumps(info))
+        # Node 0's options first, so a launcher started with another --nnodes fails at once
+        # instead of waiting for nodes that will never come.
+        self._wait(["node0/info"], "join", [0])
+        self._check_alike({0: json.loads(self._op(self._store.get, "node0/info")), self._node: info})
         nodes = list(range(self.nnodes))
         self._wait([f"node{n}/info" for n in nodes], "join", nodes)
         infos = [json.loads(self._op(self._store.get, f"node{n}/info")) for n in nodes]
-        for key in ("nnodes", "max_restarts"):
-            differ = [(n, i[key]) for n, i in enumerate(infos) if i[key] != infos[0][key]]
-            if differ:
-                n, value = differ[0]
-                raise RendezvousError(
-                    f"The launchers disagree on --{key.replace('_', '-')}: node 0 has "
-                    f"{infos[0][key]}, node {n} has {value}; start every node with the same options"
-                )
+        self._check_alike(dict(enumerate(infos)))
         counts = [i["nproc"] for i in infos]
         return Layout(
             world_size=sum(counts), rank_offset=sum(counts[: self._node]), nnodes=self.nnodes,
             run_id=infos[0]["run_id"], store_host=config.master_addr,
             store_port=infos[0]["store_port"],
         )
+
+    @staticmethod
+    def _check_alike(infos: dict[int, dict]) -> None:
+        """Every launcher must be started with node 0's --nnodes and --max-restarts."""
+        for key in ("nnodes", "max_restarts"):
+            for node, info in sorted(infos.items()):
+                if info[key] != infos[0][key]:
+                    raise RendezvousError(
+                        f"The launchers disagree on --{key.replace('_', '-')}: node 0 has "
+                        f"{infos[0][key]}, node {node} has {info[key]}; start every node with "
+                        "the same options"
+                    )
 
     def start_round(self, round_: int, open_store: Callable[[], None] | None) -> None:
         """Barrier before a round: node 0 opens the round's store once every node has
@@ -342,7 +351,13 @@ def meet(config: LaunchConfig, nproc: int, interrupted,
     else:
         left = wait_reachable(config.master_addr, config.master_port, config.rdzv_timeout,
                               config.node_rank, interrupted)
-        store = _tcp_store(config.master_addr, config.master_port, left, None)
+        try:
+            store = _tcp_store(config.master_addr, config.master_port, left, None)
+        except RuntimeError as e:  # DistNetworkError, DistStoreError
+            raise RendezvousError(
+                f"Node {config.node_rank} reached {config.master_addr}:{config.master_port} but "
+                f"found no phalanx/torch store there ({e}); is that node 0's launcher?"
+            ) from None
     board = NodeBoard(store, config, interrupted)
     layout = board.join(nproc, config, worker_store.port if worker_store else None)
     return board, worker_store, layout

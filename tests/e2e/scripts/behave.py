@@ -43,7 +43,7 @@ if args.on_sigterm_exit is not None:
     def _on_term(signum, frame):
         write(f"signal.{rank}", signal.Signals(signum).name)
         sys.exit(args.on_sigterm_exit)
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(s, _on_term)
 if args.ignore_sigterm == rank:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
