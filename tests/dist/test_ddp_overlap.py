@@ -4,11 +4,14 @@ Each rank records two kinds of events in one list: ("grad", name) from a hook re
 every parameter *before* DDP's own (so it fires first), and ("launch", bucket) from a wrapper
 around ``torch.distributed.all_reduce`` (the real collective still runs). The model registers
 its layers in an order different from the order it uses them, so one bucket is complete
-before the bucket in front of it: the reducer must hold it back.
+before the bucket in front of it: the reducer must hold it back. A layer that is never used
+must not hold its bucket back either: found by the graph walk (find_unused_parameters) or
+learned in the first backward (static_graph).
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -34,13 +37,20 @@ class Shuffled(nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
-def _record(model: nn.Module, bucket_cap_mb: float, rank: int, steps: int = 2):
+class WithDead(Shuffled):
+    """Adds a layer registered last and never used: it alone forms bucket 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.d = nn.Linear(16, 16)
+
+
+def _record(model: nn.Module, bucket_cap_mb: float, rank: int, steps: int = 2, **ddp_args):
     events: list[tuple[str, object]] = []
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda _p, name=name: events.append(("grad", name)))
-    ddp = phalanx.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-    sizes = [spec.numel for spec in ddp.bucket_plan]
-    sizes[-1] += 1  # the control element carried by the last bucket
+    ddp = phalanx.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **ddp_args)
+    sizes = [bucket.buffer.numel() for bucket in ddp._reducer._buckets]  # with the control tail
     original = dist.all_reduce
 
     def recording_all_reduce(tensor, *args, **kwargs):
@@ -58,7 +68,7 @@ def _record(model: nn.Module, bucket_cap_mb: float, rank: int, steps: int = 2):
     finally:
         dist.all_reduce = original
     plan = [[slot.name for slot in spec.slots] for spec in ddp.bucket_plan]
-    return per_step, plan, [p.grad.clone() for p in model.parameters()]
+    return per_step, plan, [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
 def overlapped(events) -> bool:
@@ -81,12 +91,19 @@ def _overlap_checks(rank, world_size):
     diff = max((g - p.grad).abs().max().item() for g, p in zip(grads, naive.parameters()))
     torch.manual_seed(rank)
     single_bucket, _, _ = _record(Shuffled(), 25, rank, steps=1)
-    return {"per_step": per_step, "plan": plan, "diff": diff, "single_bucket": single_bucket[0]}
+    found, _, _ = _record(WithDead(), CAP_MB, rank, find_unused_parameters=True)
+    learned, _, _ = _record(WithDead(), CAP_MB, rank, static_graph=True)
+    return {"per_step": per_step, "plan": plan, "diff": diff, "single_bucket": single_bucket[0],
+            "found": found, "learned": learned}
 
 
-def test_allreduce_overlaps_backward_in_bucket_order():
-    results = run_ranks(_overlap_checks, 2)
-    for rank, out in enumerate(results):
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_overlap_checks, 2)  # one group of processes for every test here
+
+
+def test_allreduce_overlaps_backward_in_bucket_order(results):
+    for out in results:
         assert out["plan"] == [["b.bias", "b.weight"], ["c.bias", "c.weight"], ["a.bias", "a.weight"]]
         assert out["diff"] < 1e-6
         for events in out["per_step"]:
@@ -100,3 +117,20 @@ def test_allreduce_overlaps_backward_in_bucket_order():
         # Negative control: one bucket cannot overlap, and the check says so.
         assert not overlapped(out["single_bucket"]), out["single_bucket"]
         assert [e for e in out["single_bucket"] if e[0] == "launch"] == [("launch", 0)]
+
+
+def _dead_bucket_launch(events) -> int:
+    """Position of bucket 0's (the unused layer's) launch among the events."""
+    return events.index(("launch", 0))
+
+
+def test_unused_parameters_do_not_hold_back_their_bucket(results):
+    for out in results:
+        # find_unused_parameters: the graph walk settles the dead layer at the first hook
+        for events in out["found"]:
+            assert _dead_bucket_launch(events) == 1, events
+            assert [b for kind, b in events if kind == "launch"] == [0, 1, 2, 3]
+        # static_graph: the first backward learns it (bucket 0 waits to the end), the next uses it
+        first, second = out["learned"]
+        assert _dead_bucket_launch(first) == len(first) - 4, first  # after every gradient
+        assert _dead_bucket_launch(second) == 1, second
