@@ -40,6 +40,12 @@ class StreamChoice:
     Args:
         default: streams of the local ranks not listed. Default ``3`` (both).
         per_rank: ``(local_rank, streams)`` pairs. Default none.
+
+    Example::
+
+        >>> choice = StreamChoice.parse("0:3,1:2", "--tee")
+        >>> [choice.for_rank(r) for r in (0, 1, 2)]
+        [3, 2, 0]
     """
 
     default: int = BOTH
