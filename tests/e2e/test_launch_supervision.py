@@ -6,6 +6,7 @@ fraction of a second; the launcher is the thing under test.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -155,10 +156,14 @@ def test_no_worker_outlives_a_sigkilled_launcher(tmp_path):
     pids = {name: int((tmp_path / f"{name}.{r}").read_text())
             for name in ("pid", "child") for r in (0, 1)}
     assert set(pids.values()) <= set(tree)
+    scratch = os.path.dirname(json.loads((tmp_path / "env.0.json").read_text())[
+        "TORCHELASTIC_ERROR_FILE"]).split("/attempt_")[0]
+    assert os.path.isdir(scratch)
     proc.kill()
     proc.communicate()
     left = wait_all_gone(tree, timeout=5)
     assert not left, [psutil.Process(p).cmdline() for p in left if alive(p)]
+    assert not os.path.exists(scratch)  # the launcher's scratch directory went with it
 
 
 def test_log_dir_files_and_tee_per_rank(tmp_path):

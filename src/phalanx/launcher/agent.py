@@ -17,7 +17,6 @@ with that worker's status.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -40,11 +39,11 @@ class Agent:
     """Runs the rounds of one node. Built by :func:`launch`; see the module docstring."""
 
     def __init__(self, config: LaunchConfig, layout: Layout, board, store, console: Console,
-                 inbox: SignalInbox, guardian: Guardian) -> None:
+                 inbox: SignalInbox, guardian: Guardian, scratch: str) -> None:
         self.config, self.layout, self.board, self.store = config, layout, board, store
         self.console, self.inbox, self.guardian = console, inbox, guardian
         self._pump = Pump(inbox)
-        self._scratch = tempfile.mkdtemp(prefix="phalanx-")  # torch's per-worker error files
+        self._scratch = scratch  # torch's per-worker error files; the guardian removes it
         self._host = socket.gethostname()
         self._checked_out = False
 
@@ -65,7 +64,6 @@ class Agent:
 
     def close(self) -> None:
         self._pump.close()
-        shutil.rmtree(self._scratch, ignore_errors=True)
 
     def _restarts(self, record: dict, round_: int) -> bool:
         return (record["kind"] == "failed" and round_ < self.config.max_restarts
@@ -263,20 +261,21 @@ def launch(config: LaunchConfig) -> int:
             "parent-death signal is tied to the thread that forks them"
         )
     console = Console(sys.stdout.buffer, sys.stderr.buffer)
-    guardian = Guardian()  # first, while this process has no threads and no workers
+    scratch = tempfile.mkdtemp(prefix="phalanx-")
+    guardian = Guardian(scratch)  # first, while this process has no threads and no workers
     try:
         with SignalInbox() as inbox:
-            return _meet_and_run(config, console, inbox, guardian)
+            return _meet_and_run(config, console, inbox, guardian, scratch)
     finally:
         guardian.close()
 
 
 def _meet_and_run(config: LaunchConfig, console: Console, inbox: SignalInbox,
-                  guardian: Guardian) -> int:
+                  guardian: Guardian, scratch: str) -> int:
     store = board = agent = None
     try:
         board, store, layout = meet(config, config.nproc_per_node, inbox.pending_stop, guardian)
-        agent = Agent(config, layout, board, store, console, inbox, guardian)
+        agent = Agent(config, layout, board, store, console, inbox, guardian, scratch)
         return agent.run()
     except Interrupted as e:
         console.note(f"{signal.Signals(e.signum).name} received while waiting for the other nodes")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 from dataclasses import dataclass
@@ -102,18 +103,19 @@ def shell_status(returncode: int) -> int:
 
 class Guardian:
     """A small process that SIGKILLs the registered worker process groups once the
-    launcher is gone. Fork it first, before threads or workers exist.
+    launcher is gone, and removes the launcher's scratch directory. Fork it first, before
+    threads or workers exist.
 
     The launcher writes ``+PGID`` / ``-PGID`` lines to it; end of file means the launcher
     has exited, and every group still registered is killed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, scratch: str) -> None:
         read_end, self._write_end = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:  # pragma: no cover - runs in the forked child
             os.close(self._write_end)
-            _guard(read_end)
+            _guard(read_end, scratch)
         os.close(read_end)
 
     def watch(self, pgid: int) -> None:
@@ -134,7 +136,7 @@ class Guardian:
         os.waitpid(self.pid, 0)
 
 
-def _guard(read_end: int) -> None:  # pragma: no cover - runs in the forked child
+def _guard(read_end: int, scratch: str) -> None:  # pragma: no cover - forked child
     try:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
                        signal.SIGUSR1, signal.SIGUSR2):
@@ -159,5 +161,6 @@ def _guard(read_end: int) -> None:  # pragma: no cover - runs in the forked chil
                 os.killpg(pgid, signal.SIGKILL)
             except OSError:
                 pass
+        shutil.rmtree(scratch, ignore_errors=True)
     finally:
         os._exit(0)
