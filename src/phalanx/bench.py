@@ -5,9 +5,11 @@ spawns the ranks, and ``phalanx bench`` can call the same functions. Everything 
 measures is a list of step times; a step is ``zero_grad``, forward, loss, backward (which,
 under DDP, includes waiting for the gradient all-reduce) and an SGD step.
 
-* :func:`compare` runs the implementations in turn, ``A B A B ...``, each repeat on a fresh
-  model built from the same seed, with the same data and bucket size, so a noisy neighbour
-  hurts all of them alike; it reports every step time, with and without gradient sync.
+* :func:`compare` runs the implementations step by step in turn (A B, B A, A B, ...), each
+  repeat on fresh models built from the same seed, with the same data and bucket size, so a
+  noisy neighbour hurts all of them alike; it reports every step time, with and without
+  gradient sync. Step i of A and step i of B ran side by side, so the median of their
+  ratios (``paired_ratio``) cancels slow changes in the machine's load.
 * Exposed communication is the step time minus the step time of the same implementation
   under ``no_sync()`` (no all-reduce at all): the communication the backward did not hide.
 """
@@ -144,9 +146,10 @@ def _slowest(times: list[float]) -> list[float]:
 
 
 def summarize(model: str, times: dict[str, dict[str, list[float]]], global_batch: int) -> list[dict]:
-    """One row per implementation: medians in ms, samples/s, ratio to torch (or to bare), exposed comm."""
+    """One row per implementation: medians in ms, samples/s, ratios to torch (or bare), exposed comm."""
     base = "torch" if "torch" in times else "bare"
-    base_ms = 1000 * statistics.median(times[base]["sync"])
+    base_times = times[base]["sync"]
+    base_ms = 1000 * statistics.median(base_times)
     rows = []
     for impl, t in times.items():
         step_ms = 1000 * statistics.median(t["sync"])
@@ -157,6 +160,7 @@ def summarize(model: str, times: dict[str, dict[str, list[float]]], global_batch
             "step_ms": step_ms,
             "samples_per_s": global_batch / (step_ms / 1000),
             f"ratio_vs_{base}": step_ms / base_ms,
+            "paired_ratio": statistics.median(a / b for a, b in zip(t["sync"], base_times)),
             "no_sync_ms": no_sync_ms,
             "exposed_comm_ms": None if no_sync_ms is None else step_ms - no_sync_ms,
         })
@@ -170,7 +174,7 @@ def format_table(rows: list[dict]) -> str:
     columns = list(rows[0])
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        cells = [f"{v:.3f}" if isinstance(v, float) and k.startswith("ratio") else
+        cells = [f"{v:.3f}" if isinstance(v, float) and "ratio" in k else
                  f"{v:.1f}" if isinstance(v, float) else "-" if v is None else str(v) for k, v in row.items()]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

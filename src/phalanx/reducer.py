@@ -9,7 +9,8 @@ How one synchronising backward runs:
    accumulated. The hook copies the gradient, divided by the world size, into its slot of the
    bucket's flat buffer (one fused op; with ``gradient_as_bucket_view`` the slot *is* ``.grad``).
    The first hook of the backward queues ``_finalize`` on the autograd engine and marks the
-   parameters known to be unused ready at once (their contribution: the current ``.grad``, or 0).
+   parameters known to be unused (found by the walk, or, with ``static_graph=True``, learned
+   in the first backward) ready at once; their contribution is the current ``.grad``, or 0.
 3. A bucket whose slots are all filled is launched, asynchronously, but strictly in bucket order:
    bucket k waits for buckets 0..k-1, so every rank issues the same collectives in the same order.
 4. ``_finalize`` runs when the engine is done: it fills and launches what is left (parameters
@@ -41,8 +42,8 @@ from .errors import UnusedParametersError
 class AllReduceMean:
     """Default bucket communication: an all-reduce (sum) of gradients pre-divided by ``divisor``.
 
-    A communication strategy has two members: ``divisor`` (the reducer divides each gradient
-    by it while copying it into the bucket, saving a pass over the buffer) and
+    A communication strategy has three members: ``group``, ``divisor`` (the reducer divides
+    each gradient by it while copying it into the bucket, saving a pass over the buffer) and
     ``launch(flat) -> Work``, which starts reducing one bucket's flat buffer asynchronously.
     When the returned work completes, the buffer must hold the reduced gradients this rank
     needs, and the control tail of the last bucket (see the module docstring) must be summed

@@ -11,6 +11,7 @@ buffers must agree within 1e-5 relative (max-norm per tensor).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import pytest
@@ -157,7 +158,7 @@ def train_ddp(case, ddp, rank, world_size):
             last = micro == accum - 1
             if case.get("accum") == "attribute":
                 ddp.require_backward_grad_sync = last
-            context = ddp.no_sync() if case.get("accum") == "no_sync" and not last else _nothing()
+            context = ddp.no_sync() if case.get("accum") == "no_sync" and not last else nullcontext()
             with context:
                 loss_of(kind, ddp(*inputs, **kwargs), y).backward()
         opt.step()
@@ -188,12 +189,6 @@ def train_single(case, model, world_size):
             loss.backward()
         opt.step()
     return model, rank_buffers
-
-
-def _nothing():
-    from contextlib import nullcontext
-
-    return nullcontext()
 
 
 def _buffers(model):
