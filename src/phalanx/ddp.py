@@ -35,8 +35,8 @@ class DistributedDataParallel(nn.Module):
     ``module.``-prefixed ``state_dict`` keys), written on c10d collectives. At construction
     every rank checks that all ranks hold the same parameters and buffers (names, shapes,
     dtypes, count) and the same settings, then takes rank 0's values. During ``backward()``
-    gradients are copied into flat buckets (reverse registration order, ``bucket_cap_mb``
-    each); each bucket's asynchronous all-reduce starts as soon as its last
+    gradients are copied into flat buckets (reverse registration order, about
+    ``bucket_cap_mb`` each); each bucket's asynchronous all-reduce starts as soon as its last
     gradient is ready, buckets start in the same order on every rank, and ``backward()``
     returns only when every ``.grad`` holds the average over ranks.
 
@@ -81,7 +81,9 @@ class DistributedDataParallel(nn.Module):
         static_graph (bool): promise that the same parameters are used every iteration.
             Parameters may go unused (as with ``find_unused_parameters``), but they are
             learned once, from the first synchronising backward, instead of by a graph walk
-            after every forward. Default ``False``.
+            after every forward; from the second backward on their buckets no longer wait
+            for them. A parameter learned unused that later gets a gradient raises
+            ``UnusedParametersError``. Default ``False``.
 
     Raises:
         TypeError, ValueError: bad arguments (say which, and what was given).

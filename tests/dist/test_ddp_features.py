@@ -85,8 +85,33 @@ class Echo(nn.Module):
         return Pair(y, {"z": y.sum(), "label": "text"})
 
 
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.left, self.right = nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return self.left(h), self.right(h)
+
+
+def _output_left_out_of_the_loss(rank):
+    """find_unused_parameters: the walk says 'right' is reachable, but the loss ignores it."""
+    torch.manual_seed(rank)
+    ddp = phalanx.DistributedDataParallel(TwoHeads(), find_unused_parameters=True)
+    torch.manual_seed(rank)
+    naive = NaiveDDP(TwoHeads())
+    x = torch.randn(5, 3) * (rank + 1)
+    ddp(x)[0].sum().backward()
+    naive(x)[0].sum().backward()
+    naive.sync_gradients()
+    pairs = list(zip(ddp.parameters(), naive.parameters()))
+    same = all(torch.allclose(a.grad, b.grad, atol=1e-7) for a, b in pairs if b.grad is not None)
+    return same, [name for name, p in ddp.module.named_parameters() if p.grad is None]
+
+
 def _pass_through(rank, world_size):
-    out = {}
+    out = {"left_out": _output_left_out_of_the_loss(rank)}
     ddp = phalanx.DistributedDataParallel(Echo(), find_unused_parameters=True)
     x = torch.randn(2, 3)
     for kind in ("tuple", "dict", "named", "dataclass"):
@@ -131,6 +156,7 @@ def test_outputs_args_state_dict_and_modes():
         assert out["loaded"] == [7.0, 7.0]
         assert (out["inside"], out["after"]) == (False, True)
         assert out["grad_ok"]
+        assert out["left_out"] == (True, ["right.weight", "right.bias"])
 
 
 def _alone(rank, world_size):
