@@ -251,8 +251,10 @@ class Checkpointer:
         for name in _OPTIONAL:
             obj = getattr(self, name)
             if obj is not None:
-                wants_consumed = name == "sampler" and consumed is not None
-                state[name] = obj.state_dict(consumed=consumed) if wants_consumed else obj.state_dict()
+                if name == "sampler" and consumed is not None:
+                    state[name] = obj.state_dict(consumed=consumed)
+                else:
+                    state[name] = obj.state_dict()
         for key, value in state.items():
             check_loadable(value, key)
         for stale in clean_stale_temps(self.directory):
@@ -332,7 +334,9 @@ class Checkpointer:
             if obj is None:
                 continue
             if name not in state:
-                raise CheckpointError(f"Checkpoint {path} holds no {name} state, but a {name} was given")
+                raise CheckpointError(
+                    f"Checkpoint {path} holds no {name} state, but a {name} was given"
+                )
             try:
                 obj.load_state_dict(state[name])
             except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:

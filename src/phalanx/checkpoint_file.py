@@ -275,7 +275,9 @@ def _decode(view: memoryview, path: Path, map_location: Any) -> Any:
             f"code; nothing in it was executed. torch says: {_unpickler_reason(e)}"
         ) from None
     except Exception as e:
-        raise CheckpointError(f"Checkpoint {path} cannot be decoded: {type(e).__name__}: {e}") from e
+        raise CheckpointError(
+            f"Checkpoint {path} cannot be decoded: {type(e).__name__}: {e}"
+        ) from e
 
 
 def _unpickler_reason(error: Exception) -> str:

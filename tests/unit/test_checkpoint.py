@@ -119,7 +119,8 @@ def test_mismatched_model_optimizer_and_missing_state_are_named(tmp_path):
                                "(8, 4) in the checkpoint and (9, 4) in the model")
     bigger = _training_objects()[0]
     bigger.extra = torch.nn.Linear(1, 1, bias=False)
-    with pytest.raises(phalanx.CheckpointError, match=r"fit the model: 1 missing key\(s\) \['extra.weight'\]$"):
+    missing = r"fit the model: 1 missing key\(s\) \['extra.weight'\]$"
+    with pytest.raises(phalanx.CheckpointError, match=missing):
         Checkpointer(tmp_path, bigger).load()
     with pytest.raises(phalanx.CheckpointError, match="holds no scheduler state, but a scheduler"):
         Checkpointer(tmp_path, model, scheduler=sched).load()
