@@ -33,7 +33,9 @@ from multiprocessing.connection import wait
 from typing import Any, Callable, Mapping
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "phalanx"])
+# torch._dynamo is imported by the first optimizer or torch DDP a rank builds (~3 s of CPU):
+# importing it once in the forkserver saves that in every rank.
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "phalanx"])
 
 # A rank that fails leaves its peers blocked in a collective until Gloo notices the closed
 # connection; this is how long they get to report before they are killed.

@@ -253,11 +253,15 @@ class NodeBoard:
                 "max_restarts": config.max_restarts}
         if self._node == 0:
             info.update(run_id=config.run_id or str(uuid.uuid4()), store_port=store_port)
+        # Other nodes read node 0's options before publishing their own: a launcher started
+        # with another --nnodes fails at once instead of waiting for nodes that will never
+        # come, and it needs the store no more once node 0 (which may then exit) can see it.
+        if self._node != 0:
+            self._wait(["node0/info"], "join", [0])
+            first = json.loads(self._op(self._store.get, "node0/info"))
         self._op(self._store.set, f"node{self._node}/info", json.dumps(info))
-        # Node 0's options first, so a launcher started with another --nnodes fails at once
-        # instead of waiting for nodes that will never come.
-        self._wait(["node0/info"], "join", [0])
-        self._check_alike({0: json.loads(self._op(self._store.get, "node0/info")), self._node: info})
+        if self._node != 0:
+            self._check_alike({0: first, self._node: info})
         nodes = list(range(self.nnodes))
         self._wait([f"node{n}/info" for n in nodes], "join", nodes)
         infos = [json.loads(self._op(self._store.get, f"node{n}/info")) for n in nodes]
