@@ -1,7 +1,8 @@
-"""The DDP benchmark engine: models, timed training steps, interleaved comparisons, the table.
+"""The DDP benchmark engine: models, timed training steps, interleaved comparisons.
 
-Run inside an initialised process group (one process per rank); ``benchmarks/bench_ddp.py``
-spawns the ranks, and ``phalanx bench`` can call the same functions. Everything a rank
+Run inside an initialised process group (one process per rank): ``phalanx bench`` starts
+``python -m phalanx.bench`` with its launcher, once alone and once on N processes, and
+:mod:`phalanx.bench_report` turns the step times into its table and chart. Everything a rank
 measures is a list of step times; a step is ``zero_grad``, forward, loss, backward (which,
 under DDP, includes waiting for the gradient all-reduce) and an SGD step.
 
@@ -16,7 +17,6 @@ under DDP, includes waiting for the gradient all-reduce) and an SGD step.
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Callable, Sequence
 
@@ -145,36 +145,39 @@ def _slowest(times: list[float]) -> list[float]:
     return t.tolist()
 
 
-def summarize(model: str, times: dict[str, dict[str, list[float]]], global_batch: int) -> list[dict]:
-    """One row per implementation: medians in ms, samples/s, ratios to torch (or bare), exposed comm."""
-    base = "torch" if "torch" in times else "bare"
-    base_times = times[base]["sync"]
-    base_ms = 1000 * statistics.median(base_times)
-    rows = []
-    for impl, t in times.items():
-        step_ms = 1000 * statistics.median(t["sync"])
-        no_sync_ms = 1000 * statistics.median(t["no_sync"]) if t["no_sync"] else None
-        rows.append({
-            "model": model,
-            "impl": impl,
-            "step_ms": step_ms,
-            "samples_per_s": global_batch / (step_ms / 1000),
-            f"ratio_vs_{base}": step_ms / base_ms,
-            "paired_ratio": statistics.median(a / b for a, b in zip(t["sync"], base_times)),
-            "no_sync_ms": no_sync_ms,
-            "exposed_comm_ms": None if no_sync_ms is None else step_ms - no_sync_ms,
-        })
-    return rows
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m phalanx.bench``: time the implementations on this group, rank 0 writes JSON."""
+    import argparse
+    import json
+
+    from . import process_group
+
+    p = argparse.ArgumentParser(prog="python -m phalanx.bench", description=main.__doc__)
+    p.add_argument("--models", nargs="+", default=["mlp"], choices=sorted(MODELS))
+    p.add_argument("--impls", nargs="+", default=["phalanx", "torch"], choices=IMPLEMENTATIONS)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=64, help="per process")
+    p.add_argument("--bucket-cap-mb", type=float, default=None)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--json", required=True, help="where rank 0 writes the step times")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    process_group.init_process_group(backend="gloo")
+    try:
+        world = dist.get_world_size()
+        times = {
+            model: compare(model, args.impls, args.repeats, args.steps, args.warmup,
+                           args.batch_size, args.bucket_cap_mb, with_no_sync=world > 1)
+            for model in args.models
+        }
+        if dist.get_rank() == 0:
+            with open(args.json, "w") as f:
+                json.dump({"world_size": world, "batch_size": args.batch_size, "times": times}, f)
+    finally:
+        process_group.destroy_process_group()
 
 
-def format_table(rows: list[dict]) -> str:
-    """A markdown table of :func:`summarize` rows."""
-    if not rows:
-        return ""
-    columns = list(rows[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        cells = [f"{v:.3f}" if isinstance(v, float) and "ratio" in k else
-                 f"{v:.1f}" if isinstance(v, float) else "-" if v is None else str(v) for k, v in row.items()]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""The ``phalanx`` command.
+"""The ``phalanx`` command: ``phalanx run`` (below) and ``phalanx bench`` (``phalanx bench -h``).
 
 ``phalanx run`` starts a training script on several processes, like ``torchrun``::
 
@@ -64,7 +64,9 @@ small guardian process kills each worker's whole process tree when the launcher 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 from typing import Callable
 
 from .errors import LaunchConfigError, RendezvousError
@@ -113,8 +115,41 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_run)
 
 
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "bench", help="phalanx DDP vs torch DDP vs one process, side by side",
+        description=_BENCH_DOC, formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    add = parser.add_argument
+    add("--model", nargs="+", default=["mlp"], choices=("cnn", "mlp"),
+        help="mlp: 10.5M parameters; cnn: 0.29M with BatchNorm (default mlp)")
+    add("--nproc", type=int, default=2, help="processes for the DDP runs (default 2)")
+    add("--bucket-mb", "--bucket_mb", type=float, default=None,
+        help="bucket cap in MiB for both DDPs (default: theirs, 25 MiB with a 1 MiB first bucket)")
+    add("--steps", type=int, default=10, help="timed steps per repeat (default 10)")
+    add("--repeats", type=int, default=3, help="fresh models per implementation (default 3)")
+    add("--warmup", type=int, default=3, help="untimed steps per repeat (default 3)")
+    add("--batch-size", "--batch_size", type=int, default=64, help="per process (default 64)")
+    add("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    add("--out", default="runs/bench", help="bench.png and bench.json go here (default runs/bench)")
+    add("--no-plot", action="store_true", help="skip the PNG chart (no matplotlib needed)")
+    parser.set_defaults(handler=_bench)
+
+
+_BENCH_DOC = """Benchmark phalanx's DDP against torch's DDP and a single process on one machine.
+
+Runs ``python -m phalanx.bench`` with this launcher twice: alone (the bare model and phalanx
+DDP at world size 1), then on --nproc processes (phalanx DDP and torch DDP, taking turns step
+by step on fresh models from the same seed, same data and buckets, Gloo). Prints a table of
+median step time, samples/s, scaling efficiency against the single process, exposed
+communication (step time minus the step time under no_sync) and the phalanx/torch ratio,
+and writes bench.png and bench.json under --out.
+"""
+
+
 # Subcommands: each adds its parser and sets `handler(namespace) -> exit status`.
-COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_run,)
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_run, _add_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,6 +205,42 @@ def _run(args: argparse.Namespace) -> int:
     except RendezvousError as e:
         print(f"phalanx run: error: {e}", file=sys.stderr)
         return 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench_report  # no torch: the timing runs in the launched processes
+
+    if args.nproc < 1:
+        print(f"phalanx bench: error: --nproc must be at least 1, got {args.nproc}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    common = ["--models", *args.model, "--repeats", str(args.repeats), "--steps", str(args.steps),
+              "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
+              "--threads", str(args.threads)]
+    if args.bucket_mb is not None:
+        common += ["--bucket-cap-mb", str(args.bucket_mb)]
+    results = {}
+    for name, nproc, impls in (("alone", 1, ("bare", "phalanx")), ("ddp", args.nproc, ("phalanx", "torch"))):
+        path = out / f"times-{name}.json"
+        config = LaunchConfig(entrypoint="phalanx.bench", module=True, nproc_per_node=nproc,
+                              standalone=True, args=(*common, "--impls", *impls, "--json", str(path)))
+        print(f"phalanx bench: {'/'.join(impls)} on {nproc} process(es)...", file=sys.stderr, flush=True)
+        status = launch(config)
+        if status != 0:
+            print(f"phalanx bench: the {name} run failed (exit status {status})", file=sys.stderr)
+            return status
+        results[name] = json.loads(path.read_text())
+        path.unlink()
+    rows = bench_report.ddp_rows(results["alone"], results["ddp"])
+    settings = {k: v for k, v in vars(args).items() if k != "handler"}
+    (out / "bench.json").write_text(json.dumps({"rows": rows, "settings": settings}, indent=2))
+    print(f"\n{args.nproc} processes, Gloo, {args.threads} thread(s) and batch {args.batch_size} "
+          f"per process, bucket cap {args.bucket_mb or 'default'}\n")
+    print(bench_report.format_table(rows))
+    if not args.no_plot:
+        print(f"\nchart: {bench_report.plot(rows, out / 'bench.png')}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

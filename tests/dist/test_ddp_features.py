@@ -194,22 +194,3 @@ def _on_gpus(rank, world_size):
 def test_cuda_device_ids():
     results = run_ranks(_on_gpus, 2, init=False)
     assert results[0] == results[1] == [[1.5] * 4] * 2
-
-
-def _bench_smoke(rank, world_size):
-    from phalanx import bench
-
-    # bare rather than torch: torch's DDP imports torch._dynamo, seconds of CPU per rank
-    times = bench.compare("cnn", ("phalanx", "bare"), repeats=1, steps=2, warmup=1, batch_size=4)
-    rows = bench.summarize("cnn", times, 4 * world_size)
-    return {k: (len(v["sync"]), len(v["no_sync"])) for k, v in times.items()}, bench.format_table(rows)
-
-
-def test_benchmark_engine_runs_side_by_side():
-    [(counts, table), _] = run_ranks(_bench_smoke, 2)
-    assert counts == {"phalanx": (2, 2), "bare": (2, 0)}  # bare has no no_sync()
-    lines = table.splitlines()
-    assert lines[0] == ("| model | impl | step_ms | samples_per_s | ratio_vs_bare | paired_ratio | no_sync_ms "
-                        "| exposed_comm_ms |")
-    assert lines[2].startswith("| cnn | phalanx |") and lines[3].startswith("| cnn | bare | ")
-    assert lines[3].endswith("| 1.000 | 1.000 | - | - |")  # bare against itself

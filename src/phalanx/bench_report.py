@@ -1,0 +1,114 @@
+"""Tables and charts from benchmark step times; no torch, so the CLI can report cheaply.
+
+Input is what ``python -m phalanx.bench`` writes (one JSON per process count)::
+
+    {"world_size": N, "batch_size": B, "times": {model: {impl: {"sync": [s, ...], "no_sync": [...]}}}}
+
+Step times are each step's time on the slowest rank. Definitions used in the table:
+
+* **samples/s**: global batch (``N * B``) over the median step time;
+* **scaling efficiency**: samples/s over ``N`` times the single bare process's samples/s at
+  the same per-process batch; 1.00 is perfect scaling, and at one process it is the bare
+  model's step time over the wrapped one's (the wrapper's overhead);
+* **exposed comm**: median step time minus the median step time under ``no_sync()``, the
+  communication the backward pass did not hide;
+* **phalanx/torch**: the median over steps of phalanx's step time over torch's step time
+  taken beside it (the two alternate step by step, so a change in machine load cancels).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+COLUMNS = ("model", "implementation", "processes", "step ms", "samples/s",
+           "scaling efficiency", "exposed comm ms", "phalanx/torch")
+_NAMES = {"bare": "single process", "phalanx": "phalanx DDP", "torch": "torch DDP"}
+_RATIOS = ("scaling efficiency", "phalanx/torch")  # shown with 3 decimals
+
+
+def _ms(times: Sequence[float]) -> float:
+    return 1000 * statistics.median(times)
+
+
+def paired_ratio(a: Sequence[float], b: Sequence[float]) -> float:
+    """Median of step-by-step ratios ``a[i] / b[i]``."""
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def ddp_rows(single: dict[str, Any], multi: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows for every model: the bare single process, then each implementation, alone and at N."""
+    rows = []
+    batch = single["batch_size"]
+    for model, by_impl in multi["times"].items():
+        alone = single["times"][model]
+        bare_ms = _ms(alone["bare"]["sync"])
+        runs = [(impl, 1, t) for impl, t in alone.items()]
+        runs += [(impl, multi["world_size"], t) for impl, t in by_impl.items()]
+        for impl, procs, t in runs:
+            step_ms = _ms(t["sync"])
+            rows.append({
+                "model": model,
+                "implementation": _NAMES.get(impl, impl),
+                "processes": procs,
+                "step ms": step_ms,
+                "samples/s": procs * batch / (step_ms / 1000),
+                "scaling efficiency": bare_ms / step_ms,
+                "exposed comm ms": step_ms - _ms(t["no_sync"]) if t["no_sync"] else None,
+                "phalanx/torch": (paired_ratio(t["sync"], by_impl["torch"]["sync"])
+                                  if impl == "phalanx" and procs > 1 and "torch" in by_impl else None),
+            })
+    return rows
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """A markdown table; ratios with 3 decimals, times with 1, counts as they are."""
+    if not rows:
+        return ""
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(k, v) for k, v in row.items()) + " |")
+    return "\n".join(lines)
+
+
+def _cell(column: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}" if column in _RATIOS or "ratio" in column else f"{value:.1f}"
+    return str(value)
+
+
+def plot(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """Bar charts of step time (exposed communication marked) and samples/s, one pair per model."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError(
+            "the chart needs matplotlib: pip install 'phalanx[examples]' (or pass --no-plot)"
+        ) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(len(models), 2, figsize=(10, 3.2 * len(models)), squeeze=False)
+    for (ax_time, ax_rate), model in zip(axes, models):
+        mine = [r for r in rows if r["model"] == model]
+        labels = [f"{r['implementation']}\n{r['processes']} proc" for r in mine]
+        exposed = [max(r["exposed comm ms"] or 0.0, 0.0) for r in mine]  # < 0 is noise
+        hidden = [r["step ms"] - e for r, e in zip(mine, exposed)]
+        ax_time.bar(labels, hidden, color="tab:blue", label="compute (+ hidden comm)")
+        ax_time.bar(labels, exposed, bottom=hidden, color="tab:red", label="exposed comm")
+        ax_time.set(title=f"{model}: median step time", ylabel="ms")
+        ax_time.legend(fontsize=8)
+        ax_rate.bar(labels, [r["samples/s"] for r in mine], color="tab:green")
+        ax_rate.set(title=f"{model}: throughput", ylabel="samples/s")
+        for ax in (ax_time, ax_rate):
+            ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

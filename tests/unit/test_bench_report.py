@@ -1,0 +1,37 @@
+"""The benchmark table's arithmetic, on hand-made step times."""
+
+from phalanx.bench_report import COLUMNS, ddp_rows, format_table, paired_ratio
+
+
+def _times(sync, no_sync=()):
+    return {"sync": list(sync), "no_sync": list(no_sync)}
+
+
+def test_rows_scaling_exposed_comm_and_ratio():
+    single = {"world_size": 1, "batch_size": 10,
+              "times": {"mlp": {"bare": _times([0.10, 0.10, 0.12]), "phalanx": _times([0.105] * 3)}}}
+    multi = {"world_size": 2, "batch_size": 10,
+             "times": {"mlp": {"phalanx": _times([0.2, 0.125, 0.125], [0.1] * 3),
+                               "torch": _times([0.2, 0.1, 0.125], [0.1] * 3)}}}
+    rows = ddp_rows(single, multi)
+    assert [tuple(r) for r in rows] == [COLUMNS] * 4
+    bare, alone, phx, tch = rows
+    assert (bare["implementation"], bare["processes"], bare["step ms"]) == ("single process", 1, 100.0)
+    assert bare["samples/s"] == 100.0 and bare["scaling efficiency"] == 1.0
+    assert abs(alone["scaling efficiency"] - 100 / 105) < 1e-12  # the wrapper's overhead alone
+    assert (phx["processes"], phx["step ms"], phx["samples/s"]) == (2, 125.0, 160.0)
+    assert phx["scaling efficiency"] == 0.8 and abs(phx["exposed comm ms"] - 25.0) < 1e-9
+    assert phx["phalanx/torch"] == 1.0  # median of 1.0, 1.25, 1.0
+    assert tch["phalanx/torch"] is None and alone["exposed comm ms"] is None
+
+
+def test_paired_ratio_cancels_drift():
+    assert paired_ratio([1, 2, 4], [1, 2, 4]) == 1.0
+    assert paired_ratio([1.1, 2.2, 40], [1, 2, 4]) == 1.1
+
+
+def test_table_formats_ratios_and_missing_values():
+    table = format_table([{"model": "cnn", "step ms": 12.345, "phalanx/torch": 0.98765,
+                           "exposed comm ms": None}])
+    assert table.splitlines() == ["| model | step ms | phalanx/torch | exposed comm ms |",
+                                  "|---|---|---|---|", "| cnn | 12.3 | 0.988 | - |"]
