@@ -15,6 +15,11 @@ The rules (those of torch's DDP, so bucket boundaries match at the same ``bucket
   rest at ``bucket_bytes``. A single tensor larger than the cap gets a bucket of its own.
 * buckets are numbered by the position of their first parameter in that reversed order,
   which is the order the reducer launches them in on every rank.
+
+With ``owners`` (ZeRO stage 2: the rank whose optimizer updates each parameter) a bucket
+also holds one owner only: each (device, dtype, owner) fills its own open bucket, so the
+bucket can be reduced to its owner alone. ``None`` is an owner too (parameters averaged on
+every rank).
 """
 
 from __future__ import annotations
@@ -54,11 +59,16 @@ class Slot:
 
 @dataclass(frozen=True)
 class BucketSpec:
-    """One flat buffer: its slots in the order the backward is expected to fill them."""
+    """One flat buffer: its slots in the order the backward is expected to fill them.
+
+    ``owner`` is the rank that keeps the bucket's averaged gradients (ZeRO stage 2), or
+    ``None``: every rank keeps them.
+    """
 
     device: torch.device
     dtype: torch.dtype
     slots: tuple[Slot, ...]
+    owner: int | None = None
 
     @property
     def numel(self) -> int:
@@ -74,6 +84,7 @@ def plan_buckets(
     named_params: Sequence[tuple[str, torch.Tensor]],
     bucket_bytes: int = DEFAULT_BUCKET_CAP_MB * MIB,
     first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+    owners: Sequence[int | None] | None = None,
 ) -> list[BucketSpec]:
     """Group ``named_params`` (registration order) into buckets, in launch order.
 
@@ -82,6 +93,9 @@ def plan_buckets(
             ``module.named_parameters()`` gives them.
         bucket_bytes: cap of every bucket but the first of each (device, dtype). Default 25 MiB.
         first_bucket_bytes: cap of the first bucket of each (device, dtype). Default 1 MiB.
+        owners: the owner rank (or ``None``) of each entry of ``named_params``; buckets then
+            never mix owners, and each owner's first bucket gets ``first_bucket_bytes``.
+            Default ``None``: no owners.
 
     Returns:
         The buckets in launch order; :attr:`Slot.index` points back into ``named_params``.
@@ -92,14 +106,18 @@ def plan_buckets(
             f"bucket sizes must be positive, got bucket_bytes={bucket_bytes}, "
             f"first_bucket_bytes={first_bucket_bytes}"
         )
+    if owners is not None and len(owners) != len(named_params):
+        raise ValueError(
+            f"owners must give one owner per parameter: {len(named_params)} parameters, got {len(owners)} owners"
+        )
     seen: set[int] = set()
-    open_buckets: dict[tuple, list[int]] = {}  # (device, dtype) -> indices in the open bucket
+    open_buckets: dict[tuple, list[int]] = {}  # (device, dtype, owner) -> indices in the open bucket
     open_bytes: dict[tuple, int] = {}
     closed_count: dict[tuple, int] = {}
     done: list[list[int]] = []
     for index in reversed(_distinct_trainable(named_params, seen)):
         tensor = named_params[index][1]
-        key = (tensor.device, tensor.dtype)
+        key = (tensor.device, tensor.dtype, None if owners is None else owners[index])
         members = open_buckets.setdefault(key, [])
         members.append(index)
         open_bytes[key] = open_bytes.get(key, 0) + tensor.numel() * tensor.element_size()
@@ -111,7 +129,7 @@ def plan_buckets(
     done.extend(open_buckets.values())
     # Launch order: by the reversed position of each bucket's first parameter.
     done.sort(key=lambda members: -members[0])
-    return [_spec(named_params, members) for members in done]
+    return [_spec(named_params, members, owners) for members in done]
 
 
 def _distinct_trainable(named_params: Sequence[tuple[str, torch.Tensor]], seen: set[int]) -> list[int]:
@@ -124,14 +142,16 @@ def _distinct_trainable(named_params: Sequence[tuple[str, torch.Tensor]], seen: 
     return keep
 
 
-def _spec(named_params: Sequence[tuple[str, torch.Tensor]], members: list[int]) -> BucketSpec:
+def _spec(named_params: Sequence[tuple[str, torch.Tensor]], members: list[int],
+          owners: Sequence[int | None] | None) -> BucketSpec:
     slots, offset = [], 0
     for index in members:
         name, tensor = named_params[index]
         slots.append(Slot(index, name, offset, tensor.shape))
         offset += tensor.numel()
     first = named_params[members[0]][1]
-    return BucketSpec(first.device, first.dtype, tuple(slots))
+    owner = None if owners is None else owners[members[0]]
+    return BucketSpec(first.device, first.dtype, tuple(slots), owner)
 
 
 def describe(plan: Sequence[BucketSpec]) -> str:
@@ -139,5 +159,6 @@ def describe(plan: Sequence[BucketSpec]) -> str:
     lines = []
     for i, bucket in enumerate(plan):
         names = ", ".join(slot.name for slot in bucket.slots)
-        lines.append(f"bucket {i}: {bucket.nbytes / MIB:.2f} MiB {bucket.dtype} on {bucket.device}: {names}")
+        owner = "" if bucket.owner is None else f" for rank {bucket.owner}"
+        lines.append(f"bucket {i}{owner}: {bucket.nbytes / MIB:.2f} MiB {bucket.dtype} on {bucket.device}: {names}")
     return "\n".join(lines)

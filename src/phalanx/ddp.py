@@ -25,7 +25,8 @@ from torch import nn
 from . import comm
 from .bucketing import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MIB, BucketSpec, plan_buckets
 from .errors import NotInitializedError
-from .reducer import AllReduceMean, Reducer
+from .reducer import AllReduceMean, Reducer, ReduceToOwner
+from .zero import ZeroRedundancyOptimizer
 
 
 class DistributedDataParallel(nn.Module):
@@ -153,22 +154,28 @@ class DistributedDataParallel(nn.Module):
         src = 0 if group is None else dist.get_global_rank(group, 0)
         with torch.no_grad():
             comm.broadcast_tensors(list(module.parameters()) + list(module.buffers()), src=src, group=group)
-        named = list(module.named_parameters())
-        if bucket_cap_mb is None:
-            self.bucket_plan = plan_buckets(named, DEFAULT_BUCKET_CAP_MB * MIB, FIRST_BUCKET_BYTES)
-        else:
-            cap = int(bucket_cap_mb * MIB)
-            self.bucket_plan = plan_buckets(named, cap, cap)
+        self._build_reducer(None)
+        if flags["broadcast_buffers"] and any(b.numel() for b in module.buffers()):
+            self._buffer_sync = _BufferSync(module, group, src)
+
+    def _build_reducer(self, owners: list[int | None] | None) -> None:
+        """Plan the buckets (per owner, with ``owners``) and install a reducer for them."""
+        named = list(self.module.named_parameters())
+        caps = (DEFAULT_BUCKET_CAP_MB * MIB, FIRST_BUCKET_BYTES)
+        if self.bucket_cap_mb is not None:
+            caps = (int(self.bucket_cap_mb * MIB),) * 2
+        self.bucket_plan = plan_buckets(named, *caps, owners=owners)
+        group = self.process_group
+        strategy = AllReduceMean(group) if owners is None else ReduceToOwner(self.bucket_plan, group)
+        self._reducer = None  # the old reducer's hooks go with it
         self._reducer = Reducer(
             named,
             self.bucket_plan,
-            AllReduceMean(group),
-            gradient_as_bucket_view=flags["gradient_as_bucket_view"],
-            find_unused_parameters=flags["find_unused_parameters"],
-            static_graph=flags["static_graph"],
+            strategy,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
         )
-        if flags["broadcast_buffers"] and any(b.numel() for b in module.buffers()):
-            self._buffer_sync = _BufferSync(module, group, src)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._device is not None:
@@ -182,6 +189,78 @@ class DistributedDataParallel(nn.Module):
         self._sync_buffers_next = sync
         self._reducer.prepare(sync, output)
         return output
+
+    def shard_gradients(self, optimizer: ZeroRedundancyOptimizer) -> None:
+        """ZeRO stage 2: each rank keeps only the averaged gradients its optimizer shard uses.
+
+        The buckets are re-planned so that each holds the parameters of one owner (the rank
+        whose ``optimizer`` shard updates them), and each bucket is reduced to its owner
+        (``dist.reduce``) instead of all-reduced; the last bucket stays an all-reduce, since
+        it carries the unused-parameter check every rank reads. Whole parameters are reduced
+        to their owner: this is not a reduce-scatter of flat slices. After every
+        synchronising backward, ``.grad`` holds the average on the owner and is ``None`` on
+        the other ranks (released as soon as copied into its bucket, whose buffer is dropped
+        at the end of the backward), so gradient memory per rank falls to about
+        ``total / N`` plus the largest parameter. Parameters the optimizer does not hold
+        are averaged on every rank as before. A collective: call it on every rank, between
+        iterations, after the optimizer has all its param groups.
+
+        Args:
+            optimizer (ZeroRedundancyOptimizer): the sharded optimizer over this model's
+                parameters, on the same ranks as this DDP.
+
+        Raises:
+            TypeError: ``optimizer`` is not a :class:`~phalanx.ZeroRedundancyOptimizer`.
+            ValueError: its process group has other ranks than this DDP's.
+            RuntimeError: called between a forward and its backward.
+            RankMismatchError: the ranks disagree on owners or arguments (on every rank).
+
+        .. warning::
+            Gradients cannot accumulate across synchronising backwards: non-owners hold
+            none. Accumulate micro-batches with :meth:`no_sync` (and ``zero_grad()`` after
+            each ``step()``), as usual.
+
+        Example::
+
+            >>> ddp = phalanx.DistributedDataParallel(net, gradient_as_bucket_view=True)
+            >>> opt = phalanx.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=1e-3)
+            >>> ddp.shard_gradients(opt)
+            >>> loss_fn(ddp(x), y).backward()    # .grad: averages for this rank's shard only
+            >>> opt.clip_grad_norm_(1.0)         # the norm of the whole averaged gradient
+            >>> opt.step()                       # owners step and broadcast the parameters
+        """
+        problem, owners = None, None
+        try:
+            owners = _gradient_owners(self, optimizer)
+        except (TypeError, ValueError, RuntimeError) as e:
+            problem = e
+        if dist.get_world_size(self.process_group) > 1:
+            refused = "accepted" if problem is None else f"refused: {problem}"
+            items = [("arguments", refused)]
+            if owners is not None:
+                items += [(f"owner of {name}", owner) for (name, _), owner
+                          in zip(self.module.named_parameters(), owners)]
+            comm.check_same_across_ranks(items, "shard_gradients() owners", self.process_group)
+        if problem is not None:
+            raise problem
+        if self._reducer is not None:
+            self._build_reducer(owners)
+
+    def gradient_bytes(self) -> int:
+        """Bytes this rank holds for gradients now: ``.grad`` tensors and kept bucket buffers.
+
+        Memory shared between them (``gradient_as_bucket_view=True``) is counted once.
+        """
+        tensors = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if self._reducer is not None:
+            tensors += self._reducer.buffers()
+        storages = {}
+        for t in tensors:
+            if t.layout == torch.strided:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            else:  # sparse: its dense size (averaged densely anyway)
+                storages[id(t)] = t.numel() * t.element_size()
+        return sum(storages.values())
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -228,6 +307,28 @@ class _BufferSync:
             for name, old in sub._buffers.items():
                 if old is not None and id(old) in replace:
                     sub._buffers[name] = replace[id(old)]
+
+
+def _gradient_owners(ddp: DistributedDataParallel, optimizer: Any) -> list[int | None]:
+    """The owner of each of ``ddp.module.named_parameters()``, or a ValueError/TypeError."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise TypeError(
+            "shard_gradients() needs a phalanx.ZeroRedundancyOptimizer (it says which rank owns "
+            f"each parameter), got {type(optimizer).__name__}"
+        )
+    ours = dist.get_process_group_ranks(ddp.process_group or dist.group.WORLD)
+    theirs = dist.get_process_group_ranks(optimizer.process_group or dist.group.WORLD)
+    if ours != theirs:
+        raise ValueError(
+            "shard_gradients() needs the optimizer sharded over the ranks DDP averages over: "
+            f"DDP has global ranks {ours}, the optimizer {theirs}"
+        )
+    if ddp._reducer is not None and ddp._reducer.awaiting_backward:
+        raise RuntimeError(
+            "shard_gradients() was called between a forward and its backward; call it between "
+            "iterations (after backward(), or before the first forward)"
+        )
+    return optimizer.owners_of(p for _, p in ddp.module.named_parameters())
 
 
 def _check_group(group: Any) -> None:

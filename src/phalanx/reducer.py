@@ -23,6 +23,13 @@ problems (unexpected missing or late gradients) so every rank learns of one rank
 without an extra collective; with unused parameters allowed, one element per parameter says
 whether any rank has a gradient for it (parameters with none anywhere keep ``.grad`` untouched,
 as torch does, so e.g. Adam skips them).
+
+ZeRO stage 2 (:class:`ReduceToOwner`): buckets are planned so each holds the parameters of
+one owner, the rank whose sharded optimizer updates them, and each is *reduced* to that owner
+instead of all-reduced. Other ranks drop their copy: a gradient is released (``.grad = None``)
+as soon as it is copied into such a bucket, whose buffer exists only from its first gradient
+to the end of the backward. Only the owner writes the average back to ``.grad``. The last
+bucket stays an all-reduce, as it carries the control tail every rank must read.
 """
 
 from __future__ import annotations
@@ -42,12 +49,12 @@ from .errors import UnusedParametersError
 class AllReduceMean:
     """Default bucket communication: an all-reduce (sum) of gradients pre-divided by ``divisor``.
 
-    A communication strategy has three members: ``group``, ``divisor`` (the reducer divides
-    each gradient by it while copying it into the bucket, saving a pass over the buffer) and
-    ``launch(flat) -> Work``, which starts reducing one bucket's flat buffer asynchronously.
-    When the returned work completes, the buffer must hold the reduced gradients this rank
-    needs, and the control tail of the last bucket (see the module docstring) must be summed
-    on every rank. A ZeRO stage-2 reduce-scatter plugs in here.
+    A communication strategy has four members: ``group``; ``divisor`` (the reducer divides
+    each gradient by it while copying it into the bucket, saving a pass over the buffer);
+    ``launch(b, flat) -> Work``, which starts reducing bucket ``b``'s flat buffer
+    asynchronously; and ``keeps(b)``, whether this rank keeps bucket ``b``'s result. When the
+    work completes, the buffer of a kept bucket must hold the reduced gradients, and the
+    control tail of the last bucket (see the module docstring) must be summed on every rank.
 
     Args:
         group: process group; ``None`` is the default group.
@@ -57,20 +64,71 @@ class AllReduceMean:
         self.group = group
         self.divisor = dist.get_world_size(group)
 
-    def launch(self, flat: torch.Tensor) -> dist.Work:
+    def launch(self, b: int, flat: torch.Tensor) -> dist.Work:
         return dist.all_reduce(flat, group=self.group, async_op=True)
+
+    def keeps(self, b: int) -> bool:
+        return True
+
+
+class ReduceToOwner:
+    """ZeRO stage 2: each bucket's sum goes to its owner only (``dist.reduce``, asynchronous).
+
+    The plan must come from :func:`~phalanx.bucketing.plan_buckets` with ``owners``, so that
+    every bucket has one :attr:`~phalanx.bucketing.BucketSpec.owner` (a rank in ``group``).
+    Buckets whose owner is ``None`` are all-reduced and kept everywhere. The last bucket is
+    all-reduced too, whoever owns it: every rank must read its control tail; ranks other
+    than its owner then drop its gradients like those of any bucket they do not keep.
+
+    Args:
+        plan: the buckets, in launch order.
+        group: process group; ``None`` is the default group.
+    """
+
+    def __init__(self, plan: Sequence[BucketSpec], group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.divisor = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        self._keeps = [spec.owner is None or spec.owner == rank for spec in plan]
+        # None: all-reduce; else the owner's global rank, which dist.reduce takes.
+        self._dst = [_global_rank(group, s.owner) for s in plan[:-1]] + [None]
+
+    def launch(self, b: int, flat: torch.Tensor) -> dist.Work:
+        if self._dst[b] is None:
+            return dist.all_reduce(flat, group=self.group, async_op=True)
+        return dist.reduce(flat, self._dst[b], group=self.group, async_op=True)
+
+    def keeps(self, b: int) -> bool:
+        return self._keeps[b]
 
 
 class _Bucket:
-    """Runtime state of one :class:`BucketSpec`: its buffer, its slot views, what is pending."""
+    """Runtime state of one :class:`BucketSpec`: its buffer, its slot views, what is pending.
 
-    def __init__(self, spec: BucketSpec, first: int, tail: int) -> None:
+    A kept bucket's buffer lives as long as the reducer; a bucket this rank does not keep
+    gets one at its first gradient of a backward (:meth:`allocate`), dropped at the end.
+    """
+
+    def __init__(self, spec: BucketSpec, first: int, tail: int, keep: bool) -> None:
         self.spec = spec
         self.first = first  # position (launch order) of its first parameter
-        self.buffer = torch.zeros(spec.numel + tail, dtype=spec.dtype, device=spec.device)
+        self.keep = keep
+        self._tail_numel = tail
+        self.buffer: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+        self.tail: torch.Tensor | None = None
+        if keep:
+            self.allocate(torch.zeros)
+        self.pending = len(spec.slots)
+
+    def allocate(self, factory: Any = torch.empty) -> None:
+        spec = self.spec
+        self.buffer = factory(spec.numel + self._tail_numel, dtype=spec.dtype, device=spec.device)
         self.views = [self.buffer[s.offset : s.offset + s.numel].view(s.shape) for s in spec.slots]
         self.tail = self.buffer[spec.numel :]
-        self.pending = len(spec.slots)
+
+    def release(self) -> None:
+        self.buffer, self.views, self.tail = None, [], None
 
     @property
     def positions(self) -> range:
@@ -83,7 +141,8 @@ class Reducer:
     Args:
         named_params: ``(name, parameter)`` pairs the ``plan`` indexes into.
         plan: buckets in launch order, from :func:`phalanx.bucketing.plan_buckets`; not empty.
-        comm: the bucket communication strategy, e.g. :class:`AllReduceMean`.
+        comm: the bucket communication strategy: :class:`AllReduceMean` or
+            :class:`ReduceToOwner`.
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket (saves memory
             and the copy back). Default ``False``.
         find_unused_parameters: walk the graph after each forward to find parameters that
@@ -107,16 +166,16 @@ class Reducer:
         self.allow_unused = find_unused_parameters or static_graph
         self.static_graph = static_graph
         slots = [slot for spec in plan for slot in spec.slots]
-        # Parameter k (launch order) is params[k], in bucket _bucket_of[k], slot _views[k].
+        # Parameter k (launch order) is params[k], in bucket _bucket_of[k] (slot k - its first).
         self.names = [slot.name for slot in slots]
         self.params = [named_params[slot.index][1] for slot in slots]
         tail = 1 + (len(slots) if self.allow_unused else 0)
         self._buckets: list[_Bucket] = []
         self._bucket_of: list[int] = []
         for b, spec in enumerate(plan):
-            self._buckets.append(_Bucket(spec, len(self._bucket_of), tail if b == len(plan) - 1 else 0))
+            last = b == len(plan) - 1
+            self._buckets.append(_Bucket(spec, len(self._bucket_of), tail if last else 0, comm.keeps(b)))
             self._bucket_of += [b] * len(spec.slots)
-        self._views = [view for bucket in self._buckets for view in bucket.views]
         self._index = {id(p): k for k, p in enumerate(self.params)}
         # The hooks hold the reducer weakly: a discarded DDP leaves nothing acting on the model.
         me = weakref.ref(self)
@@ -135,10 +194,13 @@ class Reducer:
         self._ready = [False] * len(self.params)
         self._assumed_unused: list[int] = []
         self._late: list[int] = []
+        self._had_grad = [False] * len(self.params)  # a contribution that was a gradient
         self._next = 0
         self._works: list[dist.Work] = []
         for bucket in self._buckets:
             bucket.pending = len(bucket.spec.slots)
+            if not bucket.keep:
+                bucket.release()
 
     def prepare(self, sync: bool, outputs: Any = None) -> None:
         """Called after each forward: arm (``sync``) or disarm the next backward's hooks."""
@@ -188,8 +250,15 @@ class Reducer:
         self._mark_ready(k, self.params[k].grad)
 
     def _mark_ready(self, k: int, grad: torch.Tensor | None) -> None:
-        """Put parameter k's contribution, divided for the average, into its bucket slot."""
-        view = self._views[k]
+        """Put parameter k's contribution, divided for the average, into its bucket slot.
+
+        In a bucket this rank does not keep, the gradient is released once copied.
+        """
+        bucket = self._buckets[self._bucket_of[k]]
+        if bucket.buffer is None:
+            bucket.allocate()
+        view = bucket.views[k - bucket.first]
+        self._had_grad[k] = grad is not None
         if grad is None:
             view.zero_()
         elif grad is view:
@@ -198,10 +267,12 @@ class Reducer:
             if grad.layout != torch.strided:  # sparse gradients are averaged densely
                 grad = grad.to_dense()
             torch.div(grad, self.comm.divisor, out=view)
-            if self.as_view:
+            if not bucket.keep:
+                self.params[k].grad = None
+            elif self.as_view:
                 self.params[k].grad = view
         self._ready[k] = True
-        self._buckets[self._bucket_of[k]].pending -= 1
+        bucket.pending -= 1
 
     def _launch_ready(self) -> None:
         """Launch every complete bucket at the head of the queue, in bucket order."""
@@ -209,15 +280,14 @@ class Reducer:
             bucket = self._buckets[self._next]
             if self._next == len(self._buckets) - 1:
                 self._write_tail(bucket.tail)
-            self._works.append(self.comm.launch(bucket.buffer))
+            self._works.append(self.comm.launch(self._next, bucket.buffer))
             self._next += 1
 
     def _write_tail(self, tail: torch.Tensor) -> None:
         problems = len(self._late) + (0 if self.allow_unused else len(self._assumed_unused))
         tail[0] = float(problems)
         if self.allow_unused:
-            has_grad = [p.grad is not None for p in self.params]
-            tail[1:].copy_(torch.tensor(has_grad, dtype=tail.dtype))
+            tail[1:].copy_(torch.tensor(self._had_grad, dtype=tail.dtype))
 
     def _finalize(self) -> None:
         """End of backward: settle what is left, wait, write back, report problems everywhere."""
@@ -230,7 +300,7 @@ class Reducer:
             for b, work in enumerate(self._works):
                 work.wait()
                 if b < last and not self.allow_unused:
-                    self._write_back(self._buckets[b].positions, None)
+                    self._write_back(b, None)
             tail = self._buckets[last].tail
             if tail[0].item() > 0:
                 self._raise_problems()  # every rank sees the sum: all raise, none hangs
@@ -238,20 +308,26 @@ class Reducer:
                 here = {dist.get_rank(self.comm.group): self._describe()}
                 raise UnusedParametersError(_problem_message(here, self.static_graph))
             if self.allow_unused:
-                self._write_back(range(len(self.params)), (tail[1:] > 0).tolist())
+                used = (tail[1:] > 0).tolist()
+                for b in range(len(self._buckets)):
+                    self._write_back(b, used)
             else:
-                self._write_back(self._buckets[last].positions, None)
+                self._write_back(last, None)
             if self.static_graph and self._known_unused is None:
                 self._known_unused = set(left)
         finally:
             self.awaiting_backward = False
             self._reset()
 
-    def _write_back(self, positions: range, used: list[bool] | None) -> None:
-        for k in positions:
+    def _write_back(self, b: int, used: list[bool] | None) -> None:
+        """Bucket ``b``'s averages into ``.grad``, if this rank keeps them (else .grad is None)."""
+        bucket = self._buckets[b]
+        if not bucket.keep:
+            return  # _mark_ready released the gradients; _reset releases the buffer
+        for k, view in zip(bucket.positions, bucket.views):
             if used is not None and not used[k]:
                 continue  # no rank has a gradient for it: leave .grad alone, as torch does
-            param, view = self.params[k], self._views[k]
+            param = self.params[k]
             grad = param.grad
             if grad is view:
                 continue
@@ -262,6 +338,10 @@ class Reducer:
             else:
                 grad.copy_(view)
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The bucket buffers allocated now (outside a backward: the kept ones)."""
+        return [bucket.buffer for bucket in self._buckets if bucket.buffer is not None]
+
     def _describe(self) -> dict[str, list[str]]:
         missing = [] if self.allow_unused else self._assumed_unused
         return {"missing": [self.names[k] for k in missing], "late": [self.names[k] for k in self._late]}
@@ -269,6 +349,12 @@ class Reducer:
     def _raise_problems(self) -> None:
         everyone = comm.all_gather_object(self._describe(), self.comm.group)
         raise UnusedParametersError(_problem_message(dict(enumerate(everyone)), self.static_graph))
+
+
+def _global_rank(group: dist.ProcessGroup | None, rank: int | None) -> int | None:
+    if rank is None or group is None:
+        return rank
+    return dist.get_global_rank(group, rank)
 
 
 def _hook(reducer: weakref.ref, k: int, param: torch.Tensor) -> None:

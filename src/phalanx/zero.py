@@ -1,9 +1,11 @@
-"""ZeroRedundancyOptimizer: optimizer state sharded across ranks (ZeRO stage 1).
+"""ZeroRedundancyOptimizer: optimizer state sharded across ranks (ZeRO stage 1, and 2 with DDP).
 
 Every rank keeps the whole model and computes (or receives, through DDP) the whole averaged
 gradient, but only the owner of a parameter holds its optimizer state and updates it; the
 owners then broadcast the updated parameters so all replicas agree again. With Adam that
-cuts the optimizer's memory per rank from two model copies to about ``2/N`` of one.
+cuts the optimizer's memory per rank from two model copies to about ``2/N`` of one. With
+``DistributedDataParallel.shard_gradients(optimizer)`` (stage 2) each rank also receives
+only the averaged gradients of the parameters it owns.
 
 The state dict is the one part that differs from torch's: it is keyed by parameter
 identity (global index, as ``torch.optim.Optimizer.state_dict`` keys it), not by rank, so a
@@ -24,6 +26,9 @@ from . import _zero_state, comm
 from .errors import NotInitializedError
 
 __all__ = ["ZeroRedundancyOptimizer", "optimizer_state_bytes", "partition_by_size"]
+
+# torch.nn.utils.clip_grad_norm_ divides by (total_norm + 1e-6); the same keeps results equal.
+_CLIP_EPS = 1e-6
 
 # Parameters this large are broadcast in place, each alone; smaller ones are coalesced. On Gloo
 # over loopback (2 ranks, a shared 2-core machine) a broadcast cost ~0.3 ms however small,
@@ -94,7 +99,10 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     .. note::
         Gradients must already be averaged across ranks when ``step()`` runs (DDP does
-        that); ZeRO shards the optimizer state, not the gradient reduction.
+        that). Only the owners' gradients are read, so with phalanx DDP,
+        ``ddp.shard_gradients(optimizer)`` (ZeRO stage 2) lets each rank receive and keep
+        just those: gradient memory falls to about ``1/N`` too. :meth:`clip_grad_norm_`
+        then clips by the norm of the whole gradient, which no single rank holds.
 
     .. note::
         :meth:`state_dict` needs :meth:`consolidate_state_dict` first, on every rank, after
@@ -128,10 +136,12 @@ class ZeroRedundancyOptimizer(Optimizer):
 
         >>> model = phalanx.DistributedDataParallel(net)
         >>> opt = phalanx.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+        >>> model.shard_gradients(opt)           # optional: ZeRO stage 2
         >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
         >>> for x, y in loader:
         ...     opt.zero_grad()
         ...     loss_fn(model(x), y).backward()
+        ...     opt.clip_grad_norm_(1.0)         # optional
         ...     opt.step()
         ...     sched.step()
         >>> opt.consolidate_state_dict(to=0)     # on every rank
@@ -192,6 +202,54 @@ class ZeroRedundancyOptimizer(Optimizer):
     def param_owners(self) -> tuple[int, ...]:
         """The owner of each parameter (its rank in ``process_group``), by global index."""
         return tuple(self._owners)
+
+    def owners_of(self, params: Iterable[torch.Tensor]) -> list[int | None]:
+        """The owner of each of ``params`` (rank in ``process_group``); ``None`` for a tensor
+        this optimizer does not hold."""
+        owner = {id(p): o for p, o in zip(self._params, self._owners)}
+        return [owner.get(id(p)) for p in params]
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip gradients by the norm of all of them, as ``torch.nn.utils.clip_grad_norm_``
+        would on the whole averaged gradient (a collective: call it on every rank).
+
+        Each rank takes the norm of the gradients of the parameters it owns; one all-reduce
+        combines them (a sum of ``norm ** norm_type``, or a max for ``inf``), so it works
+        whether every rank holds every averaged gradient or, with ZeRO stage 2, only the
+        owners do. Every gradient of this optimizer present on this rank is then multiplied
+        by ``min(1, max_norm / (total_norm + 1e-6))``.
+
+        Args:
+            max_norm (float): largest allowed norm.
+            norm_type (float): the p of the p-norm; ``inf`` for the largest magnitude.
+                Default ``2.0``.
+            error_if_nonfinite (bool): raise if the total norm is nan or inf (on every
+                rank: all see the same norm). Default ``False``.
+
+        Returns:
+            The total norm before clipping (a float32 tensor), the same on every rank.
+        """
+        max_norm, norm_type = _clip_arguments(max_norm, norm_type)
+        owned = [p.grad for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
+        device = self._params[0].device if self._params else torch.device("cpu")
+        total = _owned_norm(owned, norm_type, device)
+        inf = norm_type == float("inf")
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.process_group)
+        if not inf:
+            total = total ** (1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total).item():
+            raise RuntimeError(
+                f"The total norm of order {norm_type} of the gradients is {total.item()}, so they "
+                "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
+            )
+        coef = torch.clamp(max_norm / (total + _CLIP_EPS), max=1.0)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+        return total
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (a collective: call it on every rank, with the same shapes).
@@ -327,6 +385,25 @@ class ZeroRedundancyOptimizer(Optimizer):
             work.wait()
         for flat, chunk in landing:
             comm.unflatten_into(flat, chunk)
+
+
+def _clip_arguments(max_norm: Any, norm_type: Any) -> tuple[float, float]:
+    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not norm_type > 0:
+        raise ValueError(f"norm_type must be positive (2.0, 1.0, inf, ...), got {norm_type}")
+    return float(max_norm), float(norm_type)
+
+
+def _owned_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """This rank's share of the total: the max magnitude (``inf``), else the sum of ``|g|^p``."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch.stack([torch.linalg.vector_norm(g, norm_type).float().to(device) for g in grads])
+    if norm_type == float("inf"):
+        return norms.max()
+    return (norms ** norm_type).sum()
 
 
 def _coalesce(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:

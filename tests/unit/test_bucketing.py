@@ -71,3 +71,18 @@ def test_first_bucket_small_then_cap():
 def test_bad_caps(caps):
     with pytest.raises(ValueError, match="bucket sizes must be positive"):
         plan_buckets(_params(0, 2), *caps)
+
+
+def test_owners_never_share_a_bucket():
+    # reversed order: p5 p4 p3 p2 p1 p0; owners 0 1 0 None 1 0 (by index 0..5)
+    named = [(f"p{i}", torch.nn.Parameter(torch.zeros(100_000))) for i in range(6)]  # 0.38 MiB each
+    owners = [0, 1, None, 0, 1, 0]
+    plan = plan_buckets(named, int(0.7 * MIB), FIRST_BUCKET_BYTES, owners=owners)
+    # each owner fills its own open bucket: rank 0's first closes at 1 MiB (3 tensors)
+    assert [(b.owner, [s.index for s in b.slots]) for b in plan] == [
+        (0, [5, 3, 0]), (1, [4, 1]), (None, [2])]
+    assert all(owners[s.index] == b.owner for b in plan for s in b.slots)
+    assert describe(plan).splitlines()[1].startswith("bucket 1 for rank 1: 0.76 MiB")
+    assert plan_buckets(named, owners=None) == plan_buckets(named, owners=[None] * 6)
+    with pytest.raises(ValueError, match="one owner per parameter: 6 parameters, got 2 owners"):
+        plan_buckets(named, owners=[0, 1])
