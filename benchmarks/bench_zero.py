@@ -1,4 +1,5 @@
-"""Optimizer-state memory and step time: unsharded Adam, phalanx ZeRO, torch's ZeRO.
+"""Optimizer-state memory and step time: unsharded Adam, phalanx ZeRO, torch's ZeRO; then
+gradient + state memory and training-step time under phalanx DDP: Adam, ZeRO stage 1, stage 2.
 
 Usage::
 
@@ -13,6 +14,12 @@ done only when every replica has its parameters; the table shows medians over ro
 ``step()`` includes the parameter broadcast for both ZeRO variants; gradients are given, so
 no backward pass or gradient all-reduce is timed. State memory is the bytes of the tensors in
 each rank's (local) optimizer state.
+
+The second table times whole training steps (``zero_grad``, forward, backward, ``step``) of
+the same MLP in phalanx DDP (``gradient_as_bucket_view=True``) on ``--batch`` random rows per
+rank, with unsharded Adam (``ddp_adam``), phalanx ZeRO (``ddp_zero1``) and phalanx ZeRO with
+``ddp.shard_gradients(opt)`` (``ddp_zero2``), rotated the same way. Gradient memory is
+``ddp.gradient_bytes()`` right after a backward: ``.grad`` plus the bucket buffers kept.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import phalanx
 from phalanx.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 
 VARIANTS = ("unsharded", "phalanx_zero", "torch_zero")
+TRAIN_VARIANTS = ("ddp_adam", "ddp_zero1", "ddp_zero2")
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -43,6 +51,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=7, help="timed rounds per optimizer (default 7)")
     p.add_argument("--steps", type=int, default=5, help="step() calls per round (default 5)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--batch", type=int, default=32, help="rows per rank per training step (default 32)")
     p.add_argument("--json", help="also write the results to this file")
     return p.parse_args(argv)
 
@@ -63,6 +72,26 @@ def _optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     if name == "phalanx_zero":
         return ZeroRedundancyOptimizer(params, torch.optim.Adam, lr=1e-3)
     return TorchZero(params, optimizer_class=torch.optim.Adam, lr=1e-3)
+
+
+def _trainer(name: str, args: argparse.Namespace):
+    """(DDP model, optimizer) for one of TRAIN_VARIANTS."""
+    ddp = phalanx.DistributedDataParallel(_model(args), gradient_as_bucket_view=True)
+    if name == "ddp_adam":
+        return ddp, torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=1e-3)
+    if name == "ddp_zero2":
+        ddp.shard_gradients(opt)
+    return ddp, opt
+
+
+def _train_step(ddp, opt, x: torch.Tensor) -> int:
+    """One training step; returns the gradient bytes held right after the backward."""
+    opt.zero_grad()
+    ddp(x).pow(2).mean().backward()
+    held = ddp.gradient_bytes()
+    opt.step()
+    return held
 
 
 def _local_state_bytes(name: str, opt: torch.optim.Optimizer) -> int:
@@ -97,10 +126,51 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue) -> None:
                 for _ in range(args.steps):
                     opts[name].step()
                 times[name].append(_slowest(time.perf_counter() - start) / args.steps)
+        del opts
+        train = _time_training(args)
         if rank == 0:
-            queue.put({"memory": memory, "times": times})
+            queue.put({"memory": memory, "times": times, "train": train})
     finally:
         phalanx.destroy_process_group()
+
+
+def _time_training(args: argparse.Namespace) -> dict:
+    """Per-rank gradient and state bytes, and median training-step times, of TRAIN_VARIANTS."""
+    world = args.world_size
+    x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(dist.get_rank()))
+    trainers = {name: _trainer(name, args) for name in TRAIN_VARIANTS}
+    out = {name: {"grad": [None] * world, "state": [None] * world, "times": []} for name in TRAIN_VARIANTS}
+    for name, (ddp, opt) in trainers.items():
+        held = _train_step(ddp, opt, x)  # warm-up: creates the optimizer state
+        dist.all_gather_object(out[name]["grad"], held)
+        dist.all_gather_object(out[name]["state"], optimizer_state_bytes(opt))
+    for r in range(args.rounds):
+        for name in TRAIN_VARIANTS[r % 3:] + TRAIN_VARIANTS[: r % 3]:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                _train_step(*trainers[name], x)
+            out[name]["times"].append(_slowest(time.perf_counter() - start) / args.steps)
+    return out
+
+
+def _mib(values: list[int]) -> str:
+    return " / ".join(f"{v / 2**20:.1f}" for v in values)
+
+
+def _report_training(args: argparse.Namespace, train: dict) -> dict:
+    base = statistics.median(train["ddp_adam"]["times"]) * 1e3
+    print(f"\ntraining step under phalanx DDP (gradient_as_bucket_view=True), {args.batch} rows per rank")
+    print(f"{'variant':<14}{'grad MiB per rank':>22}{'state MiB per rank':>22}"
+          f"{'step ms (median)':>18}{'vs ddp_adam':>13}")
+    rows = {}
+    for name in TRAIN_VARIANTS:
+        r = train[name]
+        ms = statistics.median(r["times"]) * 1e3
+        rows[name] = {"grad_bytes_per_rank": r["grad"], "state_bytes_per_rank": r["state"],
+                      "step_ms_median": ms, "step_ms_all": [t * 1e3 for t in r["times"]]}
+        print(f"{name:<14}{_mib(r['grad']):>22}{_mib(r['state']):>22}{ms:>18.2f}{ms / base:>12.2f}x")
+    return rows
 
 
 def _report(args: argparse.Namespace, result: dict) -> dict:
@@ -115,11 +185,10 @@ def _report(args: argparse.Namespace, result: dict) -> dict:
           f"{'step ms (median)':>18}{'vs unsharded':>14}")
     rows = {}
     for name in VARIANTS:
-        per_rank = [b / 2**20 for b in memory[name]]
         ms = statistics.median(times[name]) * 1e3
         rows[name] = {"state_bytes_per_rank": memory[name], "step_ms_median": ms,
                       "step_ms_all": [t * 1e3 for t in times[name]]}
-        print(f"{name:<14}{' / '.join(f'{m:.1f}' for m in per_rank):>24}"
+        print(f"{name:<14}{_mib(memory[name]):>24}"
               f"{max(memory[name]) / base_mem:>13.2f}x{ms:>18.2f}{ms / base_ms:>13.2f}x")
     return rows
 
@@ -133,7 +202,9 @@ def main(argv=None) -> None:
     queue = ctx.SimpleQueue()
     mp.start_processes(_rank, args=(args, port, queue), nprocs=args.world_size,
                        start_method="spawn")
-    rows = _report(args, queue.get())
+    result = queue.get()
+    rows = _report(args, result)
+    rows["training"] = _report_training(args, result["train"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": rows}, f, indent=2)

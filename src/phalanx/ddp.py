@@ -4,7 +4,9 @@ The wrapper is thin; the work is done by three objects it composes:
 
 * :func:`phalanx.bucketing.plan_buckets` decides which gradient goes into which flat bucket;
 * :class:`phalanx.reducer.Reducer` fills the buckets from grad-ready hooks and all-reduces each
-  one as soon as it is complete, overlapping communication with the rest of the backward;
+  one as soon as it is complete, overlapping communication with the rest of the backward (or,
+  after :meth:`DistributedDataParallel.shard_gradients`, reduces it to the rank that owns it:
+  :mod:`phalanx.bucket_comm`);
 * :class:`_BufferSync` broadcasts rank 0's buffers (BatchNorm running statistics...) before a
   forward.
 
@@ -25,7 +27,8 @@ from torch import nn
 from . import comm
 from .bucketing import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MIB, BucketSpec, plan_buckets
 from .errors import NotInitializedError
-from .reducer import AllReduceMean, Reducer, ReduceToOwner
+from .bucket_comm import AllReduceMean, ReduceToOwner
+from .reducer import Reducer
 from .zero import ZeroRedundancyOptimizer
 
 
@@ -54,6 +57,12 @@ class DistributedDataParallel(nn.Module):
         the received buffers are installed as new tensors instead of being copied into the
         old ones, which that graph may have saved (torch fails there with "modified by an
         inplace operation").
+
+    .. note::
+        ZeRO stage 2: with a :class:`~phalanx.ZeroRedundancyOptimizer` over this model,
+        :meth:`shard_gradients` makes each bucket a reduce to the rank that owns its
+        parameters, so after backward each rank holds only the averaged gradients it
+        steps (about ``1/N`` of the gradient memory); see that method.
 
     .. note::
         With one process (world size 1) nothing is installed: no hooks, no copies, and the
@@ -148,14 +157,14 @@ class DistributedDataParallel(nn.Module):
         self._buffer_sync: _BufferSync | None = None
         self.bucket_plan: list[BucketSpec] = []
         if world > 1:
-            self._set_up_replicas(module, process_group, bucket_cap_mb, flags)
+            self._set_up_replicas(module, process_group, broadcast_buffers)
 
-    def _set_up_replicas(self, module, group, bucket_cap_mb, flags) -> None:
+    def _set_up_replicas(self, module, group, broadcast_buffers) -> None:
         src = 0 if group is None else dist.get_global_rank(group, 0)
         with torch.no_grad():
             comm.broadcast_tensors(list(module.parameters()) + list(module.buffers()), src=src, group=group)
         self._build_reducer(None)
-        if flags["broadcast_buffers"] and any(b.numel() for b in module.buffers()):
+        if broadcast_buffers and any(b.numel() for b in module.buffers()):
             self._buffer_sync = _BufferSync(module, group, src)
 
     def _build_reducer(self, owners: list[int | None] | None) -> None:
@@ -167,7 +176,8 @@ class DistributedDataParallel(nn.Module):
         self.bucket_plan = plan_buckets(named, *caps, owners=owners)
         group = self.process_group
         strategy = AllReduceMean(group) if owners is None else ReduceToOwner(self.bucket_plan, group)
-        self._reducer = None  # the old reducer's hooks go with it
+        if self._reducer is not None:
+            self._reducer.close()  # its hooks must not act on the next backward
         self._reducer = Reducer(
             named,
             self.bucket_plan,
@@ -202,8 +212,9 @@ class DistributedDataParallel(nn.Module):
         the other ranks (released as soon as copied into its bucket, whose buffer is dropped
         at the end of the backward), so gradient memory per rank falls to about
         ``total / N`` plus the largest parameter. Parameters the optimizer does not hold
-        are averaged on every rank as before. A collective: call it on every rank, between
-        iterations, after the optimizer has all its param groups.
+        are averaged on every rank as before; with one process nothing changes. A
+        collective: call it on every rank, between iterations, after the optimizer has all
+        its param groups.
 
         Args:
             optimizer (ZeroRedundancyOptimizer): the sharded optimizer over this model's
@@ -211,14 +222,17 @@ class DistributedDataParallel(nn.Module):
 
         Raises:
             TypeError: ``optimizer`` is not a :class:`~phalanx.ZeroRedundancyOptimizer`.
-            ValueError: its process group has other ranks than this DDP's.
+            ValueError: its process group has other ranks than this DDP's, or it holds none
+                of this model's parameters.
             RuntimeError: called between a forward and its backward.
             RankMismatchError: the ranks disagree on owners or arguments (on every rank).
 
         .. warning::
-            Gradients cannot accumulate across synchronising backwards: non-owners hold
-            none. Accumulate micro-batches with :meth:`no_sync` (and ``zero_grad()`` after
-            each ``step()``), as usual.
+            No rank holds the whole gradient any more: clip with the optimizer's
+            :meth:`~phalanx.ZeroRedundancyOptimizer.clip_grad_norm_`, not
+            ``torch.nn.utils.clip_grad_norm_``. Gradients cannot accumulate across
+            synchronising backwards (non-owners hold none): accumulate micro-batches with
+            :meth:`no_sync`, and ``zero_grad()`` after each ``step()``.
 
         Example::
 
@@ -328,7 +342,13 @@ def _gradient_owners(ddp: DistributedDataParallel, optimizer: Any) -> list[int |
             "shard_gradients() was called between a forward and its backward; call it between "
             "iterations (after backward(), or before the first forward)"
         )
-    return optimizer.owners_of(p for _, p in ddp.module.named_parameters())
+    owners = optimizer.owners_of(p for _, p in ddp.module.named_parameters())
+    if all(owner is None for owner in owners):
+        raise ValueError(
+            "shard_gradients() needs the optimizer of this model: it holds none of the "
+            f"{len(owners)} parameters of this DistributedDataParallel's module"
+        )
+    return owners
 
 
 def _check_group(group: Any) -> None:

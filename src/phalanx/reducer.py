@@ -24,7 +24,7 @@ without an extra collective; with unused parameters allowed, one element per par
 whether any rank has a gradient for it (parameters with none anywhere keep ``.grad`` untouched,
 as torch does, so e.g. Adam skips them).
 
-ZeRO stage 2 (:class:`ReduceToOwner`): buckets are planned so each holds the parameters of
+ZeRO stage 2 (:class:`~phalanx.bucket_comm.ReduceToOwner`): buckets are planned so each holds the parameters of
 one owner, the rank whose sharded optimizer updates them, and each is *reduced* to that owner
 instead of all-reduced. Other ranks drop their copy: a gradient is released (``.grad = None``)
 as soon as it is copied into such a bucket, whose buffer exists only from its first gradient
@@ -44,62 +44,6 @@ import torch.distributed as dist
 from . import comm
 from .bucketing import BucketSpec
 from .errors import UnusedParametersError
-
-
-class AllReduceMean:
-    """Default bucket communication: an all-reduce (sum) of gradients pre-divided by ``divisor``.
-
-    A communication strategy has four members: ``group``; ``divisor`` (the reducer divides
-    each gradient by it while copying it into the bucket, saving a pass over the buffer);
-    ``launch(b, flat) -> Work``, which starts reducing bucket ``b``'s flat buffer
-    asynchronously; and ``keeps(b)``, whether this rank keeps bucket ``b``'s result. When the
-    work completes, the buffer of a kept bucket must hold the reduced gradients, and the
-    control tail of the last bucket (see the module docstring) must be summed on every rank.
-
-    Args:
-        group: process group; ``None`` is the default group.
-    """
-
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
-        self.divisor = dist.get_world_size(group)
-
-    def launch(self, b: int, flat: torch.Tensor) -> dist.Work:
-        return dist.all_reduce(flat, group=self.group, async_op=True)
-
-    def keeps(self, b: int) -> bool:
-        return True
-
-
-class ReduceToOwner:
-    """ZeRO stage 2: each bucket's sum goes to its owner only (``dist.reduce``, asynchronous).
-
-    The plan must come from :func:`~phalanx.bucketing.plan_buckets` with ``owners``, so that
-    every bucket has one :attr:`~phalanx.bucketing.BucketSpec.owner` (a rank in ``group``).
-    Buckets whose owner is ``None`` are all-reduced and kept everywhere. The last bucket is
-    all-reduced too, whoever owns it: every rank must read its control tail; ranks other
-    than its owner then drop its gradients like those of any bucket they do not keep.
-
-    Args:
-        plan: the buckets, in launch order.
-        group: process group; ``None`` is the default group.
-    """
-
-    def __init__(self, plan: Sequence[BucketSpec], group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
-        self.divisor = dist.get_world_size(group)
-        rank = dist.get_rank(group)
-        self._keeps = [spec.owner is None or spec.owner == rank for spec in plan]
-        # None: all-reduce; else the owner's global rank, which dist.reduce takes.
-        self._dst = [_global_rank(group, s.owner) for s in plan[:-1]] + [None]
-
-    def launch(self, b: int, flat: torch.Tensor) -> dist.Work:
-        if self._dst[b] is None:
-            return dist.all_reduce(flat, group=self.group, async_op=True)
-        return dist.reduce(flat, self._dst[b], group=self.group, async_op=True)
-
-    def keeps(self, b: int) -> bool:
-        return self._keeps[b]
 
 
 class _Bucket:
@@ -141,8 +85,9 @@ class Reducer:
     Args:
         named_params: ``(name, parameter)`` pairs the ``plan`` indexes into.
         plan: buckets in launch order, from :func:`phalanx.bucketing.plan_buckets`; not empty.
-        comm: the bucket communication strategy: :class:`AllReduceMean` or
-            :class:`ReduceToOwner`.
+        comm: the bucket communication strategy, from :mod:`phalanx.bucket_comm`:
+            :class:`~phalanx.bucket_comm.AllReduceMean` or
+            :class:`~phalanx.bucket_comm.ReduceToOwner`.
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket (saves memory
             and the copy back). Default ``False``.
         find_unused_parameters: walk the graph after each forward to find parameters that
@@ -182,12 +127,16 @@ class Reducer:
         self._hooks = [
             p.register_post_accumulate_grad_hook(functools.partial(_hook, me, k)) for k, p in enumerate(self.params)
         ]
-        weakref.finalize(self, _remove_all, list(self._hooks))
+        self._remove_hooks = weakref.finalize(self, _remove_all, list(self._hooks))
         self._armed = False  # hooks act: the last forward was a synchronising one
         self.awaiting_backward = False  # a synchronising forward ran, its backward has not ended
         self._reached: set[int] | None = None  # find_unused: reachable from the outputs
         self._known_unused: set[int] | None = None  # static_graph: learned in the first backward
         self._reset()
+
+    def close(self) -> None:
+        """Remove the hooks now (they also go when the reducer is garbage collected)."""
+        self._remove_hooks()
 
     def _reset(self) -> None:
         self._started = False
@@ -349,12 +298,6 @@ class Reducer:
     def _raise_problems(self) -> None:
         everyone = comm.all_gather_object(self._describe(), self.comm.group)
         raise UnusedParametersError(_problem_message(dict(enumerate(everyone)), self.static_graph))
-
-
-def _global_rank(group: dist.ProcessGroup | None, rank: int | None) -> int | None:
-    if rank is None or group is None:
-        return rank
-    return dist.get_global_rank(group, rank)
 
 
 def _hook(reducer: weakref.ref, k: int, param: torch.Tensor) -> None:

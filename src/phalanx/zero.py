@@ -22,13 +22,10 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from . import _zero_state, comm
+from . import _zero_clip, _zero_state, comm
 from .errors import NotInitializedError
 
 __all__ = ["ZeroRedundancyOptimizer", "optimizer_state_bytes", "partition_by_size"]
-
-# torch.nn.utils.clip_grad_norm_ divides by (total_norm + 1e-6); the same keeps results equal.
-_CLIP_EPS = 1e-6
 
 # Parameters this large are broadcast in place, each alone; smaller ones are coalesced. On Gloo
 # over loopback (2 ranks, a shared 2-core machine) a broadcast cost ~0.3 ms however small,
@@ -231,25 +228,11 @@ class ZeroRedundancyOptimizer(Optimizer):
         Returns:
             The total norm before clipping (a float32 tensor), the same on every rank.
         """
-        max_norm, norm_type = _clip_arguments(max_norm, norm_type)
         owned = [p.grad for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
+        present = [p.grad for p in self._params if p.grad is not None]
         device = self._params[0].device if self._params else torch.device("cpu")
-        total = _owned_norm(owned, norm_type, device)
-        inf = norm_type == float("inf")
-        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.process_group)
-        if not inf:
-            total = total ** (1.0 / norm_type)
-        if error_if_nonfinite and not torch.isfinite(total).item():
-            raise RuntimeError(
-                f"The total norm of order {norm_type} of the gradients is {total.item()}, so they "
-                "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
-            )
-        coef = torch.clamp(max_norm / (total + _CLIP_EPS), max=1.0)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
-        return total
+        return _zero_clip.clip_grad_norm(owned, present, max_norm, norm_type, error_if_nonfinite,
+                                         self.process_group, device)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (a collective: call it on every rank, with the same shapes).
@@ -385,25 +368,6 @@ class ZeroRedundancyOptimizer(Optimizer):
             work.wait()
         for flat, chunk in landing:
             comm.unflatten_into(flat, chunk)
-
-
-def _clip_arguments(max_norm: Any, norm_type: Any) -> tuple[float, float]:
-    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not norm_type > 0:
-        raise ValueError(f"norm_type must be positive (2.0, 1.0, inf, ...), got {norm_type}")
-    return float(max_norm), float(norm_type)
-
-
-def _owned_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """This rank's share of the total: the max magnitude (``inf``), else the sum of ``|g|^p``."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(g, norm_type).float().to(device) for g in grads])
-    if norm_type == float("inf"):
-        return norms.max()
-    return (norms ** norm_type).sum()
 
 
 def _coalesce(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:

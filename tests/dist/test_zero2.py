@@ -163,7 +163,9 @@ def _unused_errors(rank, world_size):
 
 def _api_errors(rank, world_size):
     ddp, opt = _sharded_branchy(rank)
-    out = {"not_zero": _error(ddp.shard_gradients, torch.optim.SGD(ddp.parameters(), lr=0.1))}
+    out = {"not_zero": _error(ddp.shard_gradients, torch.optim.SGD(ddp.parameters(), lr=0.1)),
+           "other_model": _error(ddp.shard_gradients, ZeroRedundancyOptimizer(
+               nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1))}
     plain = phalanx.DistributedDataParallel(Branchy())
     loss = plain(torch.randn(4, 6)).sum()
     out["mid_iteration"] = _error(plain.shard_gradients, opt)
@@ -273,6 +275,9 @@ def test_shard_gradients_refuses_mistakes_on_every_rank(ranks):
         assert errors["not_zero"] == ("TypeError", (
             "shard_gradients() needs a phalanx.ZeroRedundancyOptimizer (it says which rank owns each "
             "parameter), got SGD"))
+        assert errors["other_model"] == ("ValueError", (
+            "shard_gradients() needs the optimizer of this model: it holds none of the 6 parameters "
+            "of this DistributedDataParallel's module"))
         assert errors["mid_iteration"] == ("RuntimeError", (
             "shard_gradients() was called between a forward and its backward; call it between "
             "iterations (after backward(), or before the first forward)"))
@@ -287,3 +292,30 @@ def test_shard_gradients_refuses_mistakes_on_every_rank(ranks):
             assert out["errors"]["subgroup"]["other_ranks"] == ("ValueError", (
                 "shard_gradients() needs the optimizer sharded over the ranks DDP averages over: "
                 "DDP has global ranks [1, 2], the optimizer [0, 1, 2]"))
+
+
+def _stage2_on_gpus(rank, world_size):
+    phalanx.init_process_group(backend="nccl")
+    try:
+        torch.manual_seed(rank)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).cuda(rank)
+        ddp = phalanx.DistributedDataParallel(model, device_ids=[rank])
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.1)
+        ddp.shard_gradients(opt)
+        ddp(torch.full((3, 4), float(rank))).sum().backward()
+        norm = opt.clip_grad_norm_(1e9).item()
+        held = {n: p.grad.cpu().sum().item() for n, p in model.named_parameters() if p.grad is not None}
+        return {"held": held, "norm": norm, "owners": opt.owners_of(model.parameters())}
+    finally:
+        phalanx.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_stage2_on_gpus_with_nccl():
+    results = run_ranks(_stage2_on_gpus, 2, init=False)
+    names = ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert results[0]["norm"] == results[1]["norm"] > 0
+    for rank, out in enumerate(results):
+        assert sorted(out["held"]) == sorted(n for n, o in zip(names, out["owners"]) if o == rank)
+    # d(sum of 3 x 2 outputs)/d(bias) is 3 per entry on each rank, so 6 summed: only its owner has it
+    assert [out["held"]["1.bias"] for out in results if "1.bias" in out["held"]] == [6.0]

@@ -1,0 +1,73 @@
+"""How one bucket's flat buffer is reduced: the reducer's communication strategies.
+
+A strategy has four members: ``group``; ``divisor`` (the reducer divides each gradient by it
+while copying it into the bucket, saving a pass over the buffer); ``launch(b, flat) -> Work``,
+which starts reducing bucket ``b``'s flat buffer asynchronously; and ``keeps(b)``, whether
+this rank keeps bucket ``b``'s result. When the work completes, the buffer of a kept bucket
+must hold the reduced gradients, and the control tail of the last bucket (see
+:mod:`phalanx.reducer`) must be summed on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .bucketing import BucketSpec
+
+
+class AllReduceMean:
+    """Default bucket communication: an all-reduce (sum) of gradients pre-divided by ``divisor``.
+
+    Args:
+        group: process group; ``None`` is the default group.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.divisor = dist.get_world_size(group)
+
+    def launch(self, b: int, flat: torch.Tensor) -> dist.Work:
+        return dist.all_reduce(flat, group=self.group, async_op=True)
+
+    def keeps(self, b: int) -> bool:
+        return True
+
+
+class ReduceToOwner:
+    """ZeRO stage 2: each bucket's sum goes to its owner only (``dist.reduce``, asynchronous).
+
+    The plan must come from :func:`~phalanx.bucketing.plan_buckets` with ``owners``, so that
+    every bucket has one :attr:`~phalanx.bucketing.BucketSpec.owner` (a rank in ``group``).
+    Buckets whose owner is ``None`` are all-reduced and kept everywhere. The last bucket is
+    all-reduced too, whoever owns it: every rank must read its control tail; ranks other
+    than its owner then drop its gradients like those of any bucket they do not keep.
+
+    Args:
+        plan: the buckets, in launch order.
+        group: process group; ``None`` is the default group.
+    """
+
+    def __init__(self, plan: Sequence[BucketSpec], group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.divisor = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        self._keeps = [spec.owner is None or spec.owner == rank for spec in plan]
+        # None: all-reduce; else the owner's global rank, which dist.reduce takes.
+        self._dst = [_global_rank(group, s.owner) for s in plan[:-1]] + [None]
+
+    def launch(self, b: int, flat: torch.Tensor) -> dist.Work:
+        if self._dst[b] is None:
+            return dist.all_reduce(flat, group=self.group, async_op=True)
+        return dist.reduce(flat, self._dst[b], group=self.group, async_op=True)
+
+    def keeps(self, b: int) -> bool:
+        return self._keeps[b]
+
+
+def _global_rank(group: dist.ProcessGroup | None, rank: int | None) -> int | None:
+    if rank is None or group is None:
+        return rank
+    return dist.get_global_rank(group, rank)
