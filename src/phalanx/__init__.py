@@ -68,7 +68,24 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .zero import ZeroRedundancyOptimizer
 
 
+# torch.distributed's own collectives and types, reachable as phalanx.X so that
+# `import phalanx as dist` replaces `import torch.distributed as dist` in a script: phalanx
+# writes no collective of its own, every one of these *is* torch's.
+_FROM_TORCH_DISTRIBUTED = frozenset({
+    "Backend", "GroupMember", "P2POp", "ProcessGroup", "ReduceOp", "Work",
+    "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
+    "all_to_all_single", "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather",
+    "gather_object", "get_backend", "get_global_rank", "get_group_rank",
+    "get_process_group_ranks", "irecv", "is_available", "is_gloo_available",
+    "is_nccl_available", "is_torchelastic_launched", "isend", "monitored_barrier", "new_group",
+    "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
+    "scatter_object_list", "send",
+})
+
+
 def __getattr__(name: str):
+    if name in _FROM_TORCH_DISTRIBUTED:
+        return getattr(import_module("torch.distributed"), name)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
@@ -76,7 +93,7 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | _FROM_TORCH_DISTRIBUTED)
 
 
 __all__ = [

@@ -221,11 +221,18 @@ def get_device() -> torch.device:
     return torch.device("cpu")
 
 
-def barrier(group: dist.ProcessGroup | None = None) -> None:
-    """Wait until every rank of ``group`` (default: the world) has reached this call."""
+def barrier(
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    device_ids: list[int] | None = None,
+) -> Any:
+    """Wait until every rank of ``group`` (default: the world) has reached this call.
+
+    Arguments as ``torch.distributed.barrier``; with NCCL, ``device_ids`` defaults to this
+    process's GPU, so torch does not have to guess it. Returns a work handle with ``async_op``.
+    """
     if not dist.is_initialized():
         raise NotInitializedError("barrier() needs init_process_group() to have been called")
-    if dist.get_backend(group) == "nccl":
-        dist.barrier(group, device_ids=[torch.cuda.current_device()])
-    else:
-        dist.barrier(group)
+    if device_ids is None and dist.get_backend(group) == "nccl":
+        device_ids = [torch.cuda.current_device()]
+    return dist.barrier(group, async_op=async_op, device_ids=device_ids)

@@ -20,6 +20,12 @@ def _many_checks(rank, world_size):
     out["ids"] = (phalanx.get_rank(), phalanx.get_world_size(), phalanx.get_local_rank(),
                   phalanx.get_local_world_size(), dist.get_backend(), str(phalanx.get_device()))
     phalanx.barrier()
+    phalanx.barrier(async_op=True).wait()
+    # `import phalanx as dist` stands in for torch.distributed: its collectives are torch's
+    summed = torch.tensor([float(rank + 1)])
+    phalanx.all_reduce(summed, op=phalanx.ReduceOp.SUM)
+    out["torch_collectives"] = (summed.item(), phalanx.all_reduce is dist.all_reduce,
+                                phalanx.get_backend())
     # broadcast_tensors: rank 0's values everywhere, across dtypes and chunk boundaries
     tensors = [torch.full((3, 4), float(rank)), torch.full((5,), rank, dtype=torch.int64),
                torch.full((7,), float(rank) + 0.5, dtype=torch.float64), torch.empty(0)]
@@ -48,6 +54,7 @@ def test_group_helpers_and_errors(world_size):
         assert out["ids"] == (rank, world_size, rank, world_size, "gloo", "cpu")
         assert out["broadcast"] == [[[0.0] * 4] * 3, [0] * 5, [0.5] * 7]
         assert out["any"] == (True, False)
+        assert out["torch_collectives"] == (world_size * (world_size + 1) / 2, True, "gloo")
         assert out["mismatch"] == (
             "parameters differ across ranks: ranks 1 disagree with rank 0 (2 vs 2 entries on "
             "rank 0 and rank 1). First difference at position 1: rank 0 has 'b' (3,), "
