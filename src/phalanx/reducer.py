@@ -24,12 +24,13 @@ without an extra collective; with unused parameters allowed, one element per par
 whether any rank has a gradient for it (parameters with none anywhere keep ``.grad`` untouched,
 as torch does, so e.g. Adam skips them).
 
-ZeRO stage 2 (:class:`~phalanx.bucket_comm.ReduceToOwner`): buckets are planned so each holds the parameters of
-one owner, the rank whose sharded optimizer updates them, and each is *reduced* to that owner
-instead of all-reduced. Other ranks drop their copy: a gradient is released (``.grad = None``)
-as soon as it is copied into such a bucket, whose buffer exists only from its first gradient
-to the end of the backward. Only the owner writes the average back to ``.grad``. The last
-bucket stays an all-reduce, as it carries the control tail every rank must read.
+ZeRO stage 2 (:class:`~phalanx.bucket_comm.ReduceToOwner`): buckets are planned so each
+holds the parameters of one owner, the rank whose sharded optimizer updates them, and each is
+*reduced* to that owner instead of all-reduced. Other ranks drop their copy: a gradient is
+released (``.grad = None``) as soon as it is copied into such a bucket, whose buffer exists
+only from its first gradient to the end of the backward. Only the owner writes the average
+back to ``.grad``. The last bucket stays an all-reduce, as it carries the control tail every
+rank must read.
 """
 
 from __future__ import annotations

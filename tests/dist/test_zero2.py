@@ -121,7 +121,7 @@ def _run_case(case, rank, world_size, group=None):
 def _memory(rank, world_size):
     """Gradient bytes after one backward: plain DDP and stage 2, with and without bucket views.
 
-    Six equal layers: sorted-greedy gives each rank total/N (2 ranks) or close to it (3 ranks).
+    Six equal layers: sorted-greedy gives each rank exactly total/N at 2 and 3 ranks.
     """
     out = {}
     for view in (False, True):
@@ -195,11 +195,34 @@ def _subgroup(rank):
     return out
 
 
+def _more_ranks_than_params(rank):
+    """Two parameters on three ranks: rank 2 owns none, keeps no gradient, and still trains."""
+    models, held = [], []
+    for sharded in (True, False):
+        torch.manual_seed(rank)
+        ddp = phalanx.DistributedDataParallel(nn.Linear(3, 1))
+        if sharded:
+            opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.1)
+            ddp.shard_gradients(opt)
+        else:
+            opt = torch.optim.Adam(ddp.parameters(), lr=0.1)
+        for step in range(3):
+            opt.zero_grad()
+            ddp(torch.full((2, 3), float(rank + step))).pow(2).mean().backward()
+            held.append(ddp.gradient_bytes())
+            opt.step()
+        models.append(ddp.module)
+    diff = max((p - q).abs().max().item() for p, q in zip(*(m.parameters() for m in models)))
+    return {"diff": diff, "held": held[:3], "plain_held": held[3:]}
+
+
 def _all_checks(rank, world_size):
     out = {name: _run_case(case, rank, world_size) for name, case in CASES.items()}
     out["memory"] = _memory(rank, world_size)
     out["unused"] = _unused_errors(rank, world_size)
     out["errors"] = _api_errors(rank, world_size)
+    if world_size == 3:
+        out["tiny"] = _more_ranks_than_params(rank)
     return out
 
 
@@ -252,6 +275,12 @@ def test_stage2_gradient_memory_is_about_one_nth(ranks):
         assert owned + extra <= total / world_size + mem["largest"], (rank, owned, total)
     assert sum(mem["owned"] for mem in memory) == memory[0]["total"]
     assert all(mem["owned"] > 0 for mem in memory)
+    if world_size == 3:  # weight (3 floats) on rank 0, bias on rank 1, rank 2 nothing
+        tiny = [out["tiny"] for out in results]
+        assert all(t["diff"] <= TOL for t in tiny), tiny
+        # .grad plus kept bucket: rank 0 weight 12 + 12 + 4 (the last bucket's tail), rank 1 bias 4 + 4
+        assert [t["held"] for t in tiny] == [[28] * 3, [8] * 3, [0] * 3]
+        assert all(t["plain_held"] == [2 * 16 + 4] * 3 for t in tiny)
 
 
 def test_unused_parameters_still_raise_on_every_rank(ranks):
