@@ -176,6 +176,7 @@ class Checkpointer:
         self.keep = keep
         self.group = group
         self.map_location = process_group.get_device() if map_location is None else map_location
+        self._last_work: dist.Work | None = None  # see _share_outcome
 
     @property
     def module(self) -> torch.nn.Module:
@@ -228,12 +229,29 @@ class Checkpointer:
                 error = _shareable(e, f"Saving checkpoint {path} failed on rank 0")
                 if error is not e:
                     error.__cause__ = e
-        outcome = _broadcast_from_writer(_describe(error), self.group)
+        outcome = self._share_outcome(error)
         if error is not None:
             raise error
         if outcome is not None:
             raise _rebuild(outcome)
         return path
+
+    def _share_outcome(self, error: Exception | None) -> tuple[str, str] | None:
+        """Rank 0's outcome of a save, on every rank: ``None`` or (error type, message)."""
+        if not _distributed(self.group):
+            return _describe(error)
+        failed = torch.tensor([error is not None], device=comm._collective_device(self.group))
+        work = dist.broadcast(failed, src=_writer_global_rank(self.group), group=self.group,
+                              async_op=True)
+        work.wait()
+        # Keep the handle, so that Gloo's worker thread never drops the last C++ reference to
+        # `failed`. In torch 2.13 that drop takes the GIL; if it comes while the interpreter
+        # exits (a save is often a script's last collective) the process aborts with
+        # "terminate called without an active exception".
+        self._last_work = work
+        if not failed.item():
+            return None
+        return _broadcast_from_writer(_describe(error), self.group)
 
     def _write(self, path: Path, gathered: list, consumed: int | None, extra: dict) -> None:
         epoch, step, _ = gathered[0]
