@@ -48,7 +48,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from . import comm, process_group
+from . import process_group
 from ._logging import get_logger
 from .checkpoint_file import (
     checkpoint_name,
@@ -65,6 +65,17 @@ from .checkpoint_state import (
     restore_rng_state,
     unwrap,
 )
+from .checkpoint_sync import (
+    agree,
+    attempt,
+    broadcast_from_writer,
+    distributed,
+    gather_to_writer,
+    is_writer,
+    rebuild,
+    share_outcome,
+    shareable,
+)
 from .errors import CheckpointError, RankMismatchError
 
 __all__ = ["Checkpointer", "TrainingState", "list_checkpoints", "read_checkpoint"]
@@ -75,8 +86,6 @@ _log0 = get_logger(__name__, rank_zero_only=True)
 # Layout of the saved dict; the file format around it has its own version.
 STATE_VERSION = 1
 _OPTIONAL = ("optimizer", "scheduler", "scaler", "sampler")
-# Errors sent from one rank to the others keep their type; anything else becomes a CheckpointError.
-_SHARED_ERRORS = (CheckpointError, RankMismatchError, TypeError, ValueError)
 
 
 @dataclass(frozen=True)
@@ -176,7 +185,7 @@ class Checkpointer:
         self.keep = keep
         self.group = group
         self.map_location = process_group.get_device() if map_location is None else map_location
-        self._last_work: dist.Work | None = None  # see _share_outcome
+        self._last_work: dist.Work | None = None  # see checkpoint_sync.share_outcome
 
     @property
     def module(self) -> torch.nn.Module:
@@ -219,39 +228,22 @@ class Checkpointer:
             raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
         if hasattr(self.optimizer, "consolidate_state_dict"):
             self.optimizer.consolidate_state_dict(to=0)
-        gathered = _gather_to_writer((epoch, step, capture_rng_state()), self.group)
+        gathered = gather_to_writer((epoch, step, capture_rng_state()), self.group)
         path = self.directory / checkpoint_name(step)
         error = None
         if gathered is not None:
             try:
                 self._write(path, gathered, consumed, dict(extra or {}))
             except Exception as e:
-                error = _shareable(e, f"Saving checkpoint {path} failed on rank 0")
+                error = shareable(e, f"Saving checkpoint {path} failed on rank 0")
                 if error is not e:
                     error.__cause__ = e
-        outcome = self._share_outcome(error)
+        outcome, self._last_work = share_outcome(error, self.group)
         if error is not None:
             raise error
         if outcome is not None:
-            raise _rebuild(outcome)
+            raise rebuild(outcome)
         return path
-
-    def _share_outcome(self, error: Exception | None) -> tuple[str, str] | None:
-        """Rank 0's outcome of a save, on every rank: ``None`` or (error type, message)."""
-        if not _distributed(self.group):
-            return _describe(error)
-        failed = torch.tensor([error is not None], device=comm._collective_device(self.group))
-        work = dist.broadcast(failed, src=_writer_global_rank(self.group), group=self.group,
-                              async_op=True)
-        work.wait()
-        # Keep the handle, so that Gloo's worker thread never drops the last C++ reference to
-        # `failed`. In torch 2.13 that drop takes the GIL; if it comes while the interpreter
-        # exits (a save is often a script's last collective) the process aborts with
-        # "terminate called without an active exception".
-        self._last_work = work
-        if not failed.item():
-            return None
-        return _broadcast_from_writer(_describe(error), self.group)
 
     def _write(self, path: Path, gathered: list, consumed: int | None, extra: dict) -> None:
         epoch, step, _ = gathered[0]
@@ -303,24 +295,24 @@ class Checkpointer:
             raise TypeError(f"resume must be 'auto' or a path, got {type(resume).__name__}")
         auto = resume == "auto"
         mine = None
-        if _is_writer(self.group):
+        if is_writer(self.group):
             mine = [str(p) for p in reversed(self.checkpoints())] if auto else [os.fspath(resume)]
-        candidates = _broadcast_from_writer(mine, self.group)
+        candidates = broadcast_from_writer(mine, self.group)
         if not candidates:
             _log0.info("no checkpoint in %s: starting fresh", self.directory)
             return None
         state, path = self._read_first_usable([Path(c) for c in candidates], auto)
-        _, failure = _attempt(self._apply, state, path)
-        _agree(failure, self.group, f"Loading {path}")
+        _, failure = attempt(self._apply, state, path)
+        agree(failure, self.group, f"Loading {path}")
         return TrainingState(epoch=state["epoch"], step=state["step"], path=path,
                              world_size=state["world_size"], extra=state["extra"])
 
     def _read_first_usable(self, candidates: list[Path], auto: bool) -> tuple[dict, Path]:
         skipped = []
         for path in candidates:
-            state, failure = _attempt(self._read, path)
+            state, failure = attempt(self._read, path)
             try:
-                _agree(failure, self.group, f"Reading {path}")
+                agree(failure, self.group, f"Reading {path}")
                 return state, path
             except CheckpointError as e:
                 if not auto:
@@ -373,73 +365,3 @@ class Checkpointer:
 def _check_count(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"Invalid {name} {value!r}, expected a non-negative integer")
-
-
-def _attempt(fn: Any, *args: Any) -> tuple[Any, str | None]:
-    """``(fn(*args), None)``, or ``(None, message)`` if it raised."""
-    try:
-        return fn(*args), None
-    except Exception as e:
-        return None, str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-
-
-def _agree(failure: str | None, group: dist.ProcessGroup | None, what: str) -> None:
-    """Raise the same ``CheckpointError`` on every rank if ``failure`` is set on any."""
-    failures = comm.all_gather_object(failure, group) if _distributed(group) else [failure]
-    by_message: dict[str, list[int]] = {}
-    for rank, message in enumerate(failures):
-        if message is not None:
-            by_message.setdefault(message, []).append(rank)
-    if not by_message:
-        return
-    if len(by_message) == 1 and len(next(iter(by_message.values()))) == len(failures):
-        raise CheckpointError(next(iter(by_message)))
-    parts = [f"on rank(s) {', '.join(map(str, ranks))}: {msg}" for msg, ranks in by_message.items()]
-    raise CheckpointError(f"{what} failed " + "; ".join(parts))
-
-
-def _distributed(group: dist.ProcessGroup | None) -> bool:
-    return dist.is_initialized() and dist.get_world_size(group) > 1
-
-
-def _is_writer(group: dist.ProcessGroup | None) -> bool:
-    return not dist.is_initialized() or dist.get_rank(group) == 0
-
-
-def _writer_global_rank(group: dist.ProcessGroup | None) -> int:
-    return 0 if group is None else dist.get_global_rank(group, 0)
-
-
-def _gather_to_writer(obj: Any, group: dist.ProcessGroup | None) -> list | None:
-    """Every rank's ``obj`` on the group's rank 0 (``None`` elsewhere)."""
-    if not _distributed(group):
-        return [obj]
-    out = [None] * dist.get_world_size(group) if _is_writer(group) else None
-    dist.gather_object(obj, out, dst=_writer_global_rank(group), group=group)
-    return out
-
-
-def _broadcast_from_writer(obj: Any, group: dist.ProcessGroup | None) -> Any:
-    if not _distributed(group):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=_writer_global_rank(group), group=group)
-    return box[0]
-
-
-def _shareable(error: Exception, what: str) -> Exception:
-    if isinstance(error, _SHARED_ERRORS):
-        return error
-    return CheckpointError(f"{what}: {type(error).__name__}: {error}")
-
-
-def _describe(error: Exception | None) -> tuple[str, str] | None:
-    if error is None:
-        return None
-    kind = next(cls for cls in _SHARED_ERRORS if isinstance(error, cls))
-    return kind.__name__, str(error)
-
-
-def _rebuild(outcome: tuple[str, str]) -> Exception:
-    kind, message = outcome
-    return {cls.__name__: cls for cls in _SHARED_ERRORS}[kind](message)
