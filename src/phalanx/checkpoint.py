@@ -69,7 +69,6 @@ from .checkpoint_sync import (
     agree,
     attempt,
     broadcast_from_writer,
-    distributed,
     gather_to_writer,
     is_writer,
     rebuild,
