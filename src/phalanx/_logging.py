@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 
 _FORMAT = "[rank%(rank)s] %(source)s: %(message)s"
+# Under `phalanx run` the launcher already starts every line with "[rankN]: ".
+_FORMAT_PREFIXED = "%(source)s: %(message)s"
 _RANK_ZERO_SUFFIX = ".rank0"
 
 
@@ -59,7 +61,10 @@ def get_logger(name: str, rank_zero_only: bool = False) -> logging.Logger:
     if not root.handlers:
         handler = logging.StreamHandler()
         handler.addFilter(_AddRank())
-        handler.setFormatter(logging.Formatter(_FORMAT))
+        from . import env
+
+        prefixed = env.launcher_prefixes_output()
+        handler.setFormatter(logging.Formatter(_FORMAT_PREFIXED if prefixed else _FORMAT))
         root.addHandler(handler)
         root.setLevel(logging.INFO)
         root.propagate = False

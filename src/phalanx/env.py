@@ -242,6 +242,17 @@ def default_omp_threads(local_world_size: int, cpus: int | None = None) -> int:
     return max(1, cpus // local_world_size)
 
 
+# Set by `phalanx run` in every worker: the launcher prefixes each line of their console
+# output with "[rankN]: " itself, so phalanx's log lines leave the rank out.
+RANK_PREFIX_VAR = "PHALANX_RANK_PREFIX"
+
+
+def launcher_prefixes_output(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``phalanx run`` prefixes this process's output lines with its rank."""
+    environ = os.environ if environ is None else environ
+    return environ.get(RANK_PREFIX_VAR) == "1"
+
+
 def worker_environ(
     env: DistEnv,
     *,
@@ -261,6 +272,8 @@ def worker_environ(
     * ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` and ``TORCHELASTIC_SIGNALS_TO_HANDLE``, as torchrun;
     * ``PYTHONUNBUFFERED=1``: workers write into pipes read by the launcher, where Python
       would otherwise hold ``print`` output back in 8 KiB blocks.
+
+    And always ``PHALANX_RANK_PREFIX=1`` (see :func:`launcher_prefixes_output`).
     """
     base = os.environ if base is None else base
     out = dict(base)
@@ -278,4 +291,5 @@ def worker_environ(
             run_id=run_id, error_file=error_file,
         )
     )
+    out[RANK_PREFIX_VAR] = "1"
     return out

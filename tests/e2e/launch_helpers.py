@@ -28,7 +28,7 @@ class Finished:
 def base_env(**extra: str | None) -> dict[str, str]:
     """This environment, without launcher variables a test runner may carry, plus ``extra``."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("TORCHELASTIC_", "PET_")) and k not in (
+           if not k.startswith(("TORCHELASTIC_", "PET_", "PHALANX_")) and k not in (
                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))

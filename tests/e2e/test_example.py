@@ -31,6 +31,8 @@ def test_quick_start_trains_saves_plots_and_resumes(tmp_path):
     accuracy = _final_accuracy(first.err + first.out, world=2)
     assert accuracy >= 97.0
     assert "epoch 3: train loss" in first.err + first.out
+    # one rank prefix per line: the launcher's, not a second one from phalanx's logging
+    assert "[rank0]: phalanx.checkpoint: saved" in first.err and "[rank0]: [rank0]" not in first.err
     assert sorted(p.name for p in out.glob("ckpt-*.ckpt")) == [
         "ckpt-000000000046.ckpt", "ckpt-000000000069.ckpt"]  # 23 steps an epoch, keep=2
     png = (out / "curves.png").read_bytes()

@@ -32,8 +32,9 @@ def test_worker_environment_equals_torchruns(tmp_path):
     for rank, (mine, torchs) in enumerate(zip(_envs(ours), _envs(theirs))):
         differ = {k for k in mine.keys() | torchs.keys() if mine.get(k) != torchs.get(k)}
         # the only differences: where torch's per-worker error file lives (same layout), and
-        # PYTHONUNBUFFERED, which phalanx sets because it reads the workers' output from pipes
-        assert differ == {"TORCHELASTIC_ERROR_FILE", "PYTHONUNBUFFERED"}, differ
+        # PYTHONUNBUFFERED, which phalanx sets because it reads the workers' output from pipes,
+        # and PHALANX_RANK_PREFIX, which tells phalanx's logging the launcher prefixes lines
+        assert differ == {"TORCHELASTIC_ERROR_FILE", "PYTHONUNBUFFERED", "PHALANX_RANK_PREFIX"}, differ
         suffix = os.path.join("attempt_0", str(rank), "error.json")
         assert mine["TORCHELASTIC_ERROR_FILE"].endswith(suffix)
         assert torchs["TORCHELASTIC_ERROR_FILE"].endswith(suffix)
