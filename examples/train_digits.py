@@ -7,7 +7,8 @@ Run book::
     srun --ntasks 4 python examples/train_digits.py            # under Slurm, no launcher
     python examples/train_digits.py                            # one process
 
-Run it again and it resumes from its newest checkpoint in ``--out`` (``--fresh`` starts over).
+Run it again and it resumes from its newest checkpoint in ``--out`` (``--fresh`` deletes
+them and starts over; a larger ``--epochs`` trains on from where the last run ended).
 A SIGTERM (e.g. from ``phalanx run`` being stopped) makes every rank save one checkpoint at
 the same step and exit with the "preempted" code; the next run continues from there.
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -49,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/digits", help="checkpoints, curves.png, metrics.json")
-    p.add_argument("--fresh", action="store_true", help="ignore existing checkpoints")
+    p.add_argument("--fresh", action="store_true", help="delete --out (checkpoints, curves) and start over")
     p.add_argument("--sync-bn", action="store_true", help="batch statistics over all processes")
     return p.parse_args(argv)
 
@@ -124,12 +126,38 @@ def plot(history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def train_epoch(model, loader, optimizer, scheduler, epoch, step, args, preemption, ckpt, history):
+    """One epoch on this rank's slice; returns (loss sum, samples, step). Exits if preempted."""
+    rank, world, device = phalanx.get_rank(), phalanx.get_world_size(), phalanx.get_device()
+    bar = progress(len(loader), f"epoch {epoch + 1}/{args.epochs}", rank == 0)
+    loss_sum, seen, started = 0.0, 0, time.perf_counter()
+    for i, (x, y) in enumerate(loader):
+        x, y = x.to(device), y.to(device)
+        loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # the all-reduce of gradient buckets overlaps this
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        loss_sum += loss.item() * len(y)
+        seen += len(y)
+        if bar is not None:
+            rate = seen * world / (time.perf_counter() - started)
+            bar.set_postfix(loss=f"{loss.item():.3f}", samples_s=f"{rate:.0f}")
+            bar.update()
+        if preemption.should_stop():  # agreed by all ranks at this step boundary
+            ckpt.save(epoch, step, consumed=(i + 1) * args.batch_size, extra={"history": history})
+            preemption.exit()  # exit status 75: preempted, resumable
+    if bar is not None:
+        bar.close()
+    return loss_sum, seen, step
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # 1. join the job; the process is pinned to cuda:LOCAL_RANK when it has a GPU
     phalanx.init_process_group()
-    rank, world = phalanx.get_rank(), phalanx.get_world_size()
-    device = phalanx.get_device()
+    rank, world, device = phalanx.get_rank(), phalanx.get_world_size(), phalanx.get_device()
     torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP broadcasts rank 0's anyway)
 
     train_set, test_set = digits(args.seed)
@@ -140,9 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     test_loader = DataLoader(test_set, batch_size=256,
                              sampler=phalanx.DistributedSampler(test_set, shuffle=False, pad=False))
 
-    model = cnn()
-    if args.sync_bn:
-        model = phalanx.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = phalanx.SyncBatchNorm.convert_sync_batchnorm(cnn()) if args.sync_bn else cnn()
     # 2. full replica per process; gradients averaged during backward
     model = phalanx.DistributedDataParallel(model.to(device))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -150,8 +176,10 @@ def main(argv: list[str] | None = None) -> None:
 
     # 5. rank 0 writes, the others wait; rerunning resumes from the newest checkpoint
     out = Path(args.out)
+    if args.fresh and rank == 0:
+        shutil.rmtree(out, ignore_errors=True)
     ckpt = phalanx.Checkpointer(out, model, optimizer, scheduler=scheduler, sampler=sampler, keep=2)
-    state = None if args.fresh else ckpt.load()
+    state = ckpt.load()  # a collective, so every rank sees rank 0's --fresh clean-up
     start_epoch, step = (state.epoch, state.step) if state else (0, 0)
     history = state.extra.get("history", []) if state else []
     if state and rank == 0:
@@ -160,28 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     with phalanx.PreemptionHandler() as preemption:
         for epoch in range(start_epoch, args.epochs):
             sampler.set_epoch(epoch)  # same shuffle on every rank, new each epoch
-            bar = progress(len(loader), f"epoch {epoch + 1}/{args.epochs}", rank == 0)
-            loss_sum, seen, started = 0.0, 0, time.perf_counter()
-            for i, (x, y) in enumerate(loader):
-                x, y = x.to(device), y.to(device)
-                loss = F.cross_entropy(model(x), y)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()  # all-reduce of gradient buckets overlaps this
-                optimizer.step()
-                scheduler.step()
-                step += 1
-                loss_sum += loss.item() * len(y)
-                seen += len(y)
-                if bar is not None:
-                    rate = seen * world / (time.perf_counter() - started)
-                    bar.set_postfix(loss=f"{loss.item():.3f}", samples_s=f"{rate:.0f}")
-                    bar.update()
-                if preemption.should_stop():  # agreed by all ranks at this step boundary
-                    ckpt.save(epoch, step, consumed=(i + 1) * args.batch_size,
-                              extra={"history": history})
-                    preemption.exit()
-            if bar is not None:
-                bar.close()
+            loss_sum, seen, step = train_epoch(model, loader, optimizer, scheduler, epoch, step,
+                                               args, preemption, ckpt, history)
             # 4. exact evaluation on the unwrapped model (ranks may hold different batch counts)
             test_loss, accuracy = evaluate(model.module, test_loader, device)
             train_loss = torch.tensor([loss_sum, seen], dtype=torch.float64, device=device)
@@ -189,8 +197,7 @@ def main(argv: list[str] | None = None) -> None:
             history.append({"epoch": epoch + 1, "train_loss": (train_loss[0] / train_loss[1]).item(),
                             "test_loss": test_loss, "test_accuracy": accuracy})
             if rank == 0:
-                h = history[-1]
-                print(f"epoch {epoch + 1}: train loss {h['train_loss']:.4f}  test loss "
+                print(f"epoch {epoch + 1}: train loss {history[-1]['train_loss']:.4f}  test loss "
                       f"{test_loss:.4f}  test accuracy {100 * accuracy:.2f}%", flush=True)
             ckpt.save(epoch + 1, step, extra={"history": history})
 

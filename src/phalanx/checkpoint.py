@@ -52,6 +52,7 @@ from . import process_group
 from ._logging import get_logger
 from .checkpoint_file import (
     checkpoint_name,
+    checkpoint_step,
     clean_stale_temps,
     list_checkpoints,
     prune,
@@ -82,6 +83,8 @@ __all__ = ["Checkpointer", "TrainingState", "list_checkpoints", "read_checkpoint
 _log = get_logger(__name__)
 _log0 = get_logger(__name__, rank_zero_only=True)
 
+# A checkpoint resume="auto" had to skip is renamed with this suffix (it stays for inspection).
+DAMAGED_SUFFIX = ".damaged"
 # Layout of the saved dict; the file format around it has its own version.
 STATE_VERSION = 1
 _OPTIONAL = ("optimizer", "scheduler", "scaler", "sampler")
@@ -254,6 +257,15 @@ class Checkpointer:
                 f"disagree with rank 0, which has epoch={epoch}, step={step}; rank {differ[0]} "
                 f"has epoch={e}, step={s}"
             )
+        existing = list_checkpoints(self.directory)
+        if existing and checkpoint_step(existing[-1]) > step:
+            # keep-last-K and resume="auto" go by step: this file would be pruned at once,
+            # and a resume would pick up the other run's newer checkpoint.
+            raise CheckpointError(
+                f"Cannot save step {step} in {self.directory}: it already holds "
+                f"{existing[-1].name}, a later step (another run?). Use a new directory or "
+                "remove the old checkpoints"
+            )
         state = {"version": STATE_VERSION, "epoch": epoch, "step": step,
                  "world_size": len(gathered), "model": self.module.state_dict(),
                  "rng": [rng for _, _, rng in gathered], "extra": extra}
@@ -316,9 +328,21 @@ class Checkpointer:
             except CheckpointError as e:
                 if not auto:
                     raise
-                _log0.warning("skipping checkpoint: %s", e)
+                _log0.warning("skipping checkpoint: %s; kept aside as %s", e,
+                              self._set_aside(path).name)
                 skipped.append(str(e))
         raise CheckpointError(f"No usable checkpoint in {self.directory}: " + "; ".join(skipped))
+
+    def _set_aside(self, path: Path) -> Path:
+        """Rename a damaged checkpoint (rank 0, once every rank is done reading it) so that it
+        no longer counts as the newest: later saves of lower steps are kept, not pruned."""
+        aside = path.with_name(path.name + DAMAGED_SUFFIX)
+        if is_writer(self.group):
+            try:
+                os.replace(path, aside)
+            except OSError as e:
+                _log.warning("could not rename %s aside: %s", path, e)
+        return aside
 
     def _read(self, path: Path) -> dict:
         state = read_checkpoint(path, map_location=self.map_location)

@@ -56,6 +56,14 @@ def checkpoint_name(step: int) -> str:
     return f"ckpt-{step:012d}.ckpt"
 
 
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """The step in a checkpoint's file name (``ckpt-000000000042.ckpt`` -> 42)."""
+    match = _NAME.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not named like a checkpoint (ckpt-<12 digits>.ckpt)")
+    return int(match.group(1))
+
+
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     """Complete checkpoints (final names) in ``directory``, oldest step first; ``[]`` if none."""
     directory = Path(directory)
@@ -133,11 +141,11 @@ def write_checkpoint(path: str | os.PathLike, state: Any) -> int:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    f = open(tmp, "xb")  # exclusive creation: never another writer's file
     try:
-        # Held until the file is closed: tells clean_stale_temps this writer is alive.
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        with os.fdopen(fd, "wb") as f, ThreadPoolExecutor(1) as pool:
+        with f, ThreadPoolExecutor(1) as pool:
+            # Held until the file is closed: tells clean_stale_temps this writer is alive.
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
             f.write(bytes(HEADER_SIZE))
             writer = _ChecksumWriter(f, pool)
             torch.save(state, writer)

@@ -166,6 +166,11 @@ def init_process_group(
         if device_id is None:
             device_id = torch.device("cuda", found.local_rank)
     if store is None and init_method in (None, "env://"):
+        if found.world_size > 1 and (found.master_addr is None or found.master_port is None):
+            raise ValueError(
+                f"world_size={found.world_size} needs a rendezvous: set MASTER_ADDR and "
+                "MASTER_PORT (a launcher does), or pass init_method= or store="
+            )
         store = _make_store(found, timeout)
         init_method = None
     dist.init_process_group(

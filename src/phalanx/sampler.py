@@ -200,9 +200,10 @@ class DistributedSampler(Sampler[int]):
 
         Args:
             consumed (int, optional): how many of this rank's indices of the current iteration
-                training has really used (e.g. ``batches_done * batch_size``), in
-                ``[0, len(self)]``. Default: how many the latest iterator handed out, which
-                counts prefetched indices as consumed (see the class notes).
+                training has really used, typically ``batches_done * batch_size``; a value
+                past this rank's share ``len(self)``, as that product gives after a partial
+                last batch, means the whole share. Default: how many the latest iterator
+                handed out, which counts prefetched indices as consumed (see the class notes).
 
         Returns:
             ``{"epoch", "position", "dataset_length", "seed", "shuffle"}``; ``position`` is the
@@ -210,11 +211,13 @@ class DistributedSampler(Sampler[int]):
         """
         share = len(self)
         k = self._yielded if consumed is None else consumed
-        if not isinstance(k, int) or not 0 <= k <= share:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(
-                f"Invalid consumed {k!r}, consumed should be in the interval [0, {share}] "
-                f"(this rank's share of epoch {self.epoch} from position {self._start})"
+                f"Invalid consumed {k!r}, consumed should be a non-negative integer, at most "
+                f"{share} counted (this rank's share of epoch {self.epoch} from position "
+                f"{self._start})"
             )
+        k = min(k, share)
         if self.drop_last and k == share:
             position = self._length  # the dropped tail is not served this epoch: it is done
         else:

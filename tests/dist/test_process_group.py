@@ -1,5 +1,6 @@
 """Process-group set-up on real ranks: discovery, collectives helpers, and the errors."""
 
+import random
 import socket
 from datetime import timedelta
 
@@ -122,6 +123,17 @@ def test_bad_arguments(kwargs, kind, message):
     assert result[0] == kind and message in result[1]
 
 
+def _explicit_world_without_master(_rank, _world_size):
+    return _init_expecting_error(_rank, _world_size, **{"world_size": 2, "rank": 1})
+
+
+def test_explicit_world_size_without_master_is_named():
+    [(kind, message)] = run_ranks(_explicit_world_without_master, 1, init=False,
+                                  env={k: None for k in _LAUNCHER_VARS})
+    assert kind == "ValueError"
+    assert "world_size=2 needs a rendezvous: set MASTER_ADDR and MASTER_PORT" in message
+
+
 def _slurm_rank(rank, world_size):
     env = phalanx.init_process_group()
     t = torch.tensor([float(rank)])
@@ -129,9 +141,21 @@ def _slurm_rank(rank, world_size):
     return env.source, env.rank, env.world_size, env.local_rank, env.master_port, t.item()
 
 
+def _free_slurm_port() -> int:
+    """A free port that env.py derives from some SLURM_JOB_ID (15000 + id % 20000)."""
+    for port in random.sample(range(15000, 35000), 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in [15000, 35000)")
+
+
 def test_srun_without_launcher():
-    job_id = 4242
-    port = 15000 + job_id
+    port = _free_slurm_port()
+    job_id = port - 15000
     def slurm_env(rank):
         env = {k: None for k in _LAUNCHER_VARS}
         env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),

@@ -9,7 +9,7 @@ import torch
 
 import phalanx
 from phalanx.checkpoint import Checkpointer, check_loadable, read_checkpoint
-from phalanx.checkpoint_file import checkpoint_name
+from phalanx.checkpoint_file import checkpoint_name, list_checkpoints
 
 
 @pytest.fixture
@@ -101,8 +101,14 @@ def test_resume_auto_fresh_newest_and_damaged_newest(tmp_path, phalanx_log):
     state = ckpt.load()
     assert state.step == 20 and model.weight[0, 0].item() == 20
     assert f"skipping checkpoint: Checkpoint {newest} is corrupt" in phalanx_log[-1]
-    with pytest.raises(phalanx.CheckpointError, match=f"Checkpoint {newest} is corrupt"):
-        ckpt.load(newest)  # named explicitly: refused, no fallback
+    aside = newest.with_name(newest.name + ".damaged")
+    assert phalanx_log[-1].endswith(f"kept aside as {aside.name}") and aside.exists()
+    assert [p.name for p in ckpt.checkpoints()] == [checkpoint_name(20)]
+    with pytest.raises(phalanx.CheckpointError, match=f"Checkpoint {aside} is corrupt"):
+        ckpt.load(aside)  # named explicitly: refused, no fallback
+    ckpt.save(0, 21)  # training goes on from step 20: its saves are kept
+    assert [p.name for p in ckpt.checkpoints()] == [checkpoint_name(20), checkpoint_name(21)]
+    ckpt.checkpoints()[1].write_bytes(b"")
     ckpt.checkpoints()[0].write_bytes(b"")
     with pytest.raises(phalanx.CheckpointError, match="No usable checkpoint in .*is empty"):
         ckpt.load()
@@ -128,6 +134,17 @@ def test_mismatched_model_optimizer_and_missing_state_are_named(tmp_path):
     one_group = torch.optim.SGD([other[0].weight], lr=0.1)
     with pytest.raises(phalanx.CheckpointError, match="its optimizer state does not fit"):
         Checkpointer(tmp_path, other, one_group).load()
+
+
+def test_saving_below_a_later_checkpoint_is_refused(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    Checkpointer(tmp_path, model).save(0, 50)  # an earlier run got further
+    with pytest.raises(phalanx.CheckpointError) as info:
+        Checkpointer(tmp_path, model).save(0, 3)
+    assert str(info.value) == (
+        f"Cannot save step 3 in {tmp_path}: it already holds {checkpoint_name(50)}, a later step "
+        "(another run?). Use a new directory or remove the old checkpoints")
+    assert [p.name for p in list_checkpoints(tmp_path)] == [checkpoint_name(50)]
 
 
 def test_bad_arguments_and_unloadable_extras(tmp_path):

@@ -183,7 +183,11 @@ def test_bad_states():
         with pytest.raises(ValueError) as info:
             sampler.load_state_dict(state)
         assert message in str(info.value)
-    for consumed in (-1, 6, 1.5):
+    for consumed in (-1, 1.5, True):
         with pytest.raises(ValueError) as info:
             sampler.state_dict(consumed=consumed)
-        assert f"Invalid consumed {consumed}, consumed should be in the interval [0, 5]" in str(info.value)
+        assert (f"Invalid consumed {consumed}, consumed should be a non-negative integer, at "
+                "most 5 counted") in str(info.value)
+    # past the share (batches_done * batch_size after a partial last batch): the whole share
+    assert sampler.state_dict(consumed=7) == sampler.state_dict(consumed=5)
+    assert sampler.state_dict(consumed=5)["position"] == 10
