@@ -29,6 +29,10 @@ from .errors import AlreadyInitializedError, NotInitializedError, RendezvousErro
 _KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "fake")
 
 
+# Seconds the store's host outwaits the other ranks when some rank never joins.
+_HOST_GRACE_S = 3.0
+
+
 def _resolve_backend(backend: str | None, env: _env.DistEnv) -> str:
     if backend is None:
         has_gpu = torch.cuda.is_available() and env.local_rank < torch.cuda.device_count()
@@ -70,12 +74,15 @@ def _make_store(env: _env.DistEnv, timeout: timedelta) -> dist.Store:
     is_master = env.rank == 0 and not env.use_agent_store
     where = f"{env.master_addr}:{env.master_port}"
     try:
+        # wait_for_workers=False: _wait_for_all below names the ranks that never came,
+        # where TCPStore would only count them.
         store = dist.TCPStore(
             env.master_addr,
             env.master_port,
             env.world_size,
             is_master=is_master,
             timeout=timeout,
+            wait_for_workers=False,
             multi_tenant=True,
         )
     except (RuntimeError, TimeoutError) as e:  # DistNetworkError/DistStoreError are RuntimeErrors
@@ -89,8 +96,35 @@ def _make_store(env: _env.DistEnv, timeout: timedelta) -> dist.Store:
             f"{timeout.total_seconds():g} s (timeout). Check that MASTER_ADDR and MASTER_PORT "
             "name rank 0's host and a port it listens on, and that rank 0 is running"
         ) from e
+    _wait_for_all(dist.PrefixStore(f"phalanx/join/{env.restart_count}", store), env, timeout, where)
     # As torch does for env://: keep the group's keys apart from other users of the store.
     return dist.PrefixStore("default_pg", store)
+
+
+def _wait_for_all(store: dist.Store, env: _env.DistEnv, timeout: timedelta, where: str) -> None:
+    """Every rank checks in; a rank still missing after ``timeout`` is named on every rank."""
+    store.set(str(env.rank), "1")
+    keys = [str(r) for r in range(env.world_size)]
+    # The rank hosting the store waits a little longer, so the others still find it up when
+    # they time out and look for who is missing (the error path only).
+    hosting = env.rank == 0 and not env.use_agent_store
+    try:
+        store.wait(keys, timeout + timedelta(seconds=_HOST_GRACE_S if hosting else 0))
+    except RuntimeError as e:  # DistStoreError on timeout, DistNetworkError if the store died
+        try:
+            missing = [r for r in range(env.world_size) if not store.check([str(r)])]
+        except RuntimeError:
+            missing = []
+        if not missing:
+            raise RendezvousError(
+                f"Rank {env.rank} lost the store at {where} while waiting for the other ranks to "
+                f"join (rank 0, which hosts it, has probably given up or died): {e}"
+            ) from e
+        raise RendezvousError(
+            f"Rank(s) {', '.join(map(str, missing))} of {env.world_size} did not join at {where} "
+            f"within {timeout.total_seconds():g} s (timeout); rank {env.rank} gave up waiting. "
+            "Did those processes start, and do they see the same MASTER_ADDR and MASTER_PORT?"
+        ) from e
 
 
 def init_process_group(

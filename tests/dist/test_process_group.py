@@ -164,3 +164,15 @@ def test_srun_without_launcher():
         return env
     results = run_ranks(_slurm_rank, 2, init=False, env=slurm_env)
     assert results == [("slurm", r, 2, r, port, 1.0) for r in range(2)]
+
+
+def test_a_rank_that_never_joins_is_named():
+    # a world of 3 in which only ranks 0 and 2 start: both name rank 1 after the timeout
+    port = free_port()
+    env = {"WORLD_SIZE": "3", "MASTER_PORT": str(port)}
+    results = run_ranks(_init_expecting_error, 2, init=False, timeout_s=2,
+                        env=lambda r: {**env, "RANK": str(2 * r), "LOCAL_RANK": "0"})
+    for rank, (kind, message) in zip((0, 2), results):
+        assert kind == "RendezvousError"
+        assert message.startswith(f"Rank(s) 1 of 3 did not join at 127.0.0.1:{port} within 2 s "
+                                  f"(timeout); rank {rank} gave up waiting")
