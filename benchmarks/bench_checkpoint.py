@@ -33,18 +33,18 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 import phalanx
 from phalanx.checkpoint import Checkpointer
 from phalanx.checkpoint_file import fsync_path, read_checkpoint, write_checkpoint
 from phalanx.preemption import PreemptionHandler
+
+from _ranks import run_on_ranks
 
 COLD = "load (from disk)"
 
@@ -121,35 +121,16 @@ def _time_rounds(jobs: dict[str, dict], rounds: int, directory: str) -> dict[str
     return times
 
 
-def _check_rank(rank: int, world: int, port: int, calls: int, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    phalanx.init_process_group(backend="gloo")
-    try:
-        result = {}
-        for every in (1, 10):
-            with PreemptionHandler(check_every=every) as preemption:
-                phalanx.barrier()
-                start = time.perf_counter()
-                for _ in range(calls):
-                    preemption.should_stop()
-                result[every] = (time.perf_counter() - start) / calls * 1e6
-        if rank == 0:
-            queue.put(result)
-    finally:
-        phalanx.destroy_process_group()
-
-
-def _check_cost(world: int, calls: int) -> dict[int, float]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_check_rank, args=(world, port, calls, queue), nprocs=world,
-                       start_method="spawn")
-    return queue.get()
+def _check_rank(calls: int) -> dict[int, float]:
+    result = {}
+    for every in (1, 10):
+        with PreemptionHandler(check_every=every) as preemption:
+            phalanx.barrier()
+            start = time.perf_counter()
+            for _ in range(calls):
+                preemption.should_stop()
+            result[every] = (time.perf_counter() - start) / calls * 1e6
+    return result
 
 
 def _report(args, model_bytes: int, times: dict) -> dict:
@@ -187,7 +168,7 @@ def main(argv=None) -> None:
     rows = _report(args, model_bytes, times)
     checks = {}
     if args.check_ranks > 1:
-        checks = _check_cost(args.check_ranks, args.check_calls)
+        checks = run_on_ranks(_check_rank, args.check_ranks, args.check_calls)
         print(f"\nPreemptionHandler.should_stop() on {args.check_ranks} Gloo ranks (loopback): "
               + ", ".join(f"check_every={k}: {v:.1f} us/call" for k, v in checks.items()))
     if args.json:

@@ -4,7 +4,6 @@ Usage::
 
     python benchmarks/bench_sync_batchnorm.py                 # starts 2 ranks itself (Gloo, CPU)
     python benchmarks/bench_sync_batchnorm.py --world-size 2 --repeats 7 --steps 10
-    phalanx run --nproc-per-node 2 benchmarks/bench_sync_batchnorm.py   # or torchrun
 
 Both variants are the same CNN (4 conv + BatchNorm blocks) wrapped in phalanx's
 ``DistributedDataParallel`` (torch's when phalanx's is not importable; the report says which):
@@ -19,17 +18,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import phalanx
+
+from _ranks import run_on_ranks
 
 
 def _cnn(width: int) -> nn.Module:
@@ -63,9 +61,8 @@ def _time_steps(model, opt, x, y, steps: int) -> float:
     return elapsed.item()
 
 
-def _worker(args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)
-    phalanx.init_process_group(backend="gloo")
+def _worker(args: argparse.Namespace) -> tuple[dict, int, str]:
+    """({variant: seconds per step of each turn}, BatchNorm layers, whose DDP)."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     base = _cnn(args.width)
@@ -86,9 +83,7 @@ def _worker(args: argparse.Namespace) -> None:
     for _ in range(args.repeats):
         for name, (model, opt) in variants.items():
             times[name].append(_time_steps(model, opt, x, y, args.steps))
-    if rank == 0:
-        _report(times, n_bn, which, args, dist.get_world_size())
-    phalanx.destroy_process_group()
+    return times, n_bn, which
 
 
 def _report(times, n_bn, which, args, world) -> None:
@@ -105,18 +100,6 @@ def _report(times, n_bn, which, args, world) -> None:
           f"{1e3 * (sync - plain) / n_bn:.3f} ms per BatchNorm layer")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    _worker(args)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="ranks to start (default 2)")
@@ -128,10 +111,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     args = parser.parse_args()
-    if "RANK" in os.environ:  # started by phalanx run / torchrun: this process is one rank
-        _worker(args)
-    else:
-        mp.spawn(_spawned, args=(args.world_size, _free_port(), args), nprocs=args.world_size)
+    times, n_bn, which = run_on_ranks(_worker, args.world_size, args, threads=args.threads)
+    _report(times, n_bn, which, args, args.world_size)
 
 
 if __name__ == "__main__":

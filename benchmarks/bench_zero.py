@@ -26,18 +26,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 import phalanx
 from phalanx.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
+
+from _ranks import run_on_ranks
 
 VARIANTS = ("unsharded", "phalanx_zero", "torch_zero")
 TRAIN_VARIANTS = ("ddp_adam", "ddp_zero1", "ddp_zero2")
@@ -105,33 +104,23 @@ def _slowest(seconds: float) -> float:
     return t.item()
 
 
-def _rank(rank: int, args: argparse.Namespace, port: int, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(args.world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(args.threads)
-    phalanx.init_process_group(backend="gloo")
-    try:
-        opts = {name: _optimizer(name, _model(args)) for name in VARIANTS}
-        for opt in opts.values():
-            opt.step()  # warm-up: creates the state
-        memory = {name: [None] * args.world_size for name in VARIANTS}
-        for name, opt in opts.items():
-            dist.all_gather_object(memory[name], _local_state_bytes(name, opt))
-        times = {name: [] for name in VARIANTS}
-        for r in range(args.rounds):
-            for name in VARIANTS[r % 3:] + VARIANTS[: r % 3]:
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(args.steps):
-                    opts[name].step()
-                times[name].append(_slowest(time.perf_counter() - start) / args.steps)
-        del opts
-        train = _time_training(args)
-        if rank == 0:
-            queue.put({"memory": memory, "times": times, "train": train})
-    finally:
-        phalanx.destroy_process_group()
+def _rank(args: argparse.Namespace) -> dict:
+    opts = {name: _optimizer(name, _model(args)) for name in VARIANTS}
+    for opt in opts.values():
+        opt.step()  # warm-up: creates the state
+    memory = {name: [None] * args.world_size for name in VARIANTS}
+    for name, opt in opts.items():
+        dist.all_gather_object(memory[name], _local_state_bytes(name, opt))
+    times = {name: [] for name in VARIANTS}
+    for r in range(args.rounds):
+        for name in VARIANTS[r % 3:] + VARIANTS[: r % 3]:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                opts[name].step()
+            times[name].append(_slowest(time.perf_counter() - start) / args.steps)
+    del opts
+    return {"memory": memory, "times": times, "train": _time_training(args)}
 
 
 def _time_training(args: argparse.Namespace) -> dict:
@@ -195,14 +184,7 @@ def _report(args: argparse.Namespace, result: dict) -> dict:
 
 def main(argv=None) -> None:
     args = _parse(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_rank, args=(args, port, queue), nprocs=args.world_size,
-                       start_method="spawn")
-    result = queue.get()
+    result = run_on_ranks(_rank, args.world_size, args, threads=args.threads)
     rows = _report(args, result)
     rows["training"] = _report_training(args, result["train"])
     if args.json:
