@@ -10,7 +10,7 @@ free loopback port) and, with ``init=True``, an initialised phalanx process grou
 * A rank that hangs: after ``timeout`` seconds its Python stack is dumped (faulthandler on
   SIGUSR1), every rank is killed, and the failure names the hung rank with its stack.
 * ``return_exceptions=True`` returns a :class:`RankError` in place of a failing rank's result,
-  for tests that expect errors.
+  for tests that expect errors; :func:`error_of` catches an expected error inside a rank.
 
 Processes come from a forkserver that has already imported torch, so a rank starts in a
 fraction of a second instead of re-importing torch.
@@ -53,6 +53,18 @@ class RankError:
 
     def __str__(self) -> str:
         return f"rank {self.rank}: {self.type}: {self.message}"
+
+
+def error_of(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, str] | None:
+    """``(exception type name, message)`` of what ``fn(*args, **kwargs)`` raised, or ``None``.
+
+    For checks run inside a rank: the pair pickles back to the parent, the exception may not.
+    """
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
 
 
 def free_port() -> int:

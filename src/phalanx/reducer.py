@@ -2,9 +2,12 @@
 
 How one synchronising backward runs:
 
-1. ``prepare()`` (called after every forward) arms the reducer and, with
-   ``find_unused_parameters=True``, walks the autograd graph from the outputs to learn which
-   parameters can receive a gradient at all.
+1. ``prepare()`` (called after every forward) arms the reducer after a synchronising forward
+   and, with ``find_unused_parameters=True``, walks the autograd graph from the outputs to
+   learn which parameters can receive a gradient at all. Once armed, the reducer stays armed
+   until that backward ends: later forwards (inside ``no_sync()``, under ``no_grad``) feed
+   the same backward and add their graphs to the walk, but do not disarm it (torch's
+   reducer behaves the same: only ``finalize_backward`` clears ``expect_autograd_hooks_``).
 2. Each parameter's ``register_post_accumulate_grad_hook`` fires once its gradient is
    accumulated. The hook copies the gradient, divided by the world size, into its slot of the
    bucket's flat buffer (one fused op; with ``gradient_as_bucket_view`` the slot *is* ``.grad``).
@@ -13,16 +16,25 @@ How one synchronising backward runs:
    in the first backward) ready at once; their contribution is the current ``.grad``, or 0.
 3. A bucket whose slots are all filled is launched, asynchronously, but strictly in bucket order:
    bucket k waits for buckets 0..k-1, so every rank issues the same collectives in the same order.
+   The last bucket is launched by ``_finalize`` only, when the engine is done (see below).
 4. ``_finalize`` runs when the engine is done: it fills and launches what is left (parameters
-   that got no gradient), waits for every bucket, writes the averages back to ``.grad`` and
-   raises :class:`~phalanx.errors.UnusedParametersError` -- on every rank -- if a parameter
-   got no gradient while that is not allowed.
+   that got no gradient, and the last bucket), waits for every bucket, writes the averages back
+   to ``.grad`` and raises :class:`~phalanx.errors.UnusedParametersError` -- on every rank --
+   if a parameter got no gradient while that is not allowed, or got one late.
 
 The last bucket carries a small control tail, summed by the same collective: element 0 counts
 problems (unexpected missing or late gradients) so every rank learns of one rank's trouble
 without an extra collective; with unused parameters allowed, one element per parameter says
 whether any rank has a gradient for it (parameters with none anywhere keep ``.grad`` untouched,
-as torch does, so e.g. Adam skips them).
+as torch does, so e.g. Adam skips them). A gradient can come late (after its slot was settled:
+``static_graph`` learned the parameter unused, or a second gradient in one backward), possibly
+after every other gradient of the backward; holding the last bucket back to the end of the
+backward is what lets its tail count every late one. The cost: the last bucket's all-reduce no
+longer overlaps the backward work left after the last parameter's gradient (input gradients;
+nothing in most models).
+
+A backward that fails midway (an exception in the engine) never reaches ``_finalize``; the
+next ``prepare()`` waits for the collectives it launched before their buffers are reused.
 
 ZeRO stage 2 (:class:`~phalanx.bucket_comm.ReduceToOwner`): buckets are planned so each
 holds the parameters of one owner, the rank whose sharded optimizer updates them, and each is
@@ -37,12 +49,13 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import comm
+from ._graph_walk import reachable_params
 from .bucketing import BucketSpec
 from .errors import UnusedParametersError
 
@@ -129,10 +142,11 @@ class Reducer:
             p.register_post_accumulate_grad_hook(functools.partial(_hook, me, k)) for k, p in enumerate(self.params)
         ]
         self._remove_hooks = weakref.finalize(self, _remove_all, list(self._hooks))
-        self._armed = False  # hooks act: the last forward was a synchronising one
-        self.awaiting_backward = False  # a synchronising forward ran, its backward has not ended
+        # Hooks act: a synchronising forward ran and its backward has not ended.
+        self.awaiting_backward = False
         self._reached: set[int] | None = None  # find_unused: reachable from the outputs
         self._known_unused: set[int] | None = None  # static_graph: learned in the first backward
+        self._works: list[dist.Work] = []
         self._reset()
 
     def close(self) -> None:
@@ -140,24 +154,34 @@ class Reducer:
         self._remove_hooks()
 
     def _reset(self) -> None:
+        """Ready for the next backward, once the last one's collectives are done."""
+        for work in self._works:
+            # Normally all done already; after a failed backward some may still be writing
+            # into bucket buffers the next backward reuses. That backward raised already:
+            # an error of its collectives (e.g. a peer that never joined) changes nothing.
+            try:
+                work.wait()
+            except Exception:
+                pass
         self._started = False
         self._ready = [False] * len(self.params)
         self._assumed_unused: list[int] = []
         self._late: list[int] = []
         self._had_grad = [False] * len(self.params)  # a contribution that was a gradient
         self._next = 0
-        self._works: list[dist.Work] = []
+        self._works = []
         for bucket in self._buckets:
             bucket.pending = len(bucket.spec.slots)
             if not bucket.keep:
                 bucket.release()
 
     def prepare(self, sync: bool, outputs: Any = None) -> None:
-        """Called after each forward: arm (``sync``) or disarm the next backward's hooks."""
+        """Called after each forward. A synchronising one (``sync``) arms the hooks; they stay
+        armed until the backward ends, whatever forwards run before it (see the module notes)."""
         if self._started:  # a backward that failed midway never reached _finalize
             self._reset()
-        self._armed = sync
-        if not sync:
+            self.awaiting_backward = False
+        if not (sync or self.awaiting_backward):
             return
         if self.walk_graph:
             reached = reachable_params(outputs, self._index)
@@ -169,13 +193,13 @@ class Reducer:
 
     # ---- during backward ---------------------------------------------------------------
     def _on_grad(self, k: int, param: torch.Tensor) -> None:
-        if not self._armed:
+        if not self.awaiting_backward:
             return  # no_sync(), or a backward not preceded by a synchronising forward
         if not self._started:
             self._start_backward()
         if self._ready[k]:
             # Its slot was settled already (assumed unused, or a second gradient). Raising
-            # here would leave the other ranks waiting: _finalize reports it.
+            # here would leave the other ranks waiting: the last bucket's tail reports it.
             self._late.append(k)
             return
         self._mark_ready(k, param.grad)
@@ -224,11 +248,18 @@ class Reducer:
         self._ready[k] = True
         bucket.pending -= 1
 
-    def _launch_ready(self) -> None:
-        """Launch every complete bucket at the head of the queue, in bucket order."""
-        while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
+    def _launch_ready(self, final: bool = False) -> None:
+        """Launch every complete bucket at the head of the queue, in bucket order.
+
+        The last bucket goes only when ``final`` (from ``_finalize``): its control tail must
+        count every late gradient of the backward.
+        """
+        last = len(self._buckets) - 1
+        while self._next <= last and self._buckets[self._next].pending == 0:
             bucket = self._buckets[self._next]
-            if self._next == len(self._buckets) - 1:
+            if self._next == last:
+                if not final:
+                    return
                 self._write_tail(bucket.tail)
             self._works.append(self.comm.launch(self._next, bucket.buffer))
             self._next += 1
@@ -245,18 +276,16 @@ class Reducer:
             left = [k for k, ready in enumerate(self._ready) if not ready]
             for k in left:
                 self._assume_unused(k)
-            self._launch_ready()
+            self._launch_ready(final=True)
             last = len(self._buckets) - 1
             for b, work in enumerate(self._works):
                 work.wait()
                 if b < last and not self.allow_unused:
                     self._write_back(b, None)
+            self._works = []
             tail = self._buckets[last].tail
             if tail[0].item() > 0:
                 self._raise_problems()  # every rank sees the sum: all raise, none hangs
-            if self._late:  # late after the last launch: only this rank knows
-                here = {dist.get_rank(self.comm.group): self._describe()}
-                raise UnusedParametersError(_problem_message(here, self.static_graph))
             if self.allow_unused:
                 used = (tail[1:] > 0).tolist()
                 for b in range(len(self._buckets)):
@@ -335,40 +364,3 @@ def _problem_message(by_rank: dict[int, dict[str, list[str]]], static_graph: boo
         )
         parts.append(f"Gradients arrived for parameters after their bucket was settled ({where}): {cause}")
     return ". ".join(parts)
-
-
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``obj``: nested tuples, lists, dicts, namedtuples and dataclasses."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from iter_tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from iter_tensors(item)
-    elif hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
-        for name in obj.__dataclass_fields__:
-            yield from iter_tensors(getattr(obj, name))
-
-
-def reachable_params(outputs: Any, index: dict[int, int]) -> set[int]:
-    """Positions (per ``index``: ``id(param) -> position``) of the parameters the outputs' graph reaches."""
-    found: set[int] = set()
-    stack = []
-    for t in iter_tensors(outputs):
-        if t.grad_fn is not None:
-            stack.append(t.grad_fn)
-        elif id(t) in index:  # a parameter returned as it is
-            found.add(index[id(t)])
-    seen: set[Any] = set()  # the nodes themselves: holding them keeps their identity stable
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
-        if variable is not None and id(variable) in index:
-            found.add(index[id(variable)])
-        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
-    return found

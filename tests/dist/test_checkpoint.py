@@ -15,7 +15,7 @@ from phalanx import checkpoint as checkpoint_module
 from phalanx.checkpoint import Checkpointer, read_checkpoint
 from phalanx.errors import PREEMPTED_EXIT_CODE
 from phalanx.preemption import PreemptionHandler
-from tests.harness import run_ranks
+from tests.harness import error_of, run_ranks
 
 
 def _draws():
@@ -26,14 +26,6 @@ def _seed(rank):
     torch.manual_seed(100 + rank)
     random.seed(200 + rank)
     np.random.seed(300 + rank)
-
-
-def _error(fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except Exception as e:
-        return type(e).__name__, str(e)
-    return None
 
 
 def _protocol(rank, world_size, directory, wrapper):
@@ -62,15 +54,15 @@ def _protocol(rank, world_size, directory, wrapper):
     out["restored_params"] = [p.tolist() for p in model.parameters()]
 
     # errors: the same exception type on every rank, nobody left waiting
-    out["step_mismatch"] = _error(ckpt.save, 1, 6 + (rank == world_size - 1))
-    out["bad_extra"] = _error(ckpt.save, 1, 7, extra={"f": print} if rank == 0 else {})
+    out["step_mismatch"] = error_of(ckpt.save, 1, 6 + (rank == world_size - 1))
+    out["bad_extra"] = error_of(ckpt.save, 1, 7, extra={"f": print} if rank == 0 else {})
     blocked = os.path.join(directory, "a_file")
     if rank == 0:
         open(blocked, "w").close()
-    out["write_fails"] = _error(Checkpointer(blocked, model).save, 1, 8)
+    out["write_fails"] = error_of(Checkpointer(blocked, model).save, 1, 8)
     narrow = torch.nn.Linear(4, 2 if rank == 1 else 3)
-    out["one_rank_misfits"] = _error(Checkpointer(directory, narrow).load)
-    out["missing"] = _error(ckpt.load, os.path.join(directory, "nope.ckpt"))
+    out["one_rank_misfits"] = error_of(Checkpointer(directory, narrow).load)
+    out["missing"] = error_of(ckpt.load, os.path.join(directory, "nope.ckpt"))
     out["files"] = sorted(os.listdir(directory))
     return out
 

@@ -1,12 +1,15 @@
-"""DDP errors: named, raised on every rank, and never a hang (run_ranks would report a hung rank)."""
+"""DDP errors: named, raised on every rank, and never a hang (run_ranks would report a hung rank);
+after a backward that failed midway, the next one waits for its collectives and is exact."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 import phalanx
-from tests.harness import run_ranks
+from phalanx.reference import NaiveDDP
+from tests.harness import error_of, run_ranks
 
 WORLD = 3
 
@@ -23,13 +26,48 @@ class Branchy(nn.Module):
         return self.head(h)
 
 
-def _error(fn, *args, **kwargs):
-    """(exception type name, message) of what ``fn`` raised, or None."""
-    try:
-        fn(*args, **kwargs)
-    except Exception as e:
-        return type(e).__name__, str(e)
-    return None
+class InputSide(nn.Module):
+    """An optional layer on the input side: its gradient comes after every other gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.trunk, self.head = nn.Linear(6, 6), nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x, use_pre=False):
+        if use_pre:
+            x = x + self.pre(x)
+        return self.head(torch.tanh(self.trunk(x)))
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward failed on purpose")
+
+
+class Midway(Branchy):
+    """Its backward can fail after the head's and the branch's gradients, before the trunk's."""
+
+    def forward(self, x, fail=False):
+        h = torch.tanh(self.trunk(x))
+        if fail:
+            h = _FailingBackward.apply(h)
+        return self.head(h + self.branch(h))
+
+
+class _Watched:
+    """A collective's Work that records whether anyone waited for it."""
+
+    def __init__(self, work):
+        self.work, self.waited = work, False
+
+    def wait(self):
+        self.waited = True
+        return self.work.wait()
 
 
 def _step(ddp, use_branch=True):
@@ -39,16 +77,16 @@ def _step(ddp, use_branch=True):
 def _construction_errors(rank, world_size):
     DDP = phalanx.DistributedDataParallel
     out = {}
-    out["shape"] = _error(DDP, Branchy(branch_in=16 if rank != 2 else 17))
+    out["shape"] = error_of(DDP, Branchy(branch_in=16 if rank != 2 else 17))
     extra = Branchy()
     if rank == 1:
         extra.extra = nn.Linear(2, 2)
-    out["count"] = _error(DDP, extra)
+    out["count"] = error_of(DDP, extra)
     frozen = Branchy()
     frozen.head.bias.requires_grad_(rank != 1)
-    out["frozen"] = _error(DDP, frozen)
-    out["settings"] = _error(DDP, Branchy(), bucket_cap_mb=25 if rank == 0 else 5)
-    out["refused_on_one_rank"] = _error(DDP, Branchy(), bucket_cap_mb=-1 if rank == 2 else 25)
+    out["frozen"] = error_of(DDP, frozen)
+    out["settings"] = error_of(DDP, Branchy(), bucket_cap_mb=25 if rank == 0 else 5)
+    out["refused_on_one_rank"] = error_of(DDP, Branchy(), bucket_cap_mb=-1 if rank == 2 else 25)
     bad = {
         "not_module": dict(module=lambda x: x),
         "cap_type": dict(bucket_cap_mb="25"),
@@ -60,10 +98,10 @@ def _construction_errors(rank, world_size):
         "group_type": dict(process_group="world"),
     }
     for name, kwargs in bad.items():
-        out[name] = _error(DDP, **{"module": Branchy(), **kwargs})
+        out[name] = error_of(DDP, **{"module": Branchy(), **kwargs})
     all_frozen = Branchy().requires_grad_(False)
-    out["all_frozen"] = _error(DDP, all_frozen)
-    out["empty_device_ids_ok"] = _error(DDP, Branchy(), device_ids=[])
+    out["all_frozen"] = error_of(DDP, all_frozen)
+    out["empty_device_ids_ok"] = error_of(DDP, Branchy(), device_ids=[])
     return out
 
 
@@ -106,11 +144,11 @@ def test_construction_errors_on_every_rank():
         assert out["empty_device_ids_ok"] is None
 
 
-def _unused_errors(rank, world_size):
+def _backward_errors(rank, world_size):
     out = {}
     torch.manual_seed(rank)
     ddp = phalanx.DistributedDataParallel(Branchy())
-    out["everywhere"] = _error(_step, ddp, use_branch=False)
+    out["everywhere"] = error_of(_step, ddp, use_branch=False)
     # The reducer is usable again afterwards, and averages correctly.
     torch.manual_seed(100 + rank)
     _step(ddp)
@@ -118,17 +156,63 @@ def _unused_errors(rank, world_size):
     gathered = [torch.zeros_like(grads[0]) for _ in range(world_size)]
     torch.distributed.all_gather(gathered, grads[0])
     out["same_after"] = max((g - gathered[0]).abs().max().item() for g in gathered)
-    out["one_rank"] = _error(_step, ddp, use_branch=rank != 2)
+    out["one_rank"] = error_of(_step, ddp, use_branch=rank != 2)
     static = phalanx.DistributedDataParallel(Branchy(), static_graph=True)
     _step(static, use_branch=False)  # learned: the branch is unused
     _step(static, use_branch=False)
-    out["static_changed"] = _error(_step, static, use_branch=True)
+    out["static_changed"] = error_of(_step, static, use_branch=True)
+    # rank 2 only: a gradient later than every other one (the last bucket was complete)
+    late = phalanx.DistributedDataParallel(InputSide(), static_graph=True)
+    late(torch.randn(4, 6)).sum().backward()  # learned: 'pre' is unused
+    out["late_on_one_rank"] = error_of(lambda: late(torch.randn(4, 6), use_pre=rank == 2).sum().backward())
+    out["failed_backward"] = _failed_backward(rank)
     return out
 
 
-def test_unused_parameter_errors_name_them_on_every_rank():
-    results = run_ranks(_unused_errors, WORLD, timeout=90)
-    for out in results:
+def _failed_backward(rank):
+    """A backward that raises midway, with buckets in flight; the next iteration is exact."""
+    torch.manual_seed(rank)
+    ddp = phalanx.DistributedDataParallel(Midway(), bucket_cap_mb=1e-5)  # a bucket per tensor
+    torch.manual_seed(rank)
+    naive = NaiveDDP(Midway())
+    strategy, launched = ddp._reducer.comm, []
+    real_launch = strategy.launch
+
+    def watched_launch(b, flat):
+        launched.append(_Watched(real_launch(b, flat)))
+        return launched[-1]
+
+    strategy.launch = watched_launch
+    x = torch.randn(4, 6) * (rank + 1)
+    out = {"error": error_of(lambda: ddp(x, fail=True).sum().backward()), "launched": len(launched)}
+    out["waited_by_backward"] = sum(w.waited for w in launched)
+    ddp.zero_grad()
+    loss = ddp(x).sum()  # its prepare() must wait for the failed backward's all-reduces
+    out["waited_by_forward"] = sum(w.waited for w in launched[: out["launched"]])
+    loss.backward()
+    naive(x).sum().backward()
+    naive.sync_gradients()
+    out["diff"] = max((p.grad - q.grad).abs().max().item() for p, q in zip(ddp.parameters(), naive.parameters()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def backward_errors():
+    return run_ranks(_backward_errors, WORLD, timeout=90)
+
+
+def test_a_failed_backward_is_waited_for_and_the_next_one_is_exact(backward_errors):
+    for out in backward_errors:
+        failed = out["failed_backward"]
+        assert failed["error"] == ("RuntimeError", "backward failed on purpose")
+        # head and branch: 4 one-tensor buckets in flight when the trunk's backward failed
+        assert (failed["launched"], failed["waited_by_backward"]) == (4, 0)
+        assert failed["waited_by_forward"] == 4
+        assert failed["diff"] < 1e-6
+
+
+def test_unused_parameter_errors_name_them_on_every_rank(backward_errors):
+    for out in backward_errors:
         assert out["everywhere"] == ("UnusedParametersError", (
             "Parameters received no gradient in this backward pass while find_unused_parameters=False "
             "(rank 0: 'branch.bias', 'branch.weight'; rank 1: 'branch.bias', 'branch.weight'; rank 2: "
@@ -142,3 +226,8 @@ def test_unused_parameter_errors_name_them_on_every_rank():
         assert kind == "UnusedParametersError"
         assert "rank 0: 'branch.bias', 'branch.weight'" in message
         assert "static_graph=True assumed them unused, as in the first iteration, but the graph changed" in message
+        # every rank raises, though only rank 2's gradient came late, after all the others
+        assert out["late_on_one_rank"] == ("UnusedParametersError", (
+            "Gradients arrived for parameters after their bucket was settled (rank 2: 'pre.bias', "
+            "'pre.weight'): static_graph=True assumed them unused, as in the first iteration, but "
+            "the graph changed"))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections import namedtuple
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import pytest
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import phalanx
 from phalanx.reference import NaiveDDP
@@ -45,7 +48,50 @@ def _two_forwards(rank, world_size):
     scale_now = model.scale
     ddp(x1).sum().backward()
     return {"diff": diff, "replaced": replaced, "in_place_after": model.scale is scale_now,
-            "scale": model.scale.tolist()}
+            "scale": model.scale.tolist(), "later": _later_forwards(rank)}
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _later_forwards(rank):
+    """A synchronising forward, then one inside no_sync() or under no_grad, then ONE backward.
+
+    The later forward must not cancel the averaging: phalanx's gradients equal torch DDP's,
+    which averages here, and differ from the local ones. With find_unused_parameters a
+    parameter only the no_sync() forward reaches is averaged too (torch raises there).
+    """
+    x1, x2 = torch.randn(4, 6) * (rank + 1), torch.randn(4, 6)
+    out = {}
+    for later in ("no_sync", "no_grad"):
+        grads = []
+        for wrap in (phalanx.DistributedDataParallel, TorchDDP, None):  # None: this rank alone
+            model = _mlp() if wrap is None else wrap(_mlp())
+            loss = model(x1).pow(2).sum()
+            if later == "no_grad":
+                context = torch.no_grad()
+            else:
+                context = nullcontext() if wrap is None else model.no_sync()
+            with context:
+                extra = model(x2).pow(2).sum()
+            (loss + extra if later == "no_sync" else loss).backward()
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        out[later] = ((grads[0] - grads[1]).abs().max().item(), (grads[0] - grads[2]).abs().max().item())
+    torch.manual_seed(0)
+    ddp = phalanx.DistributedDataParallel(TwoHeads(), find_unused_parameters=True)
+    x1, x2 = x1[:, :3], x2[:, :3]
+    loss = ddp(x1)[0].sum()  # reaches the trunk and the left head
+    with ddp.no_sync():
+        loss = loss + ddp(x2)[1].sum()  # and the right head
+    loss.backward()
+    torch.manual_seed(0)
+    naive = NaiveDDP(TwoHeads())
+    (naive(x1)[0].sum() + naive(x2)[1].sum()).backward()
+    naive.sync_gradients()
+    out["walked"] = max((p.grad - q.grad).abs().max().item() for p, q in zip(ddp.parameters(), naive.parameters()))
+    return out
 
 
 def test_two_forwards_then_backward_with_broadcast_buffers():
@@ -55,6 +101,11 @@ def test_two_forwards_then_backward_with_broadcast_buffers():
         assert out["replaced"] == (rank != 0)  # only receivers must not write into saved tensors
         assert out["in_place_after"] is True
         assert out["scale"] == [1.0] * 8
+        later = out["later"]
+        for name in ("no_sync", "no_grad"):
+            vs_torch, vs_local = later[name]
+            assert vs_torch < 1e-6 and vs_local > 1e-3, (name, later[name])
+        assert later["walked"] < 1e-6
 
 
 @dataclass
@@ -110,8 +161,25 @@ def _output_left_out_of_the_loss(rank):
     return same, [name for name, p in ddp.module.named_parameters() if p.grad is None]
 
 
+def _logged_plan():
+    """The bucket plan DDP logs at DEBUG (on rank 0 only)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    root = logging.getLogger("phalanx")
+    level = root.level
+    root.setLevel(logging.DEBUG)
+    root.addHandler(handler)
+    try:
+        phalanx.DistributedDataParallel(Echo(), bucket_cap_mb=1e-5)  # a bucket per tensor
+    finally:
+        root.setLevel(level)
+        root.removeHandler(handler)
+    return [r.getMessage() for r in records]
+
+
 def _pass_through(rank, world_size):
-    out = {"left_out": _output_left_out_of_the_loss(rank)}
+    out = {"left_out": _output_left_out_of_the_loss(rank), "logged": _logged_plan()}
     ddp = phalanx.DistributedDataParallel(Echo(), find_unused_parameters=True)
     x = torch.randn(2, 3)
     for kind in ("tuple", "dict", "named", "dataclass"):
@@ -157,6 +225,10 @@ def test_outputs_args_state_dict_and_modes():
         assert (out["inside"], out["after"]) == (False, True)
         assert out["grad_ok"]
         assert out["left_out"] == (True, ["right.weight", "right.bias"])
+        assert out["logged"] == ([] if rank else [
+            "bucket plan, in launch order:\n"
+            "bucket 0: 0.00 MiB torch.float32 on cpu: lin.bias\n"
+            "bucket 1: 0.00 MiB torch.float32 on cpu: lin.weight"])
 
 
 def _alone(rank, world_size):

@@ -50,11 +50,11 @@ def _record(model: nn.Module, bucket_cap_mb: float, rank: int, steps: int = 2, *
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda _p, name=name: events.append(("grad", name)))
     ddp = phalanx.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **ddp_args)
-    sizes = [bucket.buffer.numel() for bucket in ddp._reducer._buckets]  # with the control tail
+    buffers = [bucket.buffer.data_ptr() for bucket in ddp._reducer._buckets]  # kept for good
     original = dist.all_reduce
 
     def recording_all_reduce(tensor, *args, **kwargs):
-        events.append(("launch", sizes.index(tensor.numel())))
+        events.append(("launch", buffers.index(tensor.data_ptr())))
         return original(tensor, *args, **kwargs)
 
     dist.all_reduce = recording_all_reduce
@@ -114,6 +114,8 @@ def test_allreduce_overlaps_backward_in_bucket_order(results):
             # c's bucket (1) was complete before b's (0) but was launched after it.
             assert grads.index("c.weight") < grads.index("b.weight"), grads
             assert events.index(("launch", 1)) > events.index(("launch", 0)), events
+            # the last bucket (its tail reports late gradients) goes when the backward is done
+            assert events[-1] == ("launch", 2), events
         # Negative control: one bucket cannot overlap, and the check says so.
         assert not overlapped(out["single_bucket"]), out["single_bucket"]
         assert [e for e in out["single_bucket"] if e[0] == "launch"] == [("launch", 0)]

@@ -22,8 +22,8 @@ from torch.optim.lr_scheduler import LambdaLR, StepLR
 import phalanx
 from phalanx.zero import ZeroRedundancyOptimizer
 from tests.dist.test_ddp_equivalence import batch, build, loss_of
-from tests.dist.test_ddp_errors import Branchy, _error
-from tests.harness import run_ranks
+from tests.dist.test_ddp_errors import Branchy
+from tests.harness import error_of, run_ranks
 
 STEPS = 10
 TOL = 1e-6
@@ -153,7 +153,7 @@ def _sharded_branchy(rank):
 def _unused_errors(rank, world_size):
     ddp, opt = _sharded_branchy(rank)
     step = lambda use_branch: ddp(torch.randn(4, 6), use_branch=use_branch).sum().backward()  # noqa: E731
-    out = {"everywhere": _error(step, False), "one_rank": _error(step, rank != 1)}
+    out = {"everywhere": error_of(step, False), "one_rank": error_of(step, rank != 1)}
     opt.zero_grad()
     step(True)  # usable afterwards: each rank holds exactly its own gradients
     mine = [o == rank for o in opt.owners_of(ddp.parameters())]
@@ -163,12 +163,12 @@ def _unused_errors(rank, world_size):
 
 def _api_errors(rank, world_size):
     ddp, opt = _sharded_branchy(rank)
-    out = {"not_zero": _error(ddp.shard_gradients, torch.optim.SGD(ddp.parameters(), lr=0.1)),
-           "other_model": _error(ddp.shard_gradients, ZeroRedundancyOptimizer(
+    out = {"not_zero": error_of(ddp.shard_gradients, torch.optim.SGD(ddp.parameters(), lr=0.1)),
+           "other_model": error_of(ddp.shard_gradients, ZeroRedundancyOptimizer(
                nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1))}
     plain = phalanx.DistributedDataParallel(Branchy())
     loss = plain(torch.randn(4, 6)).sum()
-    out["mid_iteration"] = _error(plain.shard_gradients, opt)
+    out["mid_iteration"] = error_of(plain.shard_gradients, opt)
     loss.backward()  # the unsharded reducer still finishes this backward
     out["mid_iteration_grads"] = sum(p.grad is not None for p in plain.parameters())
     torch.manual_seed(0)
@@ -176,7 +176,7 @@ def _api_errors(rank, world_size):
     w0, b0, w1, b1 = twins.parameters()  # rank 1 lists the two (same-shaped) weights swapped
     swapped = ZeroRedundancyOptimizer([w1, b0, w0, b1] if rank == 1 else [w0, b0, w1, b1],
                                       torch.optim.SGD, lr=0.1)
-    out["owner_mismatch"] = _error(twins.shard_gradients, swapped)
+    out["owner_mismatch"] = error_of(twins.shard_gradients, swapped)
     if world_size == 3:
         out["subgroup"] = _subgroup(rank)
     return out
@@ -189,7 +189,7 @@ def _subgroup(rank):
     out = None
     if rank != 0:
         ddp = phalanx.DistributedDataParallel(Branchy(), process_group=group)
-        out = {"other_ranks": _error(ddp.shard_gradients, everyone),
+        out = {"other_ranks": error_of(ddp.shard_gradients, everyone),
                "train": _run_case(CASES["adam_no_sync_clip"], rank - 1, 2, group)}
     dist.barrier()  # rank 0 hosts the store the subgroup still needs: it waits here
     return out
@@ -302,8 +302,8 @@ def test_shard_gradients_refuses_mistakes_on_every_rank(ranks):
     for rank, out in enumerate(results):
         errors = out["errors"]
         assert errors["not_zero"] == ("TypeError", (
-            "shard_gradients() needs a phalanx.ZeroRedundancyOptimizer (it says which rank owns each "
-            "parameter), got SGD"))
+            "shard_gradients() needs a sharded optimizer such as phalanx.ZeroRedundancyOptimizer "
+            "(its owners_of() says which rank owns each parameter), got SGD"))
         assert errors["other_model"] == ("ValueError", (
             "shard_gradients() needs the optimizer of this model: it holds none of the 6 parameters "
             "of this DistributedDataParallel's module"))
