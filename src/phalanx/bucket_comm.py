@@ -23,6 +23,12 @@ class AllReduceMean:
 
     Args:
         group: process group; ``None`` is the default group.
+
+    Example::
+
+        >>> comm = AllReduceMean()
+        >>> torch.div(grad, comm.divisor, out=flat)  # what the reducer does with each gradient
+        >>> comm.launch(0, flat).wait()              # flat: the average, on every rank
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
@@ -48,6 +54,14 @@ class ReduceToOwner:
     Args:
         plan: the buckets, in launch order.
         group: process group; ``None`` is the default group.
+
+    Example::
+
+        >>> owners = zero.owners_of(p for _, p in named)   # a ZeroRedundancyOptimizer's
+        >>> plan = plan_buckets(named, owners=owners)
+        >>> comm = ReduceToOwner(plan)
+        >>> comm.launch(0, flat).wait()   # the sum reaches plan[0].owner (every rank if last)
+        >>> comm.keeps(0)                 # True on plan[0].owner only (everywhere if None)
     """
 
     def __init__(self, plan: Sequence[BucketSpec], group: dist.ProcessGroup | None = None) -> None:

@@ -155,7 +155,8 @@ def _spec(named_params: Sequence[tuple[str, torch.Tensor]], members: list[int],
 
 
 def describe(plan: Sequence[BucketSpec]) -> str:
-    """One line per bucket: size and parameter names (for logs and error messages)."""
+    """One line per bucket: size and parameter names. DistributedDataParallel logs it at
+    DEBUG (rank 0) each time it plans its buckets: ``logging.getLogger("phalanx").setLevel("DEBUG")``."""
     lines = []
     for i, bucket in enumerate(plan):
         names = ", ".join(slot.name for slot in bucket.slots)

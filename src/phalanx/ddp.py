@@ -7,8 +7,11 @@ The wrapper is thin; the work is done by three objects it composes:
   one as soon as it is complete, overlapping communication with the rest of the backward (or,
   after :meth:`DistributedDataParallel.shard_gradients`, reduces it to the rank that owns it:
   :mod:`phalanx.bucket_comm`);
-* :class:`_BufferSync` broadcasts rank 0's buffers (BatchNorm running statistics...) before a
-  forward.
+* :class:`phalanx._buffer_sync.BufferSync` broadcasts rank 0's buffers (BatchNorm running
+  statistics...) before a forward.
+
+Argument checks, the ranks' agreement check and what ``shard_gradients`` needs of an optimizer
+live in :mod:`phalanx._ddp_checks`.
 
 A forward runs in three phases: before (move inputs to ``device_ids[0]``, broadcast buffers),
 the module's own forward, after (arm the reducer for the backward that follows).
@@ -16,8 +19,8 @@ the module's own forward, after (arm the reducer for the backward that follows).
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
-from numbers import Real
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -25,11 +28,21 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .bucketing import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MIB, BucketSpec, plan_buckets
-from .errors import NotInitializedError
+from ._buffer_sync import BufferSync
+from ._ddp_checks import (
+    GradientOwners,
+    check_arguments,
+    check_group,
+    check_same_everywhere,
+    gradient_owners,
+    input_device,
+)
+from ._logging import get_logger
 from .bucket_comm import AllReduceMean, ReduceToOwner
+from .bucketing import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MIB, BucketSpec, describe, plan_buckets
 from .reducer import Reducer
-from .zero import ZeroRedundancyOptimizer
+
+_log0 = get_logger(__name__, rank_zero_only=True)
 
 
 class DistributedDataParallel(nn.Module):
@@ -41,14 +54,20 @@ class DistributedDataParallel(nn.Module):
     dtypes, count) and the same settings, then takes rank 0's values. During ``backward()``
     gradients are copied into flat buckets (reverse registration order, about
     ``bucket_cap_mb`` each); each bucket's asynchronous all-reduce starts as soon as its last
-    gradient is ready, buckets start in the same order on every rank, and ``backward()``
+    gradient is ready (the last bucket's when the backward is done: it also carries the
+    ranks' error reports), buckets start in the same order on every rank, and ``backward()``
     returns only when every ``.grad`` holds the average over ranks.
 
     .. note::
         Gradient accumulation: inside :meth:`no_sync`, or with the public attribute
         ``require_backward_grad_sync = False`` set before the forward, backward only
         accumulates into ``.grad`` locally; the next synchronising backward averages the
-        accumulated totals. The forward decides: run it inside the context.
+        accumulated totals. The forward decides: run it inside the context. A synchronising
+        forward arms the averaging for the next backward, and forwards run after it, before
+        that backward (inside ``no_sync()``, under ``torch.no_grad()``), do not disarm it: one
+        backward over a synchronising and a ``no_sync()`` forward averages the gradients of
+        both, as torch's DDP does. With ``find_unused_parameters`` their graphs are walked too
+        (torch raises when only such a later forward reaches a parameter).
 
     .. note::
         ``broadcast_buffers=True`` sends rank 0's buffers to every rank at the first forward
@@ -100,11 +119,23 @@ class DistributedDataParallel(nn.Module):
         RankMismatchError: the ranks' parameters, buffers or settings differ (raised on
             every rank, naming the first difference).
         UnusedParametersError: from ``backward()``, on every rank, when a parameter got no
-            gradient with ``find_unused_parameters=False`` (it names the parameters).
+            gradient with ``find_unused_parameters=False``, or got one after its bucket was
+            settled (e.g. ``static_graph`` learned it unused), even on one rank only (it
+            names the ranks and parameters).
 
     .. warning::
         Every rank must run the same sequence of synchronising forwards and backwards: the
         collectives they issue must match.
+
+    .. warning::
+        Bucket all-reduces share ``process_group`` with every other collective run during
+        the backward, e.g. :class:`~phalanx.SyncBatchNorm`'s. They must come in the same order
+        on every rank, so with SyncBatchNorm inside, every rank must run the same graph:
+        ``find_unused_parameters`` with rank-dependent branches can launch a bucket before
+        SyncBatchNorm's all-reduce on one rank and after it on another (a Gloo error or a hang).
+        torch's DDP has the same restriction. A separate group for the buckets would not lift
+        it on NCCL (communicators used in different orders can deadlock) and ``new_group``
+        would make construction a collective of the whole world, also for a subgroup.
 
     Example::
 
@@ -130,18 +161,18 @@ class DistributedDataParallel(nn.Module):
         static_graph: bool = False,
     ) -> None:
         super().__init__()
-        _check_group(process_group)
+        check_group(process_group)
         flags = dict(broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters,
                      gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
         problem: Exception | None = None
         try:
-            _check_arguments(module, bucket_cap_mb, flags)
-            self._device = _input_device(module, device_ids, output_device)
+            check_arguments(module, bucket_cap_mb, flags)
+            self._device = input_device(module, device_ids, output_device)
         except (TypeError, ValueError) as e:
             problem = e
         world = dist.get_world_size(process_group)
         if world > 1:  # every rank learns of every rank's problem: none is left waiting
-            _check_same_everywhere(module, problem, bucket_cap_mb, flags, process_group)
+            check_same_everywhere(module, problem, bucket_cap_mb, flags, process_group)
         if problem is not None:
             raise problem
         self.module = module
@@ -154,7 +185,7 @@ class DistributedDataParallel(nn.Module):
         self.require_backward_grad_sync = True
         self._sync_buffers_next = True  # torch's schedule: the first forward broadcasts
         self._reducer: Reducer | None = None
-        self._buffer_sync: _BufferSync | None = None
+        self._buffer_sync: BufferSync | None = None
         self.bucket_plan: list[BucketSpec] = []
         if world > 1:
             self._set_up_replicas(module, process_group, broadcast_buffers)
@@ -165,7 +196,7 @@ class DistributedDataParallel(nn.Module):
             comm.broadcast_tensors(list(module.parameters()) + list(module.buffers()), src=src, group=group)
         self._build_reducer(None)
         if broadcast_buffers and any(b.numel() for b in module.buffers()):
-            self._buffer_sync = _BufferSync(module, group, src)
+            self._buffer_sync = BufferSync(module, group, src)
 
     def _build_reducer(self, owners: list[int | None] | None) -> None:
         """Plan the buckets (per owner, with ``owners``) and install a reducer for them."""
@@ -174,6 +205,8 @@ class DistributedDataParallel(nn.Module):
         if self.bucket_cap_mb is not None:
             caps = (int(self.bucket_cap_mb * MIB),) * 2
         self.bucket_plan = plan_buckets(named, *caps, owners=owners)
+        if _log0.isEnabledFor(logging.DEBUG):
+            _log0.debug("bucket plan, in launch order:\n%s", describe(self.bucket_plan))
         group = self.process_group
         strategy = AllReduceMean(group) if owners is None else ReduceToOwner(self.bucket_plan, group)
         if self._reducer is not None:
@@ -200,7 +233,7 @@ class DistributedDataParallel(nn.Module):
         self._reducer.prepare(sync, output)
         return output
 
-    def shard_gradients(self, optimizer: ZeroRedundancyOptimizer) -> None:
+    def shard_gradients(self, optimizer: GradientOwners) -> None:
         """ZeRO stage 2: each rank keeps only the averaged gradients its optimizer shard uses.
 
         The buckets are re-planned so that each holds the parameters of one owner (the rank
@@ -218,10 +251,11 @@ class DistributedDataParallel(nn.Module):
 
         Args:
             optimizer (ZeroRedundancyOptimizer): the sharded optimizer over this model's
-                parameters, on the same ranks as this DDP.
+                parameters, on the same ranks as this DDP (any object with its
+                ``process_group`` and ``owners_of()`` will do).
 
         Raises:
-            TypeError: ``optimizer`` is not a :class:`~phalanx.ZeroRedundancyOptimizer`.
+            TypeError: ``optimizer`` has no ``owners_of()``: not a sharded optimizer.
             ValueError: its process group has other ranks than this DDP's, or it holds none
                 of this model's parameters.
             RuntimeError: called between a forward and its backward.
@@ -245,7 +279,8 @@ class DistributedDataParallel(nn.Module):
         """
         problem, owners = None, None
         try:
-            owners = _gradient_owners(self, optimizer)
+            mid_iteration = self._reducer is not None and self._reducer.awaiting_backward
+            owners = gradient_owners(self.module, self.process_group, mid_iteration, optimizer)
         except (TypeError, ValueError, RuntimeError) as e:
             problem = e
         if dist.get_world_size(self.process_group) > 1:
@@ -293,137 +328,6 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
-
-
-class _BufferSync:
-    """Overwrites every rank's buffers with rank ``src``'s.
-
-    In place normally; with ``fresh=True`` (a graph may have saved the old buffers for its
-    backward) the values land in new tensors that replace the old ones in every module that
-    registers them, so the saved ones keep their version and the backward still works.
-    """
-
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None, src: int) -> None:
-        self.module = module
-        self.group = group
-        self.src = src
-        self.is_src = dist.get_rank() == src
-
-    def sync(self, fresh: bool) -> None:
-        buffers = list(self.module.buffers())
-        if not fresh or self.is_src:  # rank src only reads its buffers
-            comm.broadcast_tensors(buffers, src=self.src, group=self.group)
-            return
-        received = [torch.empty_like(b) for b in buffers]
-        comm.broadcast_tensors(received, src=self.src, group=self.group)
-        replace = {id(old): new for old, new in zip(buffers, received)}
-        for sub in self.module.modules():
-            for name, old in sub._buffers.items():
-                if old is not None and id(old) in replace:
-                    sub._buffers[name] = replace[id(old)]
-
-
-def _gradient_owners(ddp: DistributedDataParallel, optimizer: Any) -> list[int | None]:
-    """The owner of each of ``ddp.module.named_parameters()``, or a ValueError/TypeError."""
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):
-        raise TypeError(
-            "shard_gradients() needs a phalanx.ZeroRedundancyOptimizer (it says which rank owns "
-            f"each parameter), got {type(optimizer).__name__}"
-        )
-    ours = dist.get_process_group_ranks(ddp.process_group or dist.group.WORLD)
-    theirs = dist.get_process_group_ranks(optimizer.process_group or dist.group.WORLD)
-    if ours != theirs:
-        raise ValueError(
-            "shard_gradients() needs the optimizer sharded over the ranks DDP averages over: "
-            f"DDP has global ranks {ours}, the optimizer {theirs}"
-        )
-    if ddp._reducer is not None and ddp._reducer.awaiting_backward:
-        raise RuntimeError(
-            "shard_gradients() was called between a forward and its backward; call it between "
-            "iterations (after backward(), or before the first forward)"
-        )
-    owners = optimizer.owners_of(p for _, p in ddp.module.named_parameters())
-    if all(owner is None for owner in owners):
-        raise ValueError(
-            "shard_gradients() needs the optimizer of this model: it holds none of the "
-            f"{len(owners)} parameters of this DistributedDataParallel's module"
-        )
-    return owners
-
-
-def _check_group(group: Any) -> None:
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-    if not dist.is_initialized():
-        raise NotInitializedError(
-            "DistributedDataParallel needs a process group: call phalanx.init_process_group() first "
-            "(it runs as a single process when nothing in the environment says otherwise)"
-        )
-
-
-def _check_arguments(module: Any, bucket_cap_mb: Any, flags: dict[str, Any]) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    if bucket_cap_mb is not None:
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, Real):
-            raise TypeError(f"bucket_cap_mb must be a number of MiB or None, got {type(bucket_cap_mb).__name__}")
-        if not bucket_cap_mb * MIB >= 1:  # a bucket of at least one byte; also refuses NaN
-            raise ValueError(f"bucket_cap_mb must be positive (MiB per bucket), got {bucket_cap_mb}")
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
-    if not any(p.requires_grad for p in module.parameters()):
-        raise ValueError(
-            "DistributedDataParallel needs a module with at least one parameter that requires a "
-            "gradient; this one has none (nothing to average)"
-        )
-
-
-def _input_device(module: nn.Module, device_ids: Any, output_device: Any) -> torch.device | None:
-    """Where inputs must go: ``device_ids[0]``, or ``None`` to leave them where they are."""
-    if not device_ids:
-        if output_device is not None:
-            raise ValueError(f"output_device={output_device!r} needs device_ids; got device_ids={device_ids!r}")
-        return None
-    if not isinstance(device_ids, (list, tuple)):
-        raise TypeError(f"device_ids must be a list such as [local_rank], got {type(device_ids).__name__}")
-    if len(device_ids) != 1:
-        raise ValueError(f"device_ids must name exactly one device (this process's), got {list(device_ids)}")
-    want = _as_cuda_device(device_ids[0])
-    have = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
-    if have != {want}:
-        found = ", ".join(sorted(str(d) for d in have))
-        raise ValueError(
-            f"device_ids={list(device_ids)} is for a module on {want}, but the module's tensors are on "
-            f"{found}. For a CPU module (or one spread over devices) leave device_ids=None; otherwise "
-            f"move the module there first (module.to({str(want)!r}))"
-        )
-    if output_device is not None and _as_cuda_device(output_device) != want:
-        raise ValueError(f"output_device must be None or device_ids[0] ({want}), got {output_device!r}")
-    return want
-
-
-def _as_cuda_device(device: Any) -> torch.device:
-    if isinstance(device, int) and not isinstance(device, bool):
-        return torch.device("cuda", device)
-    if isinstance(device, (str, torch.device)):
-        return torch.device(device)
-    raise TypeError(f"a device id must be an int or a torch.device, got {type(device).__name__}")
-
-
-def _check_same_everywhere(module, problem, bucket_cap_mb, flags, group) -> None:
-    """One collective: every rank's argument problem, settings, parameters and buffers agree."""
-    items: list[tuple[str, Any]] = [("arguments", "accepted" if problem is None else f"refused: {problem}")]
-    if problem is None:
-        settings = ", ".join(f"{k}={v}" for k, v in {"bucket_cap_mb": bucket_cap_mb, **flags}.items())
-        items.append(("settings", settings))
-        items += [(n, _describe(p) + ("" if p.requires_grad else " frozen")) for n, p in module.named_parameters()]
-        items += [(f"buffer {n}", _describe(b)) for n, b in module.named_buffers()]
-    comm.check_same_across_ranks(items, "DistributedDataParallel parameters, buffers and settings", group)
-
-
-def _describe(t: torch.Tensor) -> str:
-    return f"shape {tuple(t.shape)} {t.dtype}"
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
