@@ -16,7 +16,9 @@ The algorithm, one collective each way:
 
 A rank with an empty batch still joins both collectives with zeros (otherwise every other rank
 would wait for it forever). In eval mode, or with a single process, it is plain ``BatchNorm``
-and communicates nothing.
+and communicates nothing, also with ``track_running_stats=False`` (statistics of this rank's
+batch then), exactly as torch's ``SyncBatchNorm``, whose ``need_sync`` requires
+``self.training``.
 """
 
 from __future__ import annotations
@@ -165,7 +167,10 @@ class SyncBatchNorm(_BatchNorm):
 
     .. note::
         In eval mode (and with a single process, or no process group) it is plain
-        ``BatchNorm`` on this rank's batch and communicates nothing.
+        ``BatchNorm`` on this rank's batch and communicates nothing. Without running
+        statistics (``track_running_stats=False``) eval mode therefore normalises with this
+        rank's batch statistics, as torch's ``SyncBatchNorm`` does (it syncs only when
+        ``self.training``).
 
     Args:
         num_features (int): ``C`` of an input of shape ``(N, C, *)``.
@@ -183,7 +188,10 @@ class SyncBatchNorm(_BatchNorm):
         Every rank of ``process_group`` must run the forward (and backward) of every
         SyncBatchNorm in training mode, in the same order, or the ranks wait for one another
         until the group's timeout. Keep data loaders in step (``drop_last`` or
-        ``DistributedSampler``'s padding), not ``pad=False``, when training.
+        ``DistributedSampler``'s padding), not ``pad=False``, when training. Its backward
+        all-reduce shares ``process_group`` with DDP's bucket all-reduces (as in torch), so
+        they too must come in the same order on every rank: inside DDP every rank must run
+        the same graph (see :class:`~phalanx.DistributedDataParallel`'s warning).
 
     Example::
 

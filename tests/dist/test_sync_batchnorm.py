@@ -138,9 +138,24 @@ def _subgroup(rank, world_size):
     return _max_err(y.detach(), y_ref.detach())
 
 
+def _eval_like_torch(rank):
+    """Eval mode against torch's SyncBatchNorm (which runs on CPU in eval mode): no sync, also
+    without running statistics, where both normalise with this rank's own batch."""
+    x = torch.randn(3 + rank, CHANNELS, 4) * (rank + 1)
+    out = {}
+    for track in (True, False):
+        ours = phalanx.SyncBatchNorm(CHANNELS, track_running_stats=track).eval()
+        theirs = nn.SyncBatchNorm(CHANNELS, track_running_stats=track).eval()
+        with _CollectiveCounter() as counter:
+            y = ours(x)
+        out[track] = (_max_err(y.detach(), theirs(x).detach()), counter.count)
+    return out
+
+
 def _all_cases(rank, world_size):
     out = {name: _run_case(rank, world_size, sizes, trail, kwargs, offset=0.5)
            for name, sizes, trail, kwargs in CASES}
+    out["eval_like_torch"] = _eval_like_torch(rank)
     out["large_mean"] = _large_mean(rank, world_size)
     out["subgroup"] = _subgroup(rank, world_size) if world_size == 3 else None
     # one value per channel over all ranks: every rank raises alike, nobody hangs
@@ -176,6 +191,8 @@ def test_matches_batchnorm_on_the_concatenated_batch(world_size):
         assert big["out_err"] <= 2 * big["torch_out_err"], big
         assert "Expected more than 1 value per channel when training, got 1 value per channel " \
             "over all ranks" in out["single_value"], rank
+        for track, (err, collectives) in out["eval_like_torch"].items():
+            assert err <= TOL and collectives == 0, (rank, track, err, collectives)
 
 
 
