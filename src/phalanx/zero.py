@@ -22,17 +22,10 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from . import _zero_clip, _zero_state, comm
+from . import _zero_broadcast, _zero_clip, _zero_state, comm
 from .errors import NotInitializedError
 
 __all__ = ["ZeroRedundancyOptimizer", "optimizer_state_bytes", "partition_by_size"]
-
-# Parameters this large are broadcast in place, each alone; smaller ones are coalesced. On Gloo
-# over loopback (2 ranks, a shared 2-core machine) a broadcast cost ~0.3 ms however small,
-# copying 1 MiB ~0.03 ms, and several large broadcasts in flight overlapped: of thresholds
-# from 256 KiB to 16 MiB tried on three model shapes, 1 MiB was fastest or near it on each,
-# and up to 3x faster than coalescing everything.
-_IN_PLACE_BYTES = 1 << 20
 
 
 def partition_by_size(
@@ -262,7 +255,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         for group, local in zip(self.param_groups, self.optim.param_groups):
             local.update(_hyperparameters(group))
         loss = self.optim.step() if closure is None else self.optim.step(closure)
-        self._broadcast_owned_params()
+        _zero_broadcast.broadcast_owned(self._by_owner, self._global_ranks, self.process_group)
         return loss
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -344,45 +337,6 @@ class ZeroRedundancyOptimizer(Optimizer):
             local_groups.append(local)
             start = end
         return local_groups
-
-    def _broadcast_owned_params(self) -> None:
-        """Every owner's parameters to every rank: all broadcasts in flight, then wait.
-
-        Parameters of ``_IN_PLACE_BYTES`` or more go in place, one broadcast each; smaller
-        ones are coalesced per owner, device and dtype into flat buffers.
-        """
-        works, landing = [], []
-        for owned, src in zip(self._by_owner, self._global_ranks):
-            small = []
-            for p in owned:
-                if p.numel() * p.element_size() >= _IN_PLACE_BYTES and p.is_contiguous():
-                    works.append(dist.broadcast(p.detach(), src, self.process_group, async_op=True))
-                elif p.numel():
-                    small.append(p)
-            for chunk in _coalesce(small, comm.BROADCAST_CHUNK_BYTES):
-                flat = comm.flatten(chunk)
-                works.append(dist.broadcast(flat, src, self.process_group, async_op=True))
-                if src != dist.get_rank():
-                    landing.append((flat, chunk))
-        for work in works:
-            work.wait()
-        for flat, chunk in landing:
-            comm.unflatten_into(flat, chunk)
-
-
-def _coalesce(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
-    """``tensors`` grouped by (device, dtype), in order, each group cut at ``limit`` bytes."""
-    chunks: list[list[torch.Tensor]] = []
-    open_chunk: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], int]] = {}
-    for t in tensors:
-        key, nbytes = (t.device, t.dtype), t.numel() * t.element_size()
-        chunk, size = open_chunk.get(key, (None, 0))
-        if chunk is None or size + nbytes > limit:
-            chunk, size = [], 0
-            chunks.append(chunk)
-        chunk.append(t)
-        open_chunk[key] = (chunk, size + nbytes)
-    return chunks
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""ZeroRedundancyOptimizer on real ranks: equivalence, memory, resharding, state-dict errors.
+"""ZeroRedundancyOptimizer on real ranks: equivalence, memory, state-dict errors (resharding:
+test_zero_reshard.py).
 
 Gradients are averaged across ranks explicitly with torch.distributed (what DDP would do), so
 these tests exercise the sharded optimizer alone.
@@ -12,7 +13,7 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, StepLR
 
 import phalanx
-from phalanx.zero import ZeroRedundancyOptimizer, optimizer_state_bytes, partition_by_size
+from phalanx.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 from tests.harness import run_ranks
 
 GLOBAL_BATCH = 12  # divisible by the world sizes 2 and 3: every rank gets an equal slice
@@ -27,23 +28,6 @@ OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1},
               lambda opt: CosineAnnealingLR(opt, T_max=STEPS)),
 }
-
-
-def test_partition_is_sorted_greedy_and_bounded():
-    # largest first, each to the least-loaded rank; ties to the lower index and rank
-    assert partition_by_size([5, 9, 1, 9, 3], 2) == ([0, 0, 1, 1, 1], [14, 13])
-    assert partition_by_size([4, 4], 3, loads=[0, 1, 0]) == ([0, 2], [4, 1, 4])
-    g = torch.Generator().manual_seed(0)
-    for world_size in (2, 3, 4):
-        sizes = torch.randint(1, 1000, (50,), generator=g).tolist()
-        owners, loads = partition_by_size(sizes, world_size)
-        assert loads == [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(world_size)]
-        assert max(loads) <= sum(sizes) / world_size + max(sizes)
-
-
-def test_needs_a_process_group():
-    with pytest.raises(phalanx.NotInitializedError, match="needs init_process_group"):
-        ZeroRedundancyOptimizer([torch.nn.Parameter(torch.zeros(1))], torch.optim.SGD)
 
 
 def _model():
@@ -290,79 +274,6 @@ def test_equivalence_memory_and_add_param_group(world_size):
         tiny = [out["tiny"] for out in results]
         assert [t["local"] for t in tiny] == [1, 1, 0] and tiny[2]["state"] == [0, 1]
         assert all(t["diff"] <= TOL for t in tiny)
-
-
-RESHARD_AT = 4  # steps before the checkpoint; as many again after it
-
-
-def _save_checkpoint(rank, world_size, path):
-    """Adam with two groups and a scheduler; consolidate on the last rank, which saves."""
-    cls, kwargs, schedule = OPTIMIZERS["adam"]
-    model = _model()
-    zero = ZeroRedundancyOptimizer(_groups(model), cls, **kwargs)
-    sched = schedule(zero)
-    for step in range(RESHARD_AT):
-        _backward_averaged(model, step, rank, world_size)
-        zero.step()
-        sched.step()
-        zero.zero_grad()
-    last = world_size - 1
-    zero.consolidate_state_dict(to=last)
-    if rank == last:
-        torch.save({"model": model.state_dict(), "optim": zero.state_dict(),
-                    "sched": sched.state_dict()}, path)
-        return None
-    try:
-        zero.state_dict()
-    except RuntimeError as e:
-        return str(e)
-
-
-def _resume_checkpoint(rank, world_size, path):
-    cls, kwargs, schedule = OPTIMIZERS["adam"]
-    saved = torch.load(path, weights_only=True)  # the format needs no unpickling of code
-    model = _model()
-    zero = ZeroRedundancyOptimizer(_groups(model), cls, **kwargs)
-    sched = schedule(zero)
-    model.load_state_dict(saved["model"])
-    sched.load_state_dict(saved["sched"])
-    zero.load_state_dict(saved["optim"])
-    loaded_lr = [g["lr"] for g in zero.param_groups]
-    for step in range(RESHARD_AT, 2 * RESHARD_AT):
-        _backward_averaged(model, step, rank, world_size)
-        zero.step()
-        sched.step()
-        zero.zero_grad()
-    return {"params": _flat(model).tolist(), "loaded_lr": loaded_lr,
-            "stateful": sorted(i for i, p in enumerate(model.parameters()) if zero.state.get(p))}
-
-
-@pytest.mark.parametrize("save_at, load_at", [(2, 3), (3, 2)])
-def test_save_at_one_world_size_resume_at_another(tmp_path, save_at, load_at):
-    path = str(tmp_path / "ckpt.pt")
-    saved = run_ranks(_save_checkpoint, save_at, path)
-    for message in saved[:-1]:
-        assert "no consolidated state here" in message and "consolidate_state_dict(to=" in message
-    resumed = run_ranks(_resume_checkpoint, load_at, path)
-    expected = _flat(_plain_run("adam", 2 * RESHARD_AT)[0])
-    n_params = len(list(_model().parameters()))
-    assert sorted(i for out in resumed for i in out["stateful"]) == list(range(n_params))
-    for out in resumed:
-        assert (torch.tensor(out["params"]) - expected).abs().max().item() <= TOL
-        assert out["params"] == resumed[0]["params"]
-    # The file is an ordinary optimizer state dict: the plain optimizer resumes from it alike.
-    ckpt = torch.load(path, weights_only=True)
-    _, plain_first = _plain_run("adam", RESHARD_AT)
-    reference = plain_first.state_dict()
-    assert ckpt["optim"]["zero"]["world_size"] == save_at
-    assert ckpt["optim"]["param_groups"] == reference["param_groups"]
-    assert ckpt["optim"]["state"].keys() == reference["state"].keys()
-    for i, state in reference["state"].items():
-        for key, value in state.items():
-            assert (ckpt["optim"]["state"][i][key] - value).abs().max().item() <= TOL, (i, key)
-    plain_model, _ = _plain_run("adam", RESHARD_AT, ckpt, first_step=RESHARD_AT)
-    assert (_flat(plain_model) - expected).abs().max().item() <= TOL
-    assert resumed[0]["loaded_lr"] == [g["lr"] for g in ckpt["optim"]["param_groups"]]
 
 
 def _expect(errors, key, fn, kind):
