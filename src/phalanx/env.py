@@ -21,6 +21,7 @@ the same variables under the same names torchrun sets, so :func:`detect` reads i
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -39,6 +40,12 @@ _SLURM_PORT_SPAN = 20000
 _TORCHRUN_ROLE = "default"
 # torchrun's --signals-to-handle default: the signals that stop the launcher and its workers.
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+# cgroup v2 (the kernel's Documentation/admin-guide/cgroup-v2.rst): where the hierarchy is
+# mounted, and the file whose "0::/path" line names this process's cgroup in it. Each cgroup's
+# cpu.max holds "$QUOTA $PERIOD" in microseconds, "max $PERIOD" for no limit.
+_CGROUP_ROOT = "/sys/fs/cgroup"
+_CGROUP_MEMBERSHIP = "/proc/self/cgroup"
 
 
 @dataclass(frozen=True)
@@ -204,7 +211,6 @@ def tasks_on_node(tasks_per_node: str, node: int) -> int:
     return counts[node]
 
 
-
 def launcher_environ(
     env: DistEnv, *, group_world_size: int, max_restarts: int, run_id: str, error_file: str
 ) -> dict[str, str]:
@@ -233,12 +239,49 @@ def launcher_environ(
     }
 
 
+def cgroup_cpu_limit(root: str = _CGROUP_ROOT, membership: str = _CGROUP_MEMBERSHIP) -> int | None:
+    """The cores this process's cgroup v2 CPU quota allows, rounded up: the smallest
+    ``ceil(quota / period)`` of ``cpu.max`` along its cgroup and every ancestor under ``root``.
+    ``None`` when no quota is set (``max``) or there is no cgroup v2 (cgroup v1's
+    ``cpu.cfs_quota_us`` is not read).
+
+    Args:
+        root: where the cgroup v2 hierarchy is mounted. Default ``/sys/fs/cgroup``.
+        membership: the file naming this process's cgroup (its ``0::/path`` line).
+            Default ``/proc/self/cgroup``.
+    """
+    try:
+        with open(membership) as f:
+            path = next((line[3:].strip() for line in f if line.startswith("0::")), "/")
+    except OSError:
+        path = "/"
+    limits = []
+    parts = [p for p in path.split("/") if p and p != ".."]
+    for depth in range(len(parts), -1, -1):  # the cgroup itself, then each ancestor to the root
+        try:
+            with open(os.path.join(root, *parts[:depth], "cpu.max")) as f:
+                quota, period = f.read().split()
+            if quota != "max":
+                limits.append(max(1, math.ceil(int(quota) / int(period))))
+        except (OSError, ValueError, ZeroDivisionError):  # none here (the root has none), or
+            continue  # not "QUOTA PERIOD": no limit read from this level
+    return min(limits, default=None)
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on: its CPU affinity (taskset, cpusets), capped by its
+    cgroup v2 CPU quota (docker ``--cpus``, Kubernetes CPU limits, systemd ``CPUQuota``)."""
+    cpus = len(os.sched_getaffinity(0))
+    limit = cgroup_cpu_limit()
+    return cpus if limit is None else min(cpus, limit)
+
+
 def default_omp_threads(local_world_size: int, cpus: int | None = None) -> int:
-    """``OMP_NUM_THREADS`` for a worker when the user set none: this machine's usable cores
-    (``os.sched_getaffinity``, so taskset and cgroup limits count) shared among the local
-    workers, at least 1. torchrun sets 1 whatever the machine, starving intra-op parallelism."""
+    """``OMP_NUM_THREADS`` for a worker when the user set none: ``cpus`` (default
+    :func:`usable_cpus`) shared among the local workers, at least 1. torchrun sets 1 whatever
+    the machine, starving intra-op parallelism."""
     if cpus is None:
-        cpus = len(os.sched_getaffinity(0))
+        cpus = usable_cpus()
     return max(1, cpus // local_world_size)
 
 

@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from phalanx.env import usable_cpus
 from tests.e2e.launch_helpers import BEHAVE, TRAIN, base_env, phalanx_cmd, run
 from tests.harness import free_port
 
@@ -49,7 +50,7 @@ def test_omp_num_threads_defaults_to_cores_per_worker(tmp_path):
               base_env(OMP_NUM_THREADS=None))
     assert res.code == 0, res.err
     env = json.loads((tmp_path / "env.0.json").read_text())
-    assert env["OMP_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))  # one worker: all cores
+    assert env["OMP_NUM_THREADS"] == str(usable_cpus())  # one worker: all its cores
 
 
 def _local_training(steps: int = 5, world: int = 2) -> dict:

@@ -6,10 +6,12 @@ import pytest
 
 from phalanx.env import (
     DistEnv,
+    cgroup_cpu_limit,
     default_omp_threads,
     detect,
     first_host,
     tasks_on_node,
+    usable_cpus,
     worker_environ,
 )
 from phalanx.errors import EnvironmentConfigError
@@ -142,4 +144,37 @@ def test_worker_environ_uses_torchruns_names_and_keeps_the_users_settings():
 
 def test_default_omp_threads_shares_the_cores_at_least_one_each():
     assert [default_omp_threads(n, cpus=8) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
-    assert default_omp_threads(1) == len(os.sched_getaffinity(0))
+    assert default_omp_threads(1) == usable_cpus()
+    limit = cgroup_cpu_limit()
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cpus() == (affinity if limit is None else min(affinity, limit))
+
+
+def _cgroup(tmp_path, path, cpu_max):
+    """A fake cgroup v2 tree: this process in cgroup ``path``; ``cpu_max`` per cgroup path."""
+    membership = tmp_path / "cgroup"
+    membership.write_text(f"12:cpu,cpuacct:/v1/ignored\n0::{path}\n")
+    for where, text in cpu_max.items():
+        folder = tmp_path / "fs" / where.strip("/")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "cpu.max").write_text(text + "\n")
+    return str(tmp_path / "fs"), str(membership)
+
+
+@pytest.mark.parametrize("path, cpu_max, cpus", [
+    ("/", {"/": "200000 100000"}, 2),  # in a container: its own cgroup is the root
+    ("/", {"/": "150000 100000"}, 2),  # 1.5 cores: rounded up
+    ("/", {"/": "50000 100000"}, 1),  # half a core: at least one
+    ("/", {"/": "max 100000"}, None),  # no quota
+    ("/", {}, None),  # no cpu.max (a host's root cgroup has none)
+    ("/a/b", {"/a/b": "max 100000", "/a": "300000 100000"}, 3),  # the parent's quota binds
+    ("/a/b", {"/a/b": "100000 100000", "/a": "300000 100000"}, 1),  # the smallest wins
+    ("/a/b", {"/": "garbage", "/a": "x 100000", "/a/b": "1 0"}, None),  # unreadable: ignored
+])
+def test_cgroup_cpu_limit_reads_cpu_max_up_the_tree(tmp_path, path, cpu_max, cpus):
+    root, membership = _cgroup(tmp_path, path, cpu_max)
+    assert cgroup_cpu_limit(root, membership) == cpus
+
+
+def test_cgroup_cpu_limit_without_cgroup_v2(tmp_path):
+    assert cgroup_cpu_limit(str(tmp_path / "none"), str(tmp_path / "none")) is None
