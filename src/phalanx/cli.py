@@ -45,16 +45,19 @@ kept off it.
 **Failures.** When a worker exits non-zero or dies of a signal, on any node, the workers of
 every node get SIGTERM, then SIGKILL after ``--shutdown-timeout`` seconds, and the group is
 started again, up to ``--max-restarts`` times. After the last attempt the launcher prints the
-node, rank, exit code or signal, and the end of that worker's traceback (from its stderr: no
-decorator needed), and exits with that worker's status (128 + N for signal N). A worker
-exiting with 75 (``phalanx.errors.PREEMPTED_EXIT_CODE``) was preempted after saving its
-checkpoint: not a failure, no restart; the launcher exits 75.
+node, rank, exit code or signal of the first worker seen to fail, and the traceback that ended
+it, cut at its exception line (from its stderr: no decorator needed; a torch elastic
+``@record`` error file is preferred when the script wrote one), and exits with that worker's
+status (128 + N for signal N). A worker exiting with 75 (``phalanx.errors.PREEMPTED_EXIT_CODE``)
+was preempted after saving its checkpoint: not a failure, no restart; the launcher exits 75.
 
 **Signals.** SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to the launcher are forwarded to every
-worker; after ``--shutdown-timeout`` the rest are killed and the launcher exits 75 if the
-workers reported preemption, else 128 + N. SIGUSR1 and SIGUSR2 are only forwarded. No worker
-outlives its launcher, even one killed with SIGKILL: workers get a parent-death signal, and a
-small guardian process kills each worker's whole process tree when the launcher is gone.
+worker's main process (as torchrun does: its DataLoader workers and other children are left to
+it); after ``--shutdown-timeout`` the rest are killed, with every process they started, and the
+launcher exits 75 if the workers reported preemption, else 128 + N. SIGUSR1 and SIGUSR2 are
+only forwarded. No worker outlives its launcher, even one killed with SIGKILL: workers get a
+parent-death signal, and a small guardian process kills each worker's whole process tree when
+the launcher is gone.
 
 **Exit status.** 0 success; a worker's status; 75 preempted; 128 + N after signal N;
 1 the nodes could not meet; 2 bad input (unknown option, missing script or module,

@@ -8,10 +8,16 @@ A *round* is one attempt of the whole group. It ends with the first of
 * every worker of every node exiting 0: ``succeeded``.
 
 The first ending published wins and every node acts on it: workers still running get SIGTERM
-(or the signal the launcher received), then SIGKILL after ``shutdown_timeout``. A failed round
-is followed by a new one while restarts are left; otherwise the launcher prints a summary
-naming the node, rank, exit code or signal and the end of that worker's traceback, and exits
-with that worker's status.
+(or the signal the launcher received) in their main process, then their whole process trees
+SIGKILL after ``shutdown_timeout``. A failed round is followed by a new one while restarts are
+left; otherwise the launcher prints a summary naming the node, rank, exit code or signal and
+the end of that worker's traceback, and exits with that worker's status.
+
+The failing worker named is the one whose exit the launcher saw first (it looks at every
+SIGCHLD; workers found dead in the same look go by local rank). Its traceback is what a script
+decorated with torch elastic's ``@record`` wrote to its ``TORCHELASTIC_ERROR_FILE``, or
+otherwise the traceback that ended it, found in its stderr (see
+:func:`~phalanx.launcher.output.traceback_tail`): no decorator is needed.
 """
 
 from __future__ import annotations
@@ -28,9 +34,9 @@ from ..env import DistEnv, worker_environ
 from ..errors import PREEMPTED_EXIT_CODE, RendezvousError
 from .config import STDERR, STDOUT, LaunchConfig
 from .events import FORWARD_SIGNALS, STOP_SIGNALS, Pump, SignalInbox
-from .output import Console, WorkerOutput
+from .output import Console, WorkerOutput, recorded_error, traceback_tail
 from .rendezvous import Interrupted, Layout, meet
-from .workers import Guardian, Worker, describe_exit, shell_status, spawn
+from .workers import Guardian, Worker, describe_exit, first_failure, shell_status, spawn
 
 _RULE = "=" * 64
 
@@ -44,6 +50,8 @@ class Agent:
         self.console, self.inbox, self.guardian = console, inbox, guardian
         self._pump = Pump(inbox)
         self._scratch = scratch  # torch's per-worker error files; the guardian removes it
+        # the file the frames of the worker's own traceback name (a module's: found by its frames)
+        self._entry = None if config.module else os.path.abspath(config.entrypoint)
         self._host = socket.gethostname()
         self._checked_out = False
 
@@ -136,9 +144,9 @@ class Agent:
                 self._forward(workers, signum)
             if self.store is not None:
                 self.store.check()
-            ended = [w for w in workers if w.returncode not in (None, 0)]
-            if ended:
-                return self.board.publish_end(round_, self._exit_record(ended[0]))
+            failed = first_failure(workers)
+            if failed is not None:
+                return self.board.publish_end(round_, self._exit_record(failed))
             if not reported_done and all(w.returncode == 0 for w in workers):
                 self.board.report_done(round_)
                 reported_done = True
@@ -153,17 +161,20 @@ class Agent:
     def _exit_record(self, worker: Worker) -> dict:
         self._pump.drain([worker])  # its last words may still sit in the pipe
         code = worker.returncode
+        recorded = recorded_error(worker.error_file)
         return {
             "kind": "preempted" if code == PREEMPTED_EXIT_CODE else "failed",
             "node": self.config.node_rank, "host": self._host, "rank": worker.rank,
             "local_rank": worker.local_rank, "returncode": code,
-            "traceback": worker.output.traceback(),
+            "traceback": (traceback_tail(recorded, self._entry) if recorded
+                          else worker.output.traceback(self._entry)),
+            "from": "error file (torch elastic @record)" if recorded else "stderr",
         }
 
     def _forward(self, workers: list[Worker], signum: int) -> None:
+        """Pass ``signum`` to each running worker's main process (see :mod:`.workers`)."""
         for worker in workers:
-            if worker.returncode is None:
-                worker.signal_group(signum)
+            worker.signal(signum)
 
     def _stop(self, workers: list[Worker], record: dict) -> None:
         """Signal the running workers, give them ``shutdown_timeout``, then SIGKILL."""
@@ -175,7 +186,8 @@ class Agent:
         while any(w.returncode is None for w in workers):
             left = deadline - time.monotonic()
             if left <= 0:
-                self._forward(workers, signal.SIGKILL)
+                for worker in workers:
+                    worker.kill_tree()
                 break
             self._pump.wait(min(left, self.config.monitor_interval))
             for again in self.inbox.take():  # passed on; the timeout still bounds the wait
@@ -184,7 +196,7 @@ class Agent:
 
     def _clean_up(self, workers: list[Worker]) -> None:
         for worker in workers:  # the whole tree, leftovers of clean exits included
-            worker.signal_group(signal.SIGKILL)
+            worker.kill_tree()
         for worker in workers:
             worker.popen.wait()
         self._pump.remove(workers)
@@ -231,7 +243,7 @@ class Agent:
             _RULE,
             f"{name} failed on attempt {round_ + 1} of {self.config.max_restarts + 1}",
             f"root cause: {self._who(record)}: {describe_exit(record['returncode'])}",
-            f"end of rank {record['rank']}'s stderr:",
+            f"from rank {record['rank']}'s {record['from']}:",
             *("  " + line for line in (record["traceback"] or "(empty)").splitlines()),
             f"workers on node {self.config.node_rank}: {states}",
             _RULE,

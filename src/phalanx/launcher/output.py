@@ -11,6 +11,7 @@ Every worker's stdout and stderr are pipes the launcher reads. Each chunk goes t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -125,23 +126,86 @@ class WorkerOutput:
             log.close()
         self._logs.clear()
 
-    def traceback(self, max_lines: int = TRACEBACK_LINES) -> str:
-        """The end of this worker's stderr: its last traceback, or the last lines."""
-        return traceback_tail(self.tail.decode("utf-8", errors="replace"), max_lines)
+    def traceback(self, entry: str | None = None, max_lines: int = TRACEBACK_LINES) -> str:
+        """The traceback that ended this worker, from its stderr (see :func:`traceback_tail`)."""
+        return traceback_tail(self.tail.decode("utf-8", errors="replace"), entry, max_lines)
 
 
-def traceback_tail(text: str, max_lines: int = TRACEBACK_LINES) -> str:
-    """The last traceback in ``text`` (at most ``max_lines``, keeping its end, where the
-    exception line is), or its last ``max_lines // 2`` non-empty lines if it holds none.
+def traceback_tail(text: str, entry: str | None = None, max_lines: int = TRACEBACK_LINES) -> str:
+    """The traceback in ``text`` that ended the process, cut at its exception line, at most
+    ``max_lines`` (its header, then the frames nearest to the exception); or the last
+    ``max_lines // 2`` non-empty lines if ``text`` holds no traceback.
+
+    A worker's stderr may hold several tracebacks: one printed and survived, a child's
+    (multiprocessing's resource tracker complains at exit), chained exceptions, and warnings
+    after the last. The one shown is the last among the first non-empty of: those with a frame
+    in the file ``entry`` (the worker's script), those with a frame at a module's top level
+    (``in <module>``: the exception reached the main script's top), all of them.
 
     Lines are taken as a terminal shows them: only what follows a line's last ``\\r``.
     """
     lines = [line.rsplit("\r", 1)[-1] for line in text.split("\n")]
     lines = [line for line in lines if line.strip()]
-    starts = [i for i, line in enumerate(lines) if "Traceback (most recent call last):" in line]
-    if starts:
-        block = lines[starts[-1]:]
-        if len(block) > max_lines:
-            block = [block[0], "  ..."] + block[-(max_lines - 2):]
-        return "\n".join(block)
-    return "\n".join(lines[-(max_lines // 2):])
+    blocks = _traceback_blocks(lines)
+    if not blocks:
+        return "\n".join(lines[-(max_lines // 2):])
+    entry = os.path.realpath(entry) if entry else None
+    frames = [[_FRAME.match(_body(line)) for line in block] for block in blocks]
+    in_entry = [b for b, f in zip(blocks, frames)
+                if entry and any(m and os.path.realpath(m["file"]) == entry for m in f)]
+    at_top = [b for b, f in zip(blocks, frames) if any(m and m["where"] == "<module>" for m in f)]
+    block = (in_entry or at_top or blocks)[-1]
+    if len(block) > max_lines:
+        block = [block[0], "  ..."] + block[-(max_lines - 2):]
+    return "\n".join(block)
+
+
+_HEADER = "Traceback (most recent call last):"
+# torch's excepthook prefixes every line of a rank's traceback with "[rankN]: ".
+_RANK_PREFIX = re.compile(r"\[rank\d+\]: ?")
+_FRAME = re.compile(r'\s*[|]?\s*File "(?P<file>[^"]+)", line \d+, in (?P<where>\S+)')
+
+
+def _body(line: str) -> str:
+    """A line without torch's rank prefix."""
+    prefix = _RANK_PREFIX.match(line)
+    return line[prefix.end():] if prefix else line
+
+
+def _traceback_blocks(lines: list[str]) -> list[list[str]]:
+    """Every traceback in ``lines``: from its header to its exception line, the first line after
+    the header that is not indented (frames and source lines are). An exception group's
+    traceback (``  + Exception Group Traceback``) puts a ``  | `` margin before its lines, which
+    is taken off first; the tracebacks of its sub-exceptions, further in, belong to it."""
+    blocks, i = [], 0
+    while i < len(lines):
+        body = _body(lines[i])
+        margin = re.match(r"[ |+]*", body).group()
+        if _HEADER not in body or "|" in margin:
+            i += 1
+            continue
+        margin = margin.replace("+", "|")
+        end = i + 1
+        while end < len(lines) and _HEADER not in _body(lines[end]):
+            rest = _body(lines[end])
+            end += 1
+            if rest.startswith(margin) and rest[len(margin):][:1] not in (" ", "\t", ""):
+                break  # the exception line
+        blocks.append(lines[i:end])
+        i = end
+    return blocks
+
+
+def recorded_error(path: str) -> str | None:
+    """What a script decorated with torch elastic's ``@record`` wrote to its
+    ``TORCHELASTIC_ERROR_FILE`` when it failed: the traceback (``py_callstack``), else the
+    message; ``None`` when there is no such file (undecorated scripts write none)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):  # torch's ErrorHandler.record_exception writes this shape
+        message = (message.get("extraInfo") or {}).get("py_callstack") or message.get("message")
+    return message if isinstance(message, str) and message.strip() else None

@@ -41,6 +41,14 @@ _POLL_S = 0.05
 # A node's launcher reads the final outcome, checks out, then stops its workers; node 0 keeps
 # the store up until every node has checked out, but never longer than this for a dead node.
 _CHECK_OUT_WAIT_S = 30.0
+# One attempt to connect to the master: within 2 s a listening host answers a SYN even after
+# one retransmission (Linux's initial retransmission timeout is 1 s, RFC 6298); never under
+# 0.1 s, so the last attempt before the deadline still has a round trip's time.
+_CONNECT_TRY_S = 2.0
+_CONNECT_TRY_MIN_S = 0.1
+# Between refused attempts: 4 polls (0.2 s), nothing next to the time node 0's launcher may
+# take to start (--rdzv-timeout, 600 s by default), and a node waiting that long never spins.
+_CONNECT_RETRY_S = 4 * _POLL_S
 
 
 class Interrupted(Exception):
@@ -99,7 +107,8 @@ def wait_reachable(host: str, port: int, timeout: float, node_rank: int, interru
         _raise_if(interrupted)
         left = deadline - time.monotonic()
         try:
-            with socket.create_connection((host.strip("[]"), port), timeout=max(0.1, min(left, 2.0))):
+            try_s = max(_CONNECT_TRY_MIN_S, min(left, _CONNECT_TRY_S))
+            with socket.create_connection((host.strip("[]"), port), timeout=try_s):
                 return max(left, _POLL_S)
         except OSError:
             if left <= 0:
@@ -108,7 +117,7 @@ def wait_reachable(host: str, port: int, timeout: float, node_rank: int, interru
                     f"{timeout:g} s (--rdzv-timeout). Is node 0's launcher running, and do "
                     "--master-addr/--master-port name its address and port?"
                 ) from None
-            time.sleep(min(_POLL_S * 4, max(left, 0)))
+            time.sleep(min(_CONNECT_RETRY_S, max(left, 0)))
 
 
 def _raise_if(interrupted: Callable[[], int | None]) -> None:
@@ -343,25 +352,38 @@ def meet(config: LaunchConfig, nproc: int, interrupted,
         store = WorkerStore(listener, host, guardian)
         layout = Layout(nproc, 0, 1, config.run_id or str(uuid.uuid4()), host, store.port)
         return LocalBoard(), store, layout
+    if config.node_rank != 0:
+        return _join(config, nproc, interrupted, None, _reach_store(config, interrupted))
+    listener = bind_listener(config.master_addr, config.master_port)
     worker_store = None
-    if config.node_rank == 0:
-        listener = bind_listener(config.master_addr, config.master_port)
+    try:
         worker_store = WorkerStore(bind_listener(config.master_addr, 0), config.master_addr,
                                    guardian)
-        try:
-            store = _tcp_store(config.master_addr, config.master_port, config.rdzv_timeout, listener)
-        finally:
-            listener.close()  # the store listens on its own copy
-    else:
-        left = wait_reachable(config.master_addr, config.master_port, config.rdzv_timeout,
-                              config.node_rank, interrupted)
-        try:
-            store = _tcp_store(config.master_addr, config.master_port, left, None)
-        except RuntimeError as e:  # DistNetworkError, DistStoreError
-            raise RendezvousError(
-                f"Node {config.node_rank} reached {config.master_addr}:{config.master_port} but "
-                f"found no phalanx/torch store there ({e}); is that node 0's launcher?"
-            ) from None
+        store = _tcp_store(config.master_addr, config.master_port, config.rdzv_timeout, listener)
+        listener.close()  # the store listens on its own copy
+        return _join(config, nproc, interrupted, worker_store, store)
+    except BaseException:  # no round will be served: give both ports back
+        listener.close()
+        if worker_store is not None:
+            worker_store.close()
+        raise
+
+
+def _reach_store(config: LaunchConfig, interrupted) -> Any:
+    """Other nodes: wait for node 0's rendezvous store, then connect to it."""
+    left = wait_reachable(config.master_addr, config.master_port, config.rdzv_timeout,
+                          config.node_rank, interrupted)
+    try:
+        return _tcp_store(config.master_addr, config.master_port, left, None)
+    except RuntimeError as e:  # DistNetworkError, DistStoreError
+        raise RendezvousError(
+            f"Node {config.node_rank} reached {config.master_addr}:{config.master_port} but "
+            f"found no phalanx/torch store there ({e}); is that node 0's launcher?"
+        ) from None
+
+
+def _join(config: LaunchConfig, nproc: int, interrupted, worker_store: WorkerStore | None,
+          store: Any) -> tuple[NodeBoard, WorkerStore | None, Layout]:
     board = NodeBoard(store, config, interrupted)
     layout = board.join(nproc, config, worker_store.port if worker_store else None)
     return board, worker_store, layout

@@ -2,6 +2,11 @@
 
 * Each worker leads its own session (so its process group holds its whole tree, and a Ctrl-C
   on the terminal reaches only the launcher, which forwards it).
+* Signals the launcher passes on (SIGTERM, SIGINT, SIGUSR1...) go to the worker's main process
+  only, as torchrun sends them: the worker decides what its children get (a DataLoader's
+  workers and multiprocessing's resource tracker would die of SIGUSR1's default action while
+  the worker saves its checkpoint). SIGKILL goes to the whole tree: after the shutdown timeout,
+  and to whatever a worker leaves behind once it has exited.
 * Each worker asks the kernel for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``).
   The kernel sends it when the *thread* that forked exits, so workers are forked from the
   launcher's main thread only.
@@ -18,6 +23,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 
 from .output import WorkerOutput
@@ -46,6 +52,8 @@ class Worker:
     local_rank: int
     popen: subprocess.Popen
     output: WorkerOutput
+    error_file: str  # torch elastic's TORCHELASTIC_ERROR_FILE, written by @record scripts
+    exited_at: float | None = None  # time.monotonic() when its exit was first seen
 
     @property
     def pid(self) -> int:
@@ -53,12 +61,20 @@ class Worker:
 
     @property
     def returncode(self) -> int | None:
-        return self.popen.poll()
+        code = self.popen.poll()
+        if code is not None and self.exited_at is None:
+            self.exited_at = time.monotonic()
+        return code
 
-    def signal_group(self, signum: int) -> None:
-        """Send ``signum`` to the worker's whole process group (its tree)."""
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the worker's main process, if it still runs."""
+        if self.returncode is None:
+            self.popen.send_signal(signum)  # polls again: never a reaped, reusable pid
+
+    def kill_tree(self) -> None:
+        """SIGKILL the worker's whole process group: it and every child it left."""
         try:
-            os.killpg(self.pid, signum)
+            os.killpg(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):  # the whole group is gone already
             pass
 
@@ -83,7 +99,16 @@ def start_tied(command: list[str], env: dict[str, str] | None = None, pipe_outpu
 def spawn(command: list[str], env: dict[str, str], rank: int, local_rank: int,
           output: WorkerOutput) -> Worker:
     """Start one worker (see :func:`start_tied`)."""
-    return Worker(rank, local_rank, start_tied(command, env), output)
+    return Worker(rank, local_rank, start_tied(command, env), output,
+                  env["TORCHELASTIC_ERROR_FILE"])
+
+
+def first_failure(workers: list[Worker]) -> Worker | None:
+    """The worker whose non-zero exit (or death by a signal) was seen first: the earliest
+    :attr:`Worker.exited_at`, so of workers first seen dead in the same look, the first listed
+    (the agent lists them by local rank); ``None`` when none has failed."""
+    failed = [w for w in workers if w.returncode not in (None, 0)]
+    return min(failed, key=lambda w: w.exited_at, default=None)
 
 
 def describe_exit(returncode: int) -> str:
