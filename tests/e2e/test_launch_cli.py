@@ -133,6 +133,7 @@ def test_console_prefixes_lines_and_keeps_progress_bars_on_one_line():
     console = Console(out, err)
     console.write(0, 2, b"\rbar 1/3")
     console.write(0, 2, b"\rbar 2/3")
+    console.flush(older_than=0.0)  # the bar, unfinished, shows once it has waited long enough
     console.write(1, 1, b"hello\nwor")  # another rank: the bar's line is ended first
     console.write(1, 1, b"ld\n")
     console.write(0, 2, b"\rbar 3/3\n")
@@ -142,6 +143,23 @@ def test_console_prefixes_lines_and_keeps_progress_bars_on_one_line():
     assert err.getvalue() == (b"\r[rank0]: bar 1/3\r[rank0]: bar 2/3\n"
                               b"\r[rank0]: bar 3/3\n[rank2]: torch's own prefix\n"
                               b"[phalanx] restarting\n[phalanx] now\n")
+
+
+def test_console_keeps_a_line_written_in_pieces_whole():
+    # print("rank", r, "ok") writes its pieces separately; two ranks doing it at once
+    out = io.BytesIO()
+    console = Console(out, io.BytesIO())
+    for piece in (b"rank", b" ", b"1", b" ok"):
+        console.write(1, 1, piece)
+        console.write(0, 1, piece.replace(b"1", b"0"))
+    console.flush()  # not long enough: nothing unfinished is shown yet
+    assert out.getvalue() == b""
+    console.write(1, 1, b"\n")
+    console.write(0, 1, b"\n")
+    assert out.getvalue() == b"[rank1]: rank 1 ok\n[rank0]: rank 0 ok\n"
+    console.write(0, 1, b"no newline at exit")
+    console.flush(older_than=0.0)
+    assert out.getvalue().endswith(b"[rank0]: no newline at exit")
 
 
 def test_traceback_tail_takes_the_last_traceback_as_a_terminal_shows_it():

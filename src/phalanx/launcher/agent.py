@@ -136,6 +136,7 @@ class Agent:
         next_board_look = 0.0
         while True:
             self._pump.wait(interval)
+            self.console.flush()  # unfinished lines held long enough (a progress bar)
             for signum in self.inbox.take():
                 if signum in STOP_SIGNALS:
                     return self.board.publish_end(round_, {
@@ -190,6 +191,7 @@ class Agent:
                     worker.kill_tree()
                 break
             self._pump.wait(min(left, self.config.monitor_interval))
+            self.console.flush()
             for again in self.inbox.take():  # passed on; the timeout still bounds the wait
                 if again in STOP_SIGNALS or again in FORWARD_SIGNALS:
                     self._forward(workers, again)
@@ -200,6 +202,7 @@ class Agent:
         for worker in workers:
             worker.popen.wait()
         self._pump.remove(workers)
+        self.console.flush(older_than=0.0)  # their last unfinished lines
         for worker in workers:
             worker.output.close()
             self.guardian.release(worker.pid)

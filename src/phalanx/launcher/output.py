@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -27,11 +28,19 @@ TRACEBACK_LINES = 20
 _SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|[\r\n])?")
 
 
+# An unterminated line is held back this long for the rest of it: print() writes its
+# arguments in separate writes, which would otherwise be cut apart by another rank's line.
+# Longer-lived partial lines (a progress bar between redraws) are shown after this delay.
+PARTIAL_LINE_S = 0.2
+
+
 @dataclass
 class _Source:
     rank: int
     stream: int
     mid_line: bool = False  # a prefix and some text are out, with no terminator yet
+    held: bytes = b""  # the start of a line not shown yet
+    held_since: float = 0.0
 
 
 class Console:
@@ -52,9 +61,27 @@ class Console:
         self._owner: _Source | None = None  # the source whose line the cursor is on
 
     def write(self, rank: int, stream: int, data: bytes) -> None:
-        """Show ``data`` from ``rank``'s ``stream`` (STDOUT or STDERR)."""
+        """Show the complete lines of ``data`` from ``rank``'s ``stream`` (STDOUT or STDERR);
+        hold an unfinished last line back (see :meth:`flush`)."""
         source = self._sources.setdefault((rank, stream), _Source(rank, stream))
-        out = self._files[stream]
+        data = source.held + data
+        cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1  # after the last terminator
+        if cut < len(data) and (cut or not source.held):  # a new unfinished line begins
+            source.held_since = time.monotonic()
+        source.held = data[cut:]
+        if cut:
+            self._show(source, data[:cut])
+
+    def flush(self, older_than: float = PARTIAL_LINE_S) -> None:
+        """Show the unfinished lines held back for at least ``older_than`` seconds."""
+        now = time.monotonic()
+        for source in self._sources.values():
+            if source.held and now - source.held_since >= older_than:
+                held, source.held = source.held, b""
+                self._show(source, held)
+
+    def _show(self, source: _Source, data: bytes) -> None:
+        rank, out = source.rank, self._files[source.stream]
         for segment in _SEGMENT.findall(data):
             if not segment:
                 continue
