@@ -19,40 +19,112 @@ from .errors import RankMismatchError
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 
 
-def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One contiguous 1-D buffer holding ``tensors`` back to back (same dtype and device)."""
-    if len(tensors) == 1:
-        return tensors[0].detach().reshape(-1).clone()
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
+# Tensors this large are broadcast in place, each alone (no copies); smaller ones are packed
+# into byte buffers, one broadcast per device and chunk. On Gloo over loopback (2 ranks, a
+# shared 2-core machine) a broadcast cost ~0.3 ms however small and copying 1 MiB ~0.03 ms;
+# of thresholds from 256 KiB to 16 MiB tried on three model shapes, 1 MiB was fastest or near.
+IN_PLACE_BYTES = 1 << 20
+# Packed tensors start at multiples of 16 bytes, so each one's bytes can be viewed back as its
+# dtype (complex128, the widest, is 16 bytes).
+_ALIGN = 16
 
 
-def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """Copy consecutive slices of ``flat`` back into ``tensors`` in place."""
-    offset = 0
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _packed_offsets(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-_nbytes(t) // _ALIGN) * _ALIGN
+    return offsets, total
+
+
+def _slot(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``flat`` from ``offset`` viewed as a tensor shaped and typed like ``like``."""
+    return flat[offset : offset + _nbytes(like)].view(like.dtype).view(like.shape)
+
+
+def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The bytes of ``tensors`` (any dtypes, one device) in one aligned ``uint8`` buffer."""
+    offsets, total = _packed_offsets(tensors)
+    flat = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
     with torch.no_grad():
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+        for t, offset in zip(tensors, offsets):
+            _slot(flat, offset, t).copy_(t)
+    return flat
+
+
+def unpack_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy what :func:`pack` put in ``flat`` back into ``tensors``, in place."""
+    offsets, _ = _packed_offsets(tensors)
+    with torch.no_grad():
+        for t, offset in zip(tensors, offsets):
+            t.copy_(_slot(flat, offset, t))
 
 
 def _chunks(tensors: Iterable[torch.Tensor], limit: int) -> Iterable[list[torch.Tensor]]:
-    """Group tensors by (device, dtype) into lists of at most ``limit`` bytes (one may exceed it)."""
-    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    """Tensors grouped by device, in order, in lists of at most ``limit`` bytes (one may exceed it)."""
+    groups: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
-        groups[(t.device, t.dtype)].append(t)
+        groups[t.device].append(t)
     for same in groups.values():
         chunk: list[torch.Tensor] = []
         size = 0
         for t in same:
-            nbytes = t.numel() * t.element_size()
-            if chunk and size + nbytes > limit:
+            if chunk and size + _nbytes(t) > limit:
                 yield chunk
                 chunk, size = [], 0
             chunk.append(t)
-            size += nbytes
+            size += _nbytes(t)
         if chunk:
             yield chunk
+
+
+class PendingBroadcast:
+    """Broadcasts in flight; :meth:`wait` completes them and fills the receiving tensors."""
+
+    def __init__(self, works: list, landing: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> None:
+        self._works = works
+        self._landing = landing
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        for flat, chunk in self._landing:
+            unpack_into(flat, chunk)
+
+
+def broadcast_async(
+    tensors: Sequence[torch.Tensor],
+    src: int = 0,
+    group: dist.ProcessGroup | None = None,
+    chunk_bytes: int = BROADCAST_CHUNK_BYTES,
+) -> PendingBroadcast:
+    """Start overwriting ``tensors`` on every rank with rank ``src``'s values.
+
+    Contiguous tensors of :data:`IN_PLACE_BYTES` or more go in place, one broadcast each; the
+    rest are packed, whatever their dtypes, into one byte buffer per device and chunk. Every
+    broadcast is in flight at once. ``src`` is a global rank, as in
+    ``torch.distributed.broadcast``. Call ``wait()`` on the result before using ``tensors``.
+    """
+    works: list = []
+    landing: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+    if dist.get_world_size(group) == 1:
+        return PendingBroadcast(works, landing)
+    small = []
+    for t in tensors:
+        if _nbytes(t) >= IN_PLACE_BYTES and t.is_contiguous():
+            works.append(dist.broadcast(t.detach(), src, group, async_op=True))
+        elif t.numel():
+            small.append(t)
+    for chunk in _chunks(small, chunk_bytes):
+        flat = pack(chunk)
+        works.append(dist.broadcast(flat, src, group, async_op=True))
+        if dist.get_rank() != src:
+            landing.append((flat, chunk))
+    return PendingBroadcast(works, landing)
 
 
 def broadcast_tensors(
@@ -61,18 +133,8 @@ def broadcast_tensors(
     group: dist.ProcessGroup | None = None,
     chunk_bytes: int = BROADCAST_CHUNK_BYTES,
 ) -> None:
-    """Overwrite ``tensors`` on every rank with rank ``src``'s values, in coalesced chunks.
-
-    ``src`` is a global rank, as in ``torch.distributed.broadcast``.
-    """
-    tensors = [t for t in tensors if t.numel() > 0]
-    if not tensors or dist.get_world_size(group) == 1:
-        return
-    for chunk in _chunks(tensors, chunk_bytes):
-        flat = flatten(chunk)
-        dist.broadcast(flat, src=src, group=group)
-        if dist.get_rank() != src:
-            unflatten_into(flat, chunk)
+    """Overwrite ``tensors`` on every rank with rank ``src``'s values (see :func:`broadcast_async`)."""
+    broadcast_async(tensors, src, group, chunk_bytes).wait()
 
 
 def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:

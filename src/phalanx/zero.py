@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from . import _zero_broadcast, _zero_clip, _zero_state, comm
+from . import _zero_clip, _zero_state, comm
 from .errors import NotInitializedError
 
 __all__ = ["ZeroRedundancyOptimizer", "optimizer_state_bytes", "partition_by_size"]
@@ -72,7 +72,7 @@ class ZeroRedundancyOptimizer(Optimizer):
     local ``optimizer_class`` over the parameters it owns, ``step()`` updates only those, and
     the owners then broadcast the updated values, so all replicas are identical after
     ``step()``. Parameters of 1 MiB or more are broadcast in place; smaller ones travel
-    coalesced in flat buffers (per owner, device and dtype); all broadcasts are in flight
+    packed into byte buffers (per owner and device, any dtypes); all broadcasts are in flight
     together.
 
     The partition is sorted-greedy by size in bytes: parameters, largest first, each go to
@@ -255,7 +255,11 @@ class ZeroRedundancyOptimizer(Optimizer):
         for group, local in zip(self.param_groups, self.optim.param_groups):
             local.update(_hyperparameters(group))
         loss = self.optim.step() if closure is None else self.optim.step(closure)
-        _zero_broadcast.broadcast_owned(self._by_owner, self._global_ranks, self.process_group)
+        # every owner's broadcasts in flight at once, then wait for all
+        pending = [comm.broadcast_async(owned, src, self.process_group)
+                   for owned, src in zip(self._by_owner, self._global_ranks)]
+        for broadcast in pending:
+            broadcast.wait()
         return loss
 
     def consolidate_state_dict(self, to: int = 0) -> None:
