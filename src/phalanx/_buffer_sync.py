@@ -27,14 +27,19 @@ class BufferSync:
         self.group = group
         self.src = src
         self.is_src = dist.get_rank() == src
+        self._last: comm.PendingBroadcast | None = None  # kept: see comm.PendingBroadcast
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        self._last = comm.broadcast_async(tensors, src=self.src, group=self.group)
+        self._last.wait()
 
     def sync(self, fresh: bool) -> None:
         buffers = list(self.module.buffers())
         if not fresh or self.is_src:  # rank src only reads its buffers
-            comm.broadcast_tensors(buffers, src=self.src, group=self.group)
+            self._broadcast(buffers)
             return
         received = [torch.empty_like(b) for b in buffers]
-        comm.broadcast_tensors(received, src=self.src, group=self.group)
+        self._broadcast(received)
         replace = {id(old): new for old, new in zip(buffers, received)}
         for sub in self.module.modules():
             for name, old in sub._buffers.items():

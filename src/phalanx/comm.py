@@ -83,7 +83,14 @@ def _chunks(tensors: Iterable[torch.Tensor], limit: int) -> Iterable[list[torch.
 
 
 class PendingBroadcast:
-    """Broadcasts in flight; :meth:`wait` completes them and fills the receiving tensors."""
+    """Broadcasts in flight; :meth:`wait` completes them and fills the receiving tensors.
+
+    .. note::
+        Keep it after ``wait()`` when it may be the last collective before the interpreter
+        exits (until the next one replaces it): torch 2.13 aborts the process if a Gloo
+        thread drops the last reference to a finished work while Python shuts down, and a
+        handle kept here is dropped by the main thread instead.
+    """
 
     def __init__(self, works: list, landing: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> None:
         self._works = works

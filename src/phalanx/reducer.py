@@ -147,6 +147,7 @@ class Reducer:
         self._reached: set[int] | None = None  # find_unused: reachable from the outputs
         self._known_unused: set[int] | None = None  # static_graph: learned in the first backward
         self._works: list[dist.Work] = []
+        self._finished: list[dist.Work] = []  # the last backward's, see _reset
         self._reset()
 
     def close(self) -> None:
@@ -163,6 +164,10 @@ class Reducer:
                 work.wait()
             except Exception:
                 pass
+        # Hold the finished works until the next backward's are done with: the last reference
+        # to a Gloo work must not be dropped by Gloo's thread while Python shuts down (torch
+        # 2.13 aborts the process then), so the main thread drops it, here or at exit.
+        self._finished = self._works
         self._started = False
         self._ready = [False] * len(self.params)
         self._assumed_unused: list[int] = []
@@ -282,7 +287,6 @@ class Reducer:
                 work.wait()
                 if b < last and not self.allow_unused:
                     self._write_back(b, None)
-            self._works = []
             tail = self._buckets[last].tail
             if tail[0].item() > 0:
                 self._raise_problems()  # every rank sees the sum: all raise, none hangs

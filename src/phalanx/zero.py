@@ -164,6 +164,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._by_owner: list[list[torch.Tensor]] = [[] for _ in self._global_ranks]
         self._local_index: list[list[int]] = []  # per group: global indices this rank owns
         self._consolidated: dict[int, dict[str, Any]] | None = None  # see consolidate_state_dict
+        self._broadcasts: list[comm.PendingBroadcast] = []  # the last step's, see step()
         # torch.optim.Optimizer.__init__ validates the groups through add_param_group, which
         # only records them while self.optim does not exist yet.
         super().__init__(params, defaults)
@@ -255,10 +256,11 @@ class ZeroRedundancyOptimizer(Optimizer):
         for group, local in zip(self.param_groups, self.optim.param_groups):
             local.update(_hyperparameters(group))
         loss = self.optim.step() if closure is None else self.optim.step(closure)
-        # every owner's broadcasts in flight at once, then wait for all
-        pending = [comm.broadcast_async(owned, src, self.process_group)
-                   for owned, src in zip(self._by_owner, self._global_ranks)]
-        for broadcast in pending:
+        # every owner's broadcasts in flight at once, then wait for all; kept until the next
+        # step's (see comm.PendingBroadcast)
+        self._broadcasts = [comm.broadcast_async(owned, src, self.process_group)
+                            for owned, src in zip(self._by_owner, self._global_ranks)]
+        for broadcast in self._broadcasts:
             broadcast.wait()
         return loss
 
