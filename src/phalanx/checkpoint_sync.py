@@ -82,7 +82,7 @@ def share_outcome(
     """
     if not distributed(group):
         return describe(error), None
-    failed = torch.tensor([error is not None], device=comm._collective_device(group))
+    failed = torch.tensor([error is not None], device=comm.collective_device(group))
     work = dist.broadcast(failed, src=writer_global_rank(group), group=group, async_op=True)
     work.wait()
     if not failed.item():

@@ -195,13 +195,13 @@ def _describe(item: tuple[str, Any] | None) -> str:
 
 def all_reduce_any(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
     """True on every rank if ``flag`` is true on any rank (one small all-reduce)."""
-    device = _collective_device(group)
+    device = collective_device(group)
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item() > 0)
 
 
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a small tensor must live for ``group``'s backend (NCCL wants the current GPU)."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
