@@ -11,7 +11,7 @@ rotating (A B C ..., B C ... A), and the table shows medians over rounds:
 
 ``torch.save``               ``torch.save(model.state_dict(), path)``: no fsync, no checksum.
 ``torch.save + fsync``       the same, then fsync of the file: what durability costs alone.
-``write_checkpoint``         :func:`phalanx.checkpoint_file.write_checkpoint`: temporary file,
+``write_checkpoint``         :func:`phalanx.checkpoint.file.write_checkpoint`: temporary file,
                              streamed CRC-32, fsync, rename, directory fsync.
 ``Checkpointer.save``        :meth:`phalanx.Checkpointer.save`: the above plus RNG capture,
                              the loadability check, stale-temporary cleanup, keep-last-K.
@@ -34,17 +34,16 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 
 import phalanx
-from phalanx.checkpoint import Checkpointer
-from phalanx.checkpoint_file import fsync_path, read_checkpoint, write_checkpoint
-from phalanx.preemption import PreemptionHandler
-
-from _ranks import run_on_ranks
+from phalanx.checkpoint import Checkpointer, PreemptionHandler
+from phalanx.bench.ranks import RESULT_FLAG, launch_ranks, serve
+from phalanx.checkpoint.file import fsync_path, read_checkpoint, write_checkpoint
 
 COLD = "load (from disk)"
 
@@ -58,6 +57,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--check-ranks", type=int, default=2)
     p.add_argument("--check-calls", type=int, default=2000)
     p.add_argument("--json", help="also write the results to this file")
+    p.add_argument(RESULT_FLAG, dest="rank_result", help="(set by the script for its ranks)")
     return p.parse_args(argv)
 
 
@@ -155,6 +155,9 @@ def _report(args, model_bytes: int, times: dict) -> dict:
 
 def main(argv=None) -> None:
     args = _parse(argv)
+    if args.rank_result:  # one of the --check-ranks ranks
+        serve(_check_rank, args.rank_result, args.check_calls)
+        return
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width)
@@ -168,7 +171,7 @@ def main(argv=None) -> None:
     rows = _report(args, model_bytes, times)
     checks = {}
     if args.check_ranks > 1:
-        checks = run_on_ranks(_check_rank, args.check_ranks, args.check_calls)
+        checks = launch_ranks(__file__, args.check_ranks, sys.argv[1:] if argv is None else argv)
         print(f"\nPreemptionHandler.should_stop() on {args.check_ranks} Gloo ranks (loopback): "
               + ", ".join(f"check_every={k}: {v:.1f} us/call" for k, v in checks.items()))
     if args.json:

@@ -5,8 +5,8 @@ This is ``phalanx bench`` with the settings of the README's table::
     python benchmarks/bench_ddp.py                  # mlp (10.5M params) and cnn, 2 processes, Gloo
     python benchmarks/bench_ddp.py --repeats 9      # any `phalanx bench` option overrides
 
-See ``phalanx bench -h`` and :mod:`phalanx.bench_report` for what each column means; the
-measurement code is :mod:`phalanx.bench`.
+See ``phalanx bench -h`` and :mod:`phalanx.bench.report` for what each column means; the
+measurement code is :mod:`phalanx.bench.engine`.
 """
 
 import sys

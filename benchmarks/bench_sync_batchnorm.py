@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
 
 import torch
@@ -27,7 +28,7 @@ from torch import nn
 
 import phalanx
 
-from _ranks import run_on_ranks
+from phalanx.bench.ranks import RESULT_FLAG, launch_ranks, serve
 
 
 def _cnn(width: int) -> nn.Module:
@@ -110,8 +111,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="turns per variant (default 7)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument(RESULT_FLAG, dest="rank_result", help="(set by the script for its ranks)")
     args = parser.parse_args()
-    times, n_bn, which = run_on_ranks(_worker, args.world_size, args, threads=args.threads)
+    if args.rank_result:  # one of the ranks
+        serve(_worker, args.rank_result, args, threads=args.threads)
+        return
+    times, n_bn, which = launch_ranks(__file__, args.world_size, sys.argv[1:])
     _report(times, n_bn, which, args, args.world_size)
 
 

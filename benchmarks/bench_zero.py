@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -34,9 +35,9 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 import phalanx
+from phalanx.bench.ranks import RESULT_FLAG, launch_ranks, serve
 from phalanx.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 
-from _ranks import run_on_ranks
 
 VARIANTS = ("unsharded", "phalanx_zero", "torch_zero")
 TRAIN_VARIANTS = ("ddp_adam", "ddp_zero1", "ddp_zero2")
@@ -52,6 +53,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--batch", type=int, default=32, help="rows per rank per training step (default 32)")
     p.add_argument("--json", help="also write the results to this file")
+    p.add_argument(RESULT_FLAG, dest="rank_result", help="(set by the script for its ranks)")
     return p.parse_args(argv)
 
 
@@ -184,7 +186,10 @@ def _report(args: argparse.Namespace, result: dict) -> dict:
 
 def main(argv=None) -> None:
     args = _parse(argv)
-    result = run_on_ranks(_rank, args.world_size, args, threads=args.threads)
+    if args.rank_result:  # one of the ranks
+        serve(_rank, args.rank_result, args, threads=args.threads)
+        return
+    result = launch_ranks(__file__, args.world_size, sys.argv[1:] if argv is None else argv)
     rows = _report(args, result)
     rows["training"] = _report_training(args, result["train"])
     if args.json:

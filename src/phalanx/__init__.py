@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Checkpointer": "checkpoint",
     "TrainingState": "checkpoint",
-    "PreemptionHandler": "preemption",
+    "PreemptionHandler": "checkpoint",
     "DistributedDataParallel": "ddp",
     "barrier": "process_group",
     "destroy_process_group": "process_group",
@@ -49,7 +49,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from .checkpoint import Checkpointer, TrainingState
+    from .checkpoint import Checkpointer, PreemptionHandler, TrainingState
     from .ddp import DistributedDataParallel
     from .process_group import (
         barrier,
@@ -62,7 +62,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         init_process_group,
         is_initialized,
     )
-    from .preemption import PreemptionHandler
     from .sampler import DistributedSampler
     from .sync_batchnorm import SyncBatchNorm
     from .zero import ZeroRedundancyOptimizer

@@ -211,7 +211,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from . import bench_report  # no torch: the timing runs in the launched processes
+    # no torch here: the timing runs in the launched processes
+    from .bench import report as bench_report
+    from .bench.ranks import RanksFailed, launch_ranks
 
     if args.nproc < 1:
         print(f"phalanx bench: error: --nproc must be at least 1, got {args.nproc}", file=sys.stderr)
@@ -225,16 +227,12 @@ def _bench(args: argparse.Namespace) -> int:
         common += ["--bucket-cap-mb", str(args.bucket_mb)]
     results = {}
     for name, nproc, impls in (("alone", 1, ("bare", "phalanx")), ("ddp", args.nproc, ("phalanx", "torch"))):
-        path = out / f"times-{name}.json"
-        config = LaunchConfig(entrypoint="phalanx.bench", module=True, nproc_per_node=nproc,
-                              standalone=True, args=(*common, "--impls", *impls, "--json", str(path)))
         print(f"phalanx bench: {'/'.join(impls)} on {nproc} process(es)...", file=sys.stderr, flush=True)
-        status = launch(config)
-        if status != 0:
-            print(f"phalanx bench: the {name} run failed (exit status {status})", file=sys.stderr)
-            return status
-        results[name] = json.loads(path.read_text())
-        path.unlink()
+        try:
+            results[name] = launch_ranks("phalanx.bench", nproc, (*common, "--impls", *impls), module=True)
+        except RanksFailed as e:
+            print(f"phalanx bench: the {name} run failed (exit status {e.status})", file=sys.stderr)
+            return e.status
     rows = bench_report.ddp_rows(results["alone"], results["ddp"])
     settings = {k: v for k, v in vars(args).items() if k != "handler"}
     (out / "bench.json").write_text(json.dumps({"rows": rows, "settings": settings}, indent=2))

@@ -11,10 +11,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import phalanx
-from phalanx import checkpoint as checkpoint_module
-from phalanx.checkpoint import Checkpointer, read_checkpoint
+from phalanx.checkpoint import checkpointer as checkpoint_module
+from phalanx.checkpoint import Checkpointer, PreemptionHandler, read_checkpoint
 from phalanx.errors import PREEMPTED_EXIT_CODE
-from phalanx.preemption import PreemptionHandler
 from tests.harness import error_of, run_ranks
 
 

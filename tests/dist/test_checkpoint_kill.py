@@ -6,9 +6,9 @@ import signal
 
 import torch
 
-from phalanx import checkpoint_file
+from phalanx.checkpoint import file as checkpoint_file
 from phalanx.checkpoint import Checkpointer, read_checkpoint
-from phalanx.checkpoint_file import checkpoint_name
+from phalanx.checkpoint.file import checkpoint_name
 from tests.harness import RankError, run_ranks
 
 # Where the writer is SIGKILLed, and what that interrupts.

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import phalanx
-from phalanx.reference import NaiveDDP
+from phalanx.ddp.reference import NaiveDDP
 from tests.harness import error_of, run_ranks
 
 WORLD = 3

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import phalanx
-from phalanx.reference import NaiveDDP
+from phalanx.ddp.reference import NaiveDDP
 from tests.harness import run_ranks
 
 

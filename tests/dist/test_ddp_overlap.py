@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import phalanx
-from phalanx.reference import NaiveDDP
+from phalanx.ddp.reference import NaiveDDP
 from tests.harness import run_ranks
 
 # Each layer's weight+bias exceeds this cap (in bytes: 1000), so every layer is one bucket.

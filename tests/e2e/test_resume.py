@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from phalanx.checkpoint import read_checkpoint
-from phalanx.checkpoint_file import list_checkpoints
+from phalanx.checkpoint.file import list_checkpoints
 from phalanx.errors import PREEMPTED_EXIT_CODE
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ckpt_train.py"

@@ -1,6 +1,6 @@
 """The benchmark table's arithmetic, on hand-made step times."""
 
-from phalanx.bench_report import COLUMNS, ddp_rows, format_table, paired_ratio
+from phalanx.bench.report import COLUMNS, ddp_rows, format_table, paired_ratio
 
 
 def _times(sync, no_sync=()):

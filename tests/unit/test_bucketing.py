@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phalanx.bucketing import FIRST_BUCKET_BYTES, MIB, describe, plan_buckets
+from phalanx.ddp.bucketing import FIRST_BUCKET_BYTES, MIB, describe, plan_buckets
 
 DTYPES = [torch.float32, torch.float64, torch.float16]
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import phalanx
-from phalanx.checkpoint import Checkpointer, check_loadable, read_checkpoint
-from phalanx.checkpoint_file import checkpoint_name, list_checkpoints
+from phalanx.checkpoint import Checkpointer, read_checkpoint
+from phalanx.checkpoint.state import check_loadable
+from phalanx.checkpoint.file import checkpoint_name, list_checkpoints
 
 
 @pytest.fixture

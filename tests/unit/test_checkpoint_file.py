@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import phalanx
-from phalanx import checkpoint_file as cf
+from phalanx.checkpoint import file as cf
 
 
 def _state():

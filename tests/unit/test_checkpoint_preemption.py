@@ -6,7 +6,7 @@ import signal
 import pytest
 
 from phalanx.errors import PREEMPTED_EXIT_CODE
-from phalanx.preemption import PreemptionHandler
+from phalanx.checkpoint import PreemptionHandler
 
 
 def test_signal_sets_the_flag_and_previous_handlers_return():

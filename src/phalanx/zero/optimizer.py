@@ -10,59 +10,22 @@ only the averaged gradients of the parameters it owns.
 The state dict is the one part that differs from torch's: it is keyed by parameter
 identity (global index, as ``torch.optim.Optimizer.state_dict`` keys it), not by rank, so a
 checkpoint written at one world size loads at any other (pytorch/pytorch#65650). See
-:mod:`phalanx._zero_state` for its format.
+:mod:`phalanx.zero.state` for its format.
 """
 
 from __future__ import annotations
 
-import heapq
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from . import _zero_clip, _zero_state, comm
-from .errors import NotInitializedError
-
-__all__ = ["ZeroRedundancyOptimizer", "optimizer_state_bytes", "partition_by_size"]
-
-
-def partition_by_size(
-    sizes: Sequence[int], world_size: int, loads: Sequence[int] | None = None
-) -> tuple[list[int], list[int]]:
-    """Give each item an owner rank, largest item first, always to the least-loaded rank.
-
-    This is sorted-greedy ("longest processing time first") list scheduling. Ties go to the
-    lower item index and the lower rank, so every rank computes the same answer. No rank ends
-    above ``sum(sizes) / world_size + max(sizes)`` (plus any imbalance already in ``loads``).
-
-    Args:
-        sizes: the size of each item (bytes, for parameters).
-        world_size: number of ranks.
-        loads: each rank's load before these items. Default ``None``: all zero.
-
-    Returns:
-        ``(owners, loads)``: the owner rank of each item, and each rank's load afterwards.
-    """
-    heap = [(load, rank) for rank, load in enumerate(loads or [0] * world_size)]
-    heapq.heapify(heap)
-    owners = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        load, rank = heapq.heappop(heap)
-        owners[i] = rank
-        heapq.heappush(heap, (load + sizes[i], rank))
-    return owners, [load for load, _ in sorted(heap, key=lambda item: item[1])]
-
-
-def optimizer_state_bytes(optimizer: Optimizer) -> int:
-    """Bytes of the tensors in ``optimizer.state`` (for a ZeRO optimizer: this rank's shard)."""
-    return sum(
-        value.numel() * value.element_size()
-        for per_param in optimizer.state.values()
-        for value in per_param.values()
-        if isinstance(value, torch.Tensor)
-    )
+from .. import comm
+from ..errors import NotInitializedError
+from . import clip as _clip
+from . import state as _state
+from .partition import partition_by_size
 
 
 class ZeroRedundancyOptimizer(Optimizer):
@@ -225,7 +188,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         owned = [p.grad for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
         present = [p.grad for p in self._params if p.grad is not None]
         device = self._params[0].device if self._params else torch.device("cpu")
-        return _zero_clip.clip_grad_norm(owned, present, max_norm, norm_type, error_if_nonfinite,
+        return _clip.clip_grad_norm(owned, present, max_norm, norm_type, error_if_nonfinite,
                                          self.process_group, device)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -300,7 +263,7 @@ class ZeroRedundancyOptimizer(Optimizer):
                 f"consolidate_state_dict(to={self._rank}) on every rank after the last step() "
                 "(state is consolidated to one rank only, and a step() makes it stale)"
             )
-        return _zero_state.pack(
+        return _state.pack(
             self.param_groups, self._consolidated, self._params, len(self._global_ranks)
         )
 
@@ -315,7 +278,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             ValueError: it does not fit these parameters: group count, group sizes,
                 parameter names or shapes differ (the message names the first difference).
         """
-        local = _zero_state.localize(state_dict, self.param_groups, self._params, self._local_index)
+        local = _state.localize(state_dict, self.param_groups, self._params, self._local_index)
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update(_hyperparameters(saved))
         self.optim.load_state_dict(local)

@@ -6,7 +6,7 @@ are collectives: every rank calls them.
 
 **Saving.** A sharded optimizer is consolidated on rank 0; every rank's RNG states are
 gathered there; rank 0 alone writes one file, atomically and checksummed (see
-:mod:`phalanx.checkpoint_file`), keeps the newest ``keep`` and removes temporaries left by
+:mod:`phalanx.checkpoint.file`), keeps the newest ``keep`` and removes temporaries left by
 dead writers; the other ranks wait for rank 0's outcome, so an error on rank 0 (disk full,
 an extra that cannot be saved) is raised on every rank instead of leaving them in a barrier.
 
@@ -48,9 +48,9 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from . import process_group
-from ._logging import get_logger
-from .checkpoint_file import (
+from .. import process_group
+from .._logging import get_logger
+from .file import (
     checkpoint_name,
     checkpoint_step,
     clean_stale_temps,
@@ -59,14 +59,14 @@ from .checkpoint_file import (
     read_checkpoint,
     write_checkpoint,
 )
-from .checkpoint_state import (
+from .state import (
     capture_rng_state,
     check_fits,
     check_loadable,
     restore_rng_state,
     unwrap,
 )
-from .checkpoint_sync import (
+from .sync import (
     agree,
     attempt,
     broadcast_from_writer,
@@ -76,12 +76,10 @@ from .checkpoint_sync import (
     share_outcome,
     shareable,
 )
-from .errors import CheckpointError, RankMismatchError
+from ..errors import CheckpointError, RankMismatchError
 
-__all__ = ["Checkpointer", "TrainingState", "list_checkpoints", "read_checkpoint"]
-
-_log = get_logger(__name__)
-_log0 = get_logger(__name__, rank_zero_only=True)
+_log = get_logger(__package__)
+_log0 = get_logger(__package__, rank_zero_only=True)
 
 # A checkpoint resume="auto" had to skip is renamed with this suffix (it stays for inspection).
 DAMAGED_SUFFIX = ".damaged"

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import comm
+from .. import comm
 
 
 class BufferSync:

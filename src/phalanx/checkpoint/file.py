@@ -1,6 +1,6 @@
 """One checkpoint file on disk: atomic write, checksum, verified and safe read, housekeeping.
 
-Single-process code; :mod:`phalanx.checkpoint` decides who calls it and when.
+Single-process code; :mod:`phalanx.checkpoint.checkpointer` decides who calls it and when.
 
 File layout (format 1, little-endian)::
 
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 MAGIC = b"PHALANX\x00"
 FORMAT_VERSION = 1

@@ -19,11 +19,11 @@ from typing import NoReturn, Sequence
 
 import torch.distributed as dist
 
-from . import comm
-from ._logging import get_logger
-from .errors import PREEMPTED_EXIT_CODE
+from .. import comm
+from .._logging import get_logger
+from ..errors import PREEMPTED_EXIT_CODE
 
-_log = get_logger(__name__)
+_log = get_logger("phalanx.preemption")
 
 
 class PreemptionHandler:

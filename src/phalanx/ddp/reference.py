@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import comm
+from .. import comm
 
 
 class NaiveDDP(nn.Module):

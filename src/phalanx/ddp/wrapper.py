@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import comm
-from ._buffer_sync import BufferSync
-from ._ddp_checks import (
+from .. import comm
+from .buffer_sync import BufferSync
+from .checks import (
     GradientOwners,
     check_arguments,
     check_group,
@@ -37,12 +37,12 @@ from ._ddp_checks import (
     gradient_owners,
     input_device,
 )
-from ._logging import get_logger
+from .._logging import get_logger
 from .bucket_comm import AllReduceMean, ReduceToOwner
 from .bucketing import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MIB, BucketSpec, describe, plan_buckets
 from .reducer import Reducer
 
-_log0 = get_logger(__name__, rank_zero_only=True)
+_log0 = get_logger(__package__, rank_zero_only=True)
 
 
 class DistributedDataParallel(nn.Module):

@@ -54,10 +54,10 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from . import comm
-from ._graph_walk import reachable_params
+from .. import comm
+from .graph_walk import reachable_params
 from .bucketing import BucketSpec
-from .errors import UnusedParametersError
+from ..errors import UnusedParametersError
 
 
 class _Bucket:

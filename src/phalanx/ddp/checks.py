@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import comm
+from .. import comm
 from .bucketing import MIB
-from .errors import NotInitializedError
+from ..errors import NotInitializedError
 
 
 class GradientOwners(Protocol):

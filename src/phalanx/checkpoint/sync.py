@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import comm
-from .errors import CheckpointError, RankMismatchError
+from .. import comm
+from ..errors import CheckpointError, RankMismatchError
 
 # Errors sent from one rank to the others keep their type; anything else becomes a CheckpointError.
 _SHARED_ERRORS = (CheckpointError, RankMismatchError, TypeError, ValueError)

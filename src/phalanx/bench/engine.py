@@ -2,7 +2,7 @@
 
 Run inside an initialised process group (one process per rank): ``phalanx bench`` starts
 ``python -m phalanx.bench`` with its launcher, once alone and once on N processes, and
-:mod:`phalanx.bench_report` turns the step times into its table and chart. Everything a rank
+:mod:`phalanx.bench.report` turns the step times into its table and chart. Everything a rank
 measures is a list of step times; a step is ``zero_grad``, forward, loss, backward (which,
 under DDP, includes waiting for the gradient all-reduce) and an SGD step.
 
@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .ddp import DistributedDataParallel
+from ..ddp import DistributedDataParallel
+from .ranks import RESULT_FLAG, serve
 
 IMPLEMENTATIONS = ("bare", "phalanx", "torch")
 
@@ -145,12 +146,20 @@ def _slowest(times: list[float]) -> list[float]:
     return t.tolist()
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m phalanx.bench``: time the implementations on this group, rank 0 writes JSON."""
-    import argparse
-    import json
+def _measure(args) -> dict:
+    world = dist.get_world_size()
+    times = {
+        model: compare(model, args.impls, args.repeats, args.steps, args.warmup,
+                       args.batch_size, args.bucket_cap_mb, with_no_sync=world > 1)
+        for model in args.models
+    }
+    return {"world_size": world, "batch_size": args.batch_size, "times": times}
 
-    from . import process_group
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m phalanx.bench``: time the implementations on this group; rank 0 writes
+    the step times (see :mod:`phalanx.bench.ranks`)."""
+    import argparse
 
     p = argparse.ArgumentParser(prog="python -m phalanx.bench", description=main.__doc__)
     p.add_argument("--models", nargs="+", default=["mlp"], choices=sorted(MODELS))
@@ -161,23 +170,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="per process")
     p.add_argument("--bucket-cap-mb", type=float, default=None)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--json", required=True, help="where rank 0 writes the step times")
+    p.add_argument(RESULT_FLAG, dest="rank_result", required=True,
+                   help="where rank 0 writes the step times")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    process_group.init_process_group(backend="gloo")
-    try:
-        world = dist.get_world_size()
-        times = {
-            model: compare(model, args.impls, args.repeats, args.steps, args.warmup,
-                           args.batch_size, args.bucket_cap_mb, with_no_sync=world > 1)
-            for model in args.models
-        }
-        if dist.get_rank() == 0:
-            with open(args.json, "w") as f:
-                json.dump({"world_size": world, "batch_size": args.batch_size, "times": times}, f)
-    finally:
-        process_group.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+    serve(_measure, args.rank_result, args, threads=args.threads)

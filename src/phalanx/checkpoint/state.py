@@ -14,8 +14,8 @@ from typing import Any, Mapping
 import torch
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from .ddp import DistributedDataParallel as PhalanxDDP
-from .errors import CheckpointError
+from ..ddp import DistributedDataParallel as PhalanxDDP
+from ..errors import CheckpointError
 
 _WRAPPERS = (PhalanxDDP, DistributedDataParallel, DataParallel)
 

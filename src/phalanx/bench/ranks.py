@@ -1,0 +1,77 @@
+"""How a benchmark starts its ranks: through the launcher, as ``phalanx bench`` does.
+
+One script (or module) plays both parts. Started by hand, it calls :func:`launch_ranks`,
+which runs it again on ``nproc`` workers with ``phalanx run``'s machinery
+(:func:`phalanx.launcher.launch`, standalone on loopback) and an extra
+``--rank-result PATH``; on each worker, :func:`serve` initialises the process group, runs
+the measurement, and rank 0 writes its result to ``PATH`` as JSON, which
+:func:`launch_ranks` returns::
+
+    def measure(args) -> dict: ...               # on every rank, inside a process group
+
+    args = parser.parse_args()                   # the parser declares --rank-result
+    if args.rank_result:                         # a worker
+        serve(measure, args.rank_result, args, threads=args.threads)
+    else:
+        result = launch_ranks(__file__, args.world_size, sys.argv[1:])
+
+A rank that fails makes the launcher print the root cause (rank, traceback) and stop the
+others; :func:`launch_ranks` then raises :class:`RanksFailed` with the exit status.
+Nothing here imports torch until a worker needs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Callable, Sequence
+
+from ..launcher import LaunchConfig, launch
+
+RESULT_FLAG = "--rank-result"
+
+
+class RanksFailed(RuntimeError):
+    """A benchmark's ranks did not all succeed; ``status`` is the launcher's exit status."""
+
+    def __init__(self, what: str, status: int) -> None:
+        super().__init__(f"{what} failed on its ranks (exit status {status}); the launcher "
+                         "named the rank that failed first, with its traceback, above")
+        self.status = status
+
+
+def launch_ranks(entrypoint: str, nproc: int, args: Sequence[str] = (), module: bool = False) -> Any:
+    """Run ``entrypoint args --rank-result PATH`` on ``nproc`` local workers; return the
+    JSON rank 0 wrote to ``PATH`` (see :func:`serve`).
+
+    Raises:
+        RanksFailed: a worker failed (the launcher has printed which, and why).
+    """
+    with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as scratch:
+        path = os.path.join(scratch, "result.json")
+        config = LaunchConfig(entrypoint=entrypoint, module=module, nproc_per_node=nproc,
+                              standalone=True, args=(*args, RESULT_FLAG, path))
+        status = launch(config)
+        if status != 0:
+            raise RanksFailed(entrypoint, status)
+        with open(path) as f:
+            return json.load(f)
+
+
+def serve(measure: Callable[..., Any], result_path: str, *args: Any, threads: int = 1) -> None:
+    """On one worker: join the process group (Gloo), run ``measure(*args)``, and on rank 0
+    write what it returned (JSON-serialisable) to ``result_path``; leave the group."""
+    import torch
+
+    from .. import process_group
+
+    torch.set_num_threads(threads)
+    process_group.init_process_group(backend="gloo")
+    try:
+        result = measure(*args)
+        if process_group.get_rank() == 0:
+            with open(result_path, "w") as f:
+                json.dump(result, f)
+    finally:
+        process_group.destroy_process_group()

@@ -1,0 +1,26 @@
+"""Checkpoints of the whole training state, and preemption: nothing lost when a process dies.
+
+The files, in the order data flows through them:
+
+``preemption.py``
+    :class:`PreemptionHandler`: SIGTERM/SIGUSR1 to any rank becomes one stop that every rank
+    agrees on at a step boundary, then a checkpoint and exit 75.
+``checkpointer.py``
+    :class:`Checkpointer`: ``save`` and ``load`` as collectives; rank 0 writes, every rank
+    reads; ``resume="auto"`` picks the newest usable file.
+``state.py``
+    What goes into a checkpoint for one process: the unwrapped model, RNG states, the check
+    that safe loading can rebuild every value, the check that a state fits a model.
+``sync.py``
+    How the ranks of a save or load exchange data with the writer (rank 0); their verdicts
+    travel through :func:`phalanx.agreement.agree`.
+``file.py``
+    One file on disk: header, CRC-32, atomic write (temporary, fsync, rename, directory
+    fsync), verified and safe read, pruning, stale temporaries.
+"""
+
+from .checkpointer import Checkpointer, TrainingState
+from .file import list_checkpoints, read_checkpoint
+from .preemption import PreemptionHandler
+
+__all__ = ["Checkpointer", "PreemptionHandler", "TrainingState", "list_checkpoints", "read_checkpoint"]
