@@ -41,8 +41,8 @@ import time
 import torch
 
 import phalanx
-from phalanx.checkpoint import Checkpointer, PreemptionHandler
 from phalanx.bench.ranks import RESULT_FLAG, launch_ranks, serve
+from phalanx.checkpoint import Checkpointer, PreemptionHandler
 from phalanx.checkpoint.file import fsync_path, read_checkpoint, write_checkpoint
 
 COLD = "load (from disk)"

@@ -27,7 +27,6 @@ import torch.distributed as dist
 from torch import nn
 
 import phalanx
-
 from phalanx.bench.ranks import RESULT_FLAG, launch_ranks, serve
 
 

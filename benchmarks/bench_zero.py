@@ -38,7 +38,6 @@ import phalanx
 from phalanx.bench.ranks import RESULT_FLAG, launch_ranks, serve
 from phalanx.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 
-
 VARIANTS = ("unsharded", "phalanx_zero", "torch_zero")
 TRAIN_VARIANTS = ("ddp_adam", "ddp_zero1", "ddp_zero2")
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import phalanx
 from phalanx import comm
+from phalanx.agreement import agree
 from tests.harness import free_port, run_ranks
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -35,17 +36,41 @@ def _many_checks(rank, world_size):
     # all_reduce_any: true everywhere iff true somewhere
     out["any"] = (comm.all_reduce_any(rank == world_size - 1), comm.all_reduce_any(False))
     # consistent items pass; a difference raises on every rank, naming the first difference
-    comm.check_same_across_ranks([("w", (2, 3)), ("b", (3,))], "parameters")
+    agree("parameters", items=[("w", (2, 3)), ("b", (3,))])
     items = [("w", (2, 3)), ("b", (3 + (rank == 1),))]
     try:
-        comm.check_same_across_ranks(items, "parameters")
+        agree("parameters", items=items)
     except phalanx.RankMismatchError as e:
         out["mismatch"] = str(e)
+    out["agree"] = _agreement_verdicts(rank, world_size)
     try:
         phalanx.init_process_group()
     except phalanx.AlreadyInitializedError as e:
         out["twice"] = str(e)
     return out
+
+
+def _verdict(**kwargs):
+    try:
+        agree("the check", **kwargs)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def _agreement_verdicts(rank, world_size):
+    """agree(): each rank's problem, raised on every rank, with its type and the ranks named."""
+    last = world_size - 1
+    return {
+        "none": _verdict(problem=None),
+        "all_same": _verdict(problem=ValueError("bad lr")),
+        "one_rank": _verdict(problem=phalanx.CheckpointError("no room") if rank == last else None),
+        "two_kinds": _verdict(problem=TypeError(f"odd {rank % 2}")),
+        "foreign": _verdict(problem=OSError(28, "No space left") if rank == 0 else None),
+        "decided": _verdict(problem=KeyError("k") if rank == 0 else ValueError("ignored"),
+                            decided_by=0),
+        "decided_ok": _verdict(problem=None if rank == 0 else ValueError("ignored"), decided_by=0),
+    }
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -62,6 +87,18 @@ def test_group_helpers_and_errors(world_size):
             "rank 1 has 'b' (4,)"
         )
         assert f"already rank {rank} of {world_size}" in out["twice"]
+        verdicts, last = out["agree"], world_size - 1
+        assert verdicts["none"] is None and verdicts["decided_ok"] is None
+        assert verdicts["all_same"] == ("ValueError", "bad lr")
+        assert verdicts["one_rank"] == ("CheckpointError", f"the check failed on rank(s) {last}: no room")
+        odd = ", ".join(str(r) for r in range(1, world_size, 2))
+        even = ", ".join(str(r) for r in range(0, world_size, 2))
+        assert verdicts["two_kinds"] == (
+            "TypeError", f"the check failed on rank(s) {even}: odd 0; on rank(s) {odd}: odd 1")
+        assert verdicts["foreign"] == (
+            "RuntimeError", "the check failed on rank(s) 0: OSError: [Errno 28] No space left")
+        assert verdicts["decided"] == ("KeyError" if rank == 0 else "RuntimeError",
+                                       "'k'" if rank == 0 else "KeyError: 'k'")
 
 
 def _single(rank, world_size):

@@ -9,8 +9,8 @@ import torch
 
 import phalanx
 from phalanx.checkpoint import Checkpointer, read_checkpoint
-from phalanx.checkpoint.state import check_loadable
 from phalanx.checkpoint.file import checkpoint_name, list_checkpoints
+from phalanx.checkpoint.state import check_loadable
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ import signal
 
 import pytest
 
-from phalanx.errors import PREEMPTED_EXIT_CODE
 from phalanx.checkpoint import PreemptionHandler
+from phalanx.errors import PREEMPTED_EXIT_CODE
 
 
 def test_signal_sets_the_flag_and_previous_handlers_return():

@@ -48,8 +48,10 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from .. import process_group
+from .. import comm, process_group
 from .._logging import get_logger
+from ..agreement import agree
+from ..errors import CheckpointError, RankMismatchError
 from .file import (
     checkpoint_name,
     checkpoint_step,
@@ -67,16 +69,13 @@ from .state import (
     unwrap,
 )
 from .sync import (
-    agree,
+    SAVE_ERRORS,
+    as_shared,
     attempt,
     broadcast_from_writer,
     gather_to_writer,
     is_writer,
-    rebuild,
-    share_outcome,
-    shareable,
 )
-from ..errors import CheckpointError, RankMismatchError
 
 _log = get_logger(__package__)
 _log0 = get_logger(__package__, rank_zero_only=True)
@@ -185,7 +184,7 @@ class Checkpointer:
         self.keep = keep
         self.group = group
         self.map_location = process_group.get_device() if map_location is None else map_location
-        self._last_work: dist.Work | None = None  # see checkpoint_sync.share_outcome
+        self._last = comm.LastWorks()  # the outcome's broadcast: often a script's last collective
 
     @property
     def module(self) -> torch.nn.Module:
@@ -235,14 +234,8 @@ class Checkpointer:
             try:
                 self._write(path, gathered, consumed, dict(extra or {}))
             except Exception as e:
-                error = shareable(e, f"Saving checkpoint {path} failed on rank 0")
-                if error is not e:
-                    error.__cause__ = e
-        outcome, self._last_work = share_outcome(error, self.group)
-        if error is not None:
-            raise error
-        if outcome is not None:
-            raise rebuild(outcome)
+                error = as_shared(e, f"Saving checkpoint {path} failed on rank 0: ", SAVE_ERRORS)
+        agree(f"Saving checkpoint {path}", self.group, problem=error, decided_by=0, keep=self._last)
         return path
 
     def _write(self, path: Path, gathered: list, consumed: int | None, extra: dict) -> None:
@@ -311,17 +304,17 @@ class Checkpointer:
             _log0.info("no checkpoint in %s: starting fresh", self.directory)
             return None
         state, path = self._read_first_usable([Path(c) for c in candidates], auto)
-        _, failure = attempt(self._apply, state, path)
-        agree(failure, self.group, f"Loading {path}")
+        _, problem = attempt(self._apply, state, path)
+        agree(f"Loading {path}", self.group, problem=problem)
         return TrainingState(epoch=state["epoch"], step=state["step"], path=path,
                              world_size=state["world_size"], extra=state["extra"])
 
     def _read_first_usable(self, candidates: list[Path], auto: bool) -> tuple[dict, Path]:
         skipped = []
         for path in candidates:
-            state, failure = attempt(self._read, path)
+            state, problem = attempt(self._read, path)
             try:
-                agree(failure, self.group, f"Reading {path}")
+                agree(f"Reading {path}", self.group, problem=problem)
                 return state, path
             except CheckpointError as e:
                 if not auto:

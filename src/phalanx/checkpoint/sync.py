@@ -1,44 +1,38 @@
-"""How the ranks of a checkpoint agree: one outcome on every rank, errors raised everywhere.
+"""How the ranks of a save or a load exchange data with the writer, the group's rank 0.
 
-The group's rank 0 is the writer. Every helper takes the ``group`` (``None``: the world) and is
-a no-op exchange when there is no process group or it has one rank.
+Every helper takes the ``group`` (``None``: the world) and is a no-op exchange when there is
+no process group or it has one rank. The ranks' verdicts travel through
+:func:`phalanx.agreement.agree`; the errors they carry are made here.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from .. import comm
 from ..errors import CheckpointError, RankMismatchError
 
-# Errors sent from one rank to the others keep their type; anything else becomes a CheckpointError.
-_SHARED_ERRORS = (CheckpointError, RankMismatchError, TypeError, ValueError)
+# A save's errors that reach the other ranks as they are; any other becomes a CheckpointError.
+SAVE_ERRORS = (CheckpointError, RankMismatchError, TypeError, ValueError)
 
 
-def attempt(fn: Any, *args: Any) -> tuple[Any, str | None]:
-    """``(fn(*args), None)``, or ``(None, message)`` if it raised."""
+def as_shared(error: Exception, prefix: str = "", keep: tuple[type, ...] = (CheckpointError,)) -> Exception:
+    """``error`` itself if it is one of ``keep``; else a CheckpointError of ``prefix``, its type
+    and its message, caused by it."""
+    if isinstance(error, keep):
+        return error
+    shared = CheckpointError(f"{prefix}{type(error).__name__}: {error}")
+    shared.__cause__ = error
+    return shared
+
+
+def attempt(fn: Any, *args: Any) -> tuple[Any, Exception | None]:
+    """``(fn(*args), None)``, or ``(None, the error as a CheckpointError)`` if it raised."""
     try:
         return fn(*args), None
     except Exception as e:
-        return None, str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-
-
-def agree(failure: str | None, group: dist.ProcessGroup | None, what: str) -> None:
-    """Raise the same ``CheckpointError`` on every rank if ``failure`` is set on any."""
-    failures = comm.all_gather_object(failure, group) if distributed(group) else [failure]
-    by_message: dict[str, list[int]] = {}
-    for rank, message in enumerate(failures):
-        if message is not None:
-            by_message.setdefault(message, []).append(rank)
-    if not by_message:
-        return
-    if len(by_message) == 1 and len(next(iter(by_message.values()))) == len(failures):
-        raise CheckpointError(next(iter(by_message)))
-    parts = [f"on rank(s) {', '.join(map(str, ranks))}: {msg}" for msg, ranks in by_message.items()]
-    raise CheckpointError(f"{what} failed " + "; ".join(parts))
+        return None, as_shared(e)
 
 
 def distributed(group: dist.ProcessGroup | None) -> bool:
@@ -68,41 +62,3 @@ def broadcast_from_writer(obj: Any, group: dist.ProcessGroup | None) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=writer_global_rank(group), group=group)
     return box[0]
-
-
-def share_outcome(
-    error: Exception | None, group: dist.ProcessGroup | None
-) -> tuple[tuple[str, str] | None, dist.Work | None]:
-    """The writer's outcome on every rank: ``(None or (error type, message), work handle)``.
-
-    The caller keeps the handle, so that Gloo's worker thread never drops the last C++
-    reference to the flag tensor. In torch 2.13 that drop takes the GIL; if it comes while
-    the interpreter exits (a save is often a script's last collective) the process aborts
-    with "terminate called without an active exception".
-    """
-    if not distributed(group):
-        return describe(error), None
-    failed = torch.tensor([error is not None], device=comm.collective_device(group))
-    work = dist.broadcast(failed, src=writer_global_rank(group), group=group, async_op=True)
-    work.wait()
-    if not failed.item():
-        return None, work
-    return broadcast_from_writer(describe(error), group), work
-
-
-def shareable(error: Exception, what: str) -> Exception:
-    if isinstance(error, _SHARED_ERRORS):
-        return error
-    return CheckpointError(f"{what}: {type(error).__name__}: {error}")
-
-
-def describe(error: Exception | None) -> tuple[str, str] | None:
-    if error is None:
-        return None
-    kind = next(cls for cls in _SHARED_ERRORS if isinstance(error, cls))
-    return kind.__name__, str(error)
-
-
-def rebuild(outcome: tuple[str, str]) -> Exception:
-    kind, message = outcome
-    return {cls.__name__: cls for cls in _SHARED_ERRORS}[kind](message)

@@ -1,21 +1,39 @@
-"""How one bucket's flat buffer is reduced: the reducer's communication strategies.
+"""How one bucket's flat buffer is reduced: the :class:`BucketComm` protocol and its strategies.
 
-A strategy has four members: ``group``; ``divisor`` (the reducer divides each gradient by it
-while copying it into the bucket, saving a pass over the buffer); ``launch(b, flat) -> Work``,
-which starts reducing bucket ``b``'s flat buffer asynchronously; and ``keeps(b)``, whether
-this rank keeps bucket ``b``'s result. When the work completes, the buffer of a kept bucket
-must hold the reduced gradients, and the control tail of the last bucket (see
-:mod:`phalanx.reducer`) must be summed on every rank.
+:class:`AllReduceMean` (the default) and :class:`ReduceToOwner` (ZeRO stage 2).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .bucketing import BucketSpec
+
+
+class BucketComm(Protocol):
+    """What the :class:`~phalanx.ddp.reducer.Reducer` needs to reduce its buckets.
+
+    When the work returned by :meth:`launch` completes, the buffer of a bucket this rank keeps
+    must hold the reduced gradients, and the control tail of the last bucket (see
+    :mod:`phalanx.ddp.reducer`) must be summed on every rank.
+    """
+
+    group: dist.ProcessGroup | None
+    """The process group the buckets are reduced over (``None``: the world)."""
+    divisor: int
+    """The reducer divides each gradient by this while copying it into its bucket (saving a
+    pass over the buffer)."""
+
+    def launch(self, b: int, flat: torch.Tensor) -> dist.Work:
+        """Start reducing bucket ``b``'s flat buffer, asynchronously."""
+        ...
+
+    def keeps(self, b: int) -> bool:
+        """Whether this rank keeps bucket ``b``'s result."""
+        ...
 
 
 class AllReduceMean:
@@ -45,8 +63,8 @@ class AllReduceMean:
 class ReduceToOwner:
     """ZeRO stage 2: each bucket's sum goes to its owner only (``dist.reduce``, asynchronous).
 
-    The plan must come from :func:`~phalanx.bucketing.plan_buckets` with ``owners``, so that
-    every bucket has one :attr:`~phalanx.bucketing.BucketSpec.owner` (a rank in ``group``).
+    The plan must come from :func:`~phalanx.ddp.bucketing.plan_buckets` with ``owners``, so that
+    every bucket has one :attr:`~phalanx.ddp.bucketing.BucketSpec.owner` (a rank in ``group``).
     Buckets whose owner is ``None`` are all-reduced and kept everywhere. The last bucket is
     all-reduced too, whoever owns it: every rank must read its control tail; ranks other
     than its owner then drop its gradients like those of any bucket they do not keep.

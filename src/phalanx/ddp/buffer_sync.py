@@ -27,11 +27,12 @@ class BufferSync:
         self.group = group
         self.src = src
         self.is_src = dist.get_rank() == src
-        self._last: comm.PendingBroadcast | None = None  # kept: see comm.PendingBroadcast
+        self._last = comm.LastWorks()
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        self._last = comm.broadcast_async(tensors, src=self.src, group=self.group)
-        self._last.wait()
+        pending = comm.broadcast_async(tensors, src=self.src, group=self.group)
+        pending.wait()
+        self._last.hold(pending)
 
     def sync(self, fresh: bool) -> None:
         buffers = list(self.module.buffers())

@@ -2,7 +2,8 @@
 ``shard_gradients`` needs of an optimizer.
 
 Arguments are checked on every rank and the verdicts exchanged in the same collective as the
-parameter descriptions, so one rank's bad argument is raised on every rank and none waits.
+parameter descriptions (:func:`phalanx.agreement.agree`), so one rank's bad argument is
+raised on every rank and none waits.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
-from .bucketing import MIB
+from ..agreement import agree
 from ..errors import NotInitializedError
+from .bucketing import MIB
 
 
 class GradientOwners(Protocol):
@@ -88,15 +89,21 @@ def _as_cuda_device(device: Any) -> torch.device:
     raise TypeError(f"a device id must be an int or a torch.device, got {type(device).__name__}")
 
 
-def check_same_everywhere(module, problem, bucket_cap_mb, flags, group) -> None:
-    """One collective: every rank's argument problem, settings, parameters and buffers agree."""
-    items: list[tuple[str, Any]] = [("arguments", "accepted" if problem is None else f"refused: {problem}")]
+def verdict(problem: Exception | None) -> tuple[str, str]:
+    """The arguments' item in an agreement: every rank learns which ranks refused them."""
+    return ("arguments", "accepted" if problem is None else f"refused: {problem}")
+
+
+def agree_on_replicas(module, problem, bucket_cap_mb, flags, group) -> None:
+    """One exchange: every rank's argument problem, settings, parameters and buffers agree,
+    or every rank raises (the first difference, or the problem all ranks share)."""
+    items: list[tuple[str, Any]] = [verdict(problem)]
     if problem is None:
         settings = ", ".join(f"{k}={v}" for k, v in {"bucket_cap_mb": bucket_cap_mb, **flags}.items())
         items.append(("settings", settings))
         items += [(n, _describe(p) + ("" if p.requires_grad else " frozen")) for n, p in module.named_parameters()]
         items += [(f"buffer {n}", _describe(b)) for n, b in module.named_buffers()]
-    comm.check_same_across_ranks(items, "DistributedDataParallel parameters, buffers and settings", group)
+    agree("DistributedDataParallel parameters, buffers and settings", group, items=items, problem=problem)
 
 
 def _describe(t: torch.Tensor) -> str:

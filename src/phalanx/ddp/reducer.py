@@ -36,7 +36,7 @@ nothing in most models).
 A backward that fails midway (an exception in the engine) never reaches ``_finalize``; the
 next ``prepare()`` waits for the collectives it launched before their buffers are reused.
 
-ZeRO stage 2 (:class:`~phalanx.bucket_comm.ReduceToOwner`): buckets are planned so each
+ZeRO stage 2 (:class:`~phalanx.ddp.bucket_comm.ReduceToOwner`): buckets are planned so each
 holds the parameters of one owner, the rank whose sharded optimizer updates them, and each is
 *reduced* to that owner instead of all-reduced. Other ranks drop their copy: a gradient is
 released (``.grad = None``) as soon as it is copied into such a bucket, whose buffer exists
@@ -55,9 +55,10 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from .graph_walk import reachable_params
-from .bucketing import BucketSpec
 from ..errors import UnusedParametersError
+from .bucket_comm import BucketComm
+from .bucketing import BucketSpec
+from .graph_walk import reachable_params
 
 
 class _Bucket:
@@ -94,14 +95,14 @@ class _Bucket:
 
 
 class Reducer:
-    """Averages the gradients of ``named_params`` across ``comm``'s group during backward.
+    """Averages the gradients of ``named_params`` across ``bucket_comm``'s group during backward.
 
     Args:
         named_params: ``(name, parameter)`` pairs the ``plan`` indexes into.
-        plan: buckets in launch order, from :func:`phalanx.bucketing.plan_buckets`; not empty.
-        comm: the bucket communication strategy, from :mod:`phalanx.bucket_comm`:
-            :class:`~phalanx.bucket_comm.AllReduceMean` or
-            :class:`~phalanx.bucket_comm.ReduceToOwner`.
+        plan: buckets in launch order, from :func:`phalanx.ddp.bucketing.plan_buckets`; not empty.
+        bucket_comm (BucketComm): how each bucket is reduced:
+            :class:`~phalanx.ddp.bucket_comm.AllReduceMean` or
+            :class:`~phalanx.ddp.bucket_comm.ReduceToOwner`.
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket (saves memory
             and the copy back). Default ``False``.
         find_unused_parameters: walk the graph after each forward to find parameters that
@@ -114,12 +115,12 @@ class Reducer:
         self,
         named_params: Sequence[tuple[str, torch.Tensor]],
         plan: Sequence[BucketSpec],
-        comm: Any,
+        bucket_comm: BucketComm,
         gradient_as_bucket_view: bool = False,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
     ) -> None:
-        self.comm = comm
+        self.bucket_comm = bucket_comm
         self.as_view = gradient_as_bucket_view
         self.walk_graph = find_unused_parameters and not static_graph
         self.allow_unused = find_unused_parameters or static_graph
@@ -133,7 +134,7 @@ class Reducer:
         self._bucket_of: list[int] = []
         for b, spec in enumerate(plan):
             last = b == len(plan) - 1
-            self._buckets.append(_Bucket(spec, len(self._bucket_of), tail if last else 0, comm.keeps(b)))
+            self._buckets.append(_Bucket(spec, len(self._bucket_of), tail if last else 0, bucket_comm.keeps(b)))
             self._bucket_of += [b] * len(spec.slots)
         self._index = {id(p): k for k, p in enumerate(self.params)}
         # The hooks hold the reducer weakly: a discarded DDP leaves nothing acting on the model.
@@ -147,7 +148,7 @@ class Reducer:
         self._reached: set[int] | None = None  # find_unused: reachable from the outputs
         self._known_unused: set[int] | None = None  # static_graph: learned in the first backward
         self._works: list[dist.Work] = []
-        self._finished: list[dist.Work] = []  # the last backward's, see _reset
+        self._last = comm.LastWorks()  # the last backward's, until the next one's
         self._reset()
 
     def close(self) -> None:
@@ -164,10 +165,7 @@ class Reducer:
                 work.wait()
             except Exception:
                 pass
-        # Hold the finished works until the next backward's are done with: the last reference
-        # to a Gloo work must not be dropped by Gloo's thread while Python shuts down (torch
-        # 2.13 aborts the process then), so the main thread drops it, here or at exit.
-        self._finished = self._works
+        self._last.hold(*self._works)
         self._started = False
         self._ready = [False] * len(self.params)
         self._assumed_unused: list[int] = []
@@ -241,11 +239,11 @@ class Reducer:
         if grad is None:
             view.zero_()
         elif grad is view:
-            view.div_(self.comm.divisor)
+            view.div_(self.bucket_comm.divisor)
         else:
             if grad.layout != torch.strided:  # sparse gradients are averaged densely
                 grad = grad.to_dense()
-            torch.div(grad, self.comm.divisor, out=view)
+            torch.div(grad, self.bucket_comm.divisor, out=view)
             if not bucket.keep:
                 self.params[k].grad = None
             elif self.as_view:
@@ -266,7 +264,7 @@ class Reducer:
                 if not final:
                     return
                 self._write_tail(bucket.tail)
-            self._works.append(self.comm.launch(self._next, bucket.buffer))
+            self._works.append(self.bucket_comm.launch(self._next, bucket.buffer))
             self._next += 1
 
     def _write_tail(self, tail: torch.Tensor) -> None:
@@ -330,7 +328,7 @@ class Reducer:
         return {"missing": [self.names[k] for k in missing], "late": [self.names[k] for k in self._late]}
 
     def _raise_problems(self) -> None:
-        everyone = comm.all_gather_object(self._describe(), self.comm.group)
+        everyone = comm.all_gather_object(self._describe(), self.bucket_comm.group)
         raise UnusedParametersError(_problem_message(dict(enumerate(everyone)), self.static_graph))
 
 

@@ -2,16 +2,16 @@
 
 The wrapper is thin; the work is done by three objects it composes:
 
-* :func:`phalanx.bucketing.plan_buckets` decides which gradient goes into which flat bucket;
-* :class:`phalanx.reducer.Reducer` fills the buckets from grad-ready hooks and all-reduces each
+* :func:`phalanx.ddp.bucketing.plan_buckets` decides which gradient goes into which flat bucket;
+* :class:`phalanx.ddp.reducer.Reducer` fills the buckets from grad-ready hooks and all-reduces each
   one as soon as it is complete, overlapping communication with the rest of the backward (or,
   after :meth:`DistributedDataParallel.shard_gradients`, reduces it to the rank that owns it:
-  :mod:`phalanx.bucket_comm`);
-* :class:`phalanx._buffer_sync.BufferSync` broadcasts rank 0's buffers (BatchNorm running
+  :mod:`phalanx.ddp.bucket_comm`);
+* :class:`phalanx.ddp.buffer_sync.BufferSync` broadcasts rank 0's buffers (BatchNorm running
   statistics...) before a forward.
 
 Argument checks, the ranks' agreement check and what ``shard_gradients`` needs of an optimizer
-live in :mod:`phalanx._ddp_checks`.
+live in :mod:`phalanx.ddp.checks`.
 
 A forward runs in three phases: before (move inputs to ``device_ids[0]``, broadcast buffers),
 the module's own forward, after (arm the reducer for the backward that follows).
@@ -28,18 +28,27 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from .._logging import get_logger
+from ..agreement import agree
+from .bucket_comm import AllReduceMean, ReduceToOwner
+from .bucketing import (
+    DEFAULT_BUCKET_CAP_MB,
+    FIRST_BUCKET_BYTES,
+    MIB,
+    BucketSpec,
+    describe,
+    plan_buckets,
+)
 from .buffer_sync import BufferSync
 from .checks import (
     GradientOwners,
+    agree_on_replicas,
     check_arguments,
     check_group,
-    check_same_everywhere,
     gradient_owners,
     input_device,
+    verdict,
 )
-from .._logging import get_logger
-from .bucket_comm import AllReduceMean, ReduceToOwner
-from .bucketing import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MIB, BucketSpec, describe, plan_buckets
 from .reducer import Reducer
 
 _log0 = get_logger(__package__, rank_zero_only=True)
@@ -170,11 +179,9 @@ class DistributedDataParallel(nn.Module):
             self._device = input_device(module, device_ids, output_device)
         except (TypeError, ValueError) as e:
             problem = e
+        # every rank learns of every rank's problem: none is left waiting
+        agree_on_replicas(module, problem, bucket_cap_mb, flags, process_group)
         world = dist.get_world_size(process_group)
-        if world > 1:  # every rank learns of every rank's problem: none is left waiting
-            check_same_everywhere(module, problem, bucket_cap_mb, flags, process_group)
-        if problem is not None:
-            raise problem
         self.module = module
         self.device_ids = list(device_ids) if device_ids else None
         self.output_device = output_device
@@ -283,15 +290,11 @@ class DistributedDataParallel(nn.Module):
             owners = gradient_owners(self.module, self.process_group, mid_iteration, optimizer)
         except (TypeError, ValueError, RuntimeError) as e:
             problem = e
-        if dist.get_world_size(self.process_group) > 1:
-            refused = "accepted" if problem is None else f"refused: {problem}"
-            items = [("arguments", refused)]
-            if owners is not None:
-                items += [(f"owner of {name}", owner) for (name, _), owner
-                          in zip(self.module.named_parameters(), owners)]
-            comm.check_same_across_ranks(items, "shard_gradients() owners", self.process_group)
-        if problem is not None:
-            raise problem
+        items = [verdict(problem)]
+        if owners is not None:
+            items += [(f"owner of {name}", owner) for (name, _), owner
+                      in zip(self.module.named_parameters(), owners)]
+        agree("shard_gradients() owners", self.process_group, items=items, problem=problem)
         if self._reducer is not None:
             self._build_reducer(owners)
 

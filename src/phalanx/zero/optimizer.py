@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from .. import comm
+from ..agreement import agree
 from ..errors import NotInitializedError
 from . import clip as _clip
 from . import state as _state
@@ -127,7 +128,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._by_owner: list[list[torch.Tensor]] = [[] for _ in self._global_ranks]
         self._local_index: list[list[int]] = []  # per group: global indices this rank owns
         self._consolidated: dict[int, dict[str, Any]] | None = None  # see consolidate_state_dict
-        self._broadcasts: list[comm.PendingBroadcast] = []  # the last step's, see step()
+        self._last = comm.LastWorks()  # the last step's broadcasts
         # torch.optim.Optimizer.__init__ validates the groups through add_param_group, which
         # only records them while self.optim does not exist yet.
         super().__init__(params, defaults)
@@ -219,12 +220,12 @@ class ZeroRedundancyOptimizer(Optimizer):
         for group, local in zip(self.param_groups, self.optim.param_groups):
             local.update(_hyperparameters(group))
         loss = self.optim.step() if closure is None else self.optim.step(closure)
-        # every owner's broadcasts in flight at once, then wait for all; kept until the next
-        # step's (see comm.PendingBroadcast)
-        self._broadcasts = [comm.broadcast_async(owned, src, self.process_group)
-                            for owned, src in zip(self._by_owner, self._global_ranks)]
-        for broadcast in self._broadcasts:
+        # every owner's broadcasts in flight at once, then wait for all
+        broadcasts = [comm.broadcast_async(owned, src, self.process_group)
+                      for owned, src in zip(self._by_owner, self._global_ranks)]
+        for broadcast in broadcasts:
             broadcast.wait()
+        self._last.hold(*broadcasts)
         return loss
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -320,7 +321,7 @@ def _check_same_params(groups: list[dict[str, Any]], first: int, group: Any) -> 
         for g in range(first, len(groups))
         for j, p in enumerate(groups[g]["params"])
     ]
-    comm.check_same_across_ranks(items, "ZeroRedundancyOptimizer parameters", group)
+    agree("ZeroRedundancyOptimizer parameters", group, items=items)
 
 
 def _to_cpu_copy(value: Any) -> Any:
