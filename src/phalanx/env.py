@@ -15,13 +15,14 @@ This is the only module that reads environment variables; everything else receiv
 ``single``
     Nothing set: one process, world size 1.
 
-The other direction, for the launcher: :func:`worker_environ` builds a worker's environment,
-the same variables under the same names torchrun sets, so :func:`detect` reads it back.
+The other direction, for the launcher: :func:`launcher_environ` gives the variables a launcher
+sets for one worker, under the names torchrun uses, so :func:`detect` reads them back. This
+module is the contract between the two sides and nothing else: what else a launcher puts in a
+worker's environment, and how it counts the machine's cores, is :mod:`phalanx.launcher.environment`.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -38,14 +39,6 @@ _SLURM_PORT_SPAN = 20000
 # What torchrun 2.13 puts in every worker's environment besides the rank variables
 # (torch/distributed/elastic/agent/server/local_elastic_agent.py, launcher/api.py).
 _TORCHRUN_ROLE = "default"
-# torchrun's --signals-to-handle default: the signals that stop the launcher and its workers.
-STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-
-# cgroup v2 (the kernel's Documentation/admin-guide/cgroup-v2.rst): where the hierarchy is
-# mounted, and the file whose "0::/path" line names this process's cgroup in it. Each cgroup's
-# cpu.max holds "$QUOTA $PERIOD" in microseconds, "max $PERIOD" for no limit.
-_CGROUP_ROOT = "/sys/fs/cgroup"
-_CGROUP_MEMBERSHIP = "/proc/self/cgroup"
 
 
 @dataclass(frozen=True)
@@ -239,52 +232,6 @@ def launcher_environ(
     }
 
 
-def cgroup_cpu_limit(root: str = _CGROUP_ROOT, membership: str = _CGROUP_MEMBERSHIP) -> int | None:
-    """The cores this process's cgroup v2 CPU quota allows, rounded up: the smallest
-    ``ceil(quota / period)`` of ``cpu.max`` along its cgroup and every ancestor under ``root``.
-    ``None`` when no quota is set (``max``) or there is no cgroup v2 (cgroup v1's
-    ``cpu.cfs_quota_us`` is not read).
-
-    Args:
-        root: where the cgroup v2 hierarchy is mounted. Default ``/sys/fs/cgroup``.
-        membership: the file naming this process's cgroup (its ``0::/path`` line).
-            Default ``/proc/self/cgroup``.
-    """
-    try:
-        with open(membership) as f:
-            path = next((line[3:].strip() for line in f if line.startswith("0::")), "/")
-    except OSError:
-        path = "/"
-    limits = []
-    parts = [p for p in path.split("/") if p and p != ".."]
-    for depth in range(len(parts), -1, -1):  # the cgroup itself, then each ancestor to the root
-        try:
-            with open(os.path.join(root, *parts[:depth], "cpu.max")) as f:
-                quota, period = f.read().split()
-            if quota != "max":
-                limits.append(max(1, math.ceil(int(quota) / int(period))))
-        except (OSError, ValueError, ZeroDivisionError):  # none here (the root has none), or
-            continue  # not "QUOTA PERIOD": no limit read from this level
-    return min(limits, default=None)
-
-
-def usable_cpus() -> int:
-    """Cores this process may run on: its CPU affinity (taskset, cpusets), capped by its
-    cgroup v2 CPU quota (docker ``--cpus``, Kubernetes CPU limits, systemd ``CPUQuota``)."""
-    cpus = len(os.sched_getaffinity(0))
-    limit = cgroup_cpu_limit()
-    return cpus if limit is None else min(cpus, limit)
-
-
-def default_omp_threads(local_world_size: int, cpus: int | None = None) -> int:
-    """``OMP_NUM_THREADS`` for a worker when the user set none: ``cpus`` (default
-    :func:`usable_cpus`) shared among the local workers, at least 1. torchrun sets 1 whatever
-    the machine, starving intra-op parallelism."""
-    if cpus is None:
-        cpus = usable_cpus()
-    return max(1, cpus // local_world_size)
-
-
 # Set by `phalanx run` in every worker: the launcher prefixes each line of their console
 # output with "[rankN]: " itself, so phalanx's log lines leave the rank out.
 RANK_PREFIX_VAR = "PHALANX_RANK_PREFIX"
@@ -294,45 +241,3 @@ def launcher_prefixes_output(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``phalanx run`` prefixes this process's output lines with its rank."""
     environ = os.environ if environ is None else environ
     return environ.get(RANK_PREFIX_VAR) == "1"
-
-
-def worker_environ(
-    env: DistEnv,
-    *,
-    group_world_size: int,
-    max_restarts: int,
-    run_id: str,
-    error_file: str,
-    base: Mapping[str, str] | None = None,
-    cpus: int | None = None,
-) -> dict[str, str]:
-    """A worker's whole environment: ``base`` (default: this process's), the launcher
-    variables of :func:`launcher_environ`, and defaults for what the user left unset.
-
-    Defaults, each applied only when ``base`` lacks the variable:
-
-    * ``OMP_NUM_THREADS``: :func:`default_omp_threads`;
-    * ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` and ``TORCHELASTIC_SIGNALS_TO_HANDLE``, as torchrun;
-    * ``PYTHONUNBUFFERED=1``: workers write into pipes read by the launcher, where Python
-      would otherwise hold ``print`` output back in 8 KiB blocks.
-
-    And always ``PHALANX_RANK_PREFIX=1`` (see :func:`launcher_prefixes_output`).
-    """
-    base = os.environ if base is None else base
-    out = dict(base)
-    defaults = {
-        "OMP_NUM_THREADS": str(default_omp_threads(env.local_world_size, cpus)),
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-        "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(STOP_SIGNALS),
-        "PYTHONUNBUFFERED": "1",
-    }
-    for name, value in defaults.items():
-        out.setdefault(name, value)
-    out.update(
-        launcher_environ(
-            env, group_world_size=group_world_size, max_restarts=max_restarts,
-            run_id=run_id, error_file=error_file,
-        )
-    )
-    out[RANK_PREFIX_VAR] = "1"
-    return out

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from phalanx.env import usable_cpus
+from phalanx.launcher.environment import usable_cpus
 from tests.e2e.launch_helpers import BEHAVE, TRAIN, base_env, phalanx_cmd, run
 from tests.harness import free_port
 

@@ -30,10 +30,12 @@ import tempfile
 import threading
 import time
 
-from ..env import DistEnv, worker_environ
+from ..env import DistEnv
 from ..errors import PREEMPTED_EXIT_CODE, RendezvousError
 from .config import STDERR, STDOUT, LaunchConfig
+from .environment import worker_environ
 from .events import FORWARD_SIGNALS, STOP_SIGNALS, Pump, SignalInbox
+from .outcome import RoundEnd
 from .output import Console, WorkerOutput, recorded_error, traceback_tail
 from .rendezvous import Interrupted, Layout, meet
 from .workers import Guardian, Worker, describe_exit, first_failure, shell_status, spawn
@@ -63,9 +65,9 @@ class Agent:
             if not self._restarts(record, round_):
                 return self._finish(record, workers, round_)
             self.console.note(
-                f"attempt {round_ + 1} of {last + 1} failed: {self._who(record)}: "
-                f"{describe_exit(record['returncode'])}"
-                f"{_last_line(record['traceback'])}; restarting every worker "
+                f"attempt {round_ + 1} of {last + 1} failed: {record.who()}: "
+                f"{describe_exit(record.returncode)}"
+                f"{_last_line(record.traceback)}; restarting every worker "
                 f"({last - round_} restart(s) left)"
             )
             round_ += 1
@@ -73,8 +75,8 @@ class Agent:
     def close(self) -> None:
         self._pump.close()
 
-    def _restarts(self, record: dict, round_: int) -> bool:
-        return (record["kind"] == "failed" and round_ < self.config.max_restarts
+    def _restarts(self, record: RoundEnd, round_: int) -> bool:
+        return (record.kind == "failed" and round_ < self.config.max_restarts
                 and self.inbox.pending_stop() is None)
 
     def _check_out(self) -> None:
@@ -82,7 +84,7 @@ class Agent:
             self._checked_out = True
             self.board.check_out()
 
-    def _round(self, round_: int) -> tuple[dict, list[Worker]]:
+    def _round(self, round_: int) -> tuple[RoundEnd, list[Worker]]:
         if self.board.nnodes > 1:
             # Other nodes' workers start once the barrier passes: the fresh store must be up.
             self.board.start_round(round_, self.store.open_round if self.store else None)
@@ -96,7 +98,7 @@ class Agent:
             try:
                 record = self._watch(workers, round_)
             except RendezvousError:  # the other nodes are gone: stop ours gracefully all the same
-                self._stop(workers, {"kind": "lost"})
+                self._stop(workers, RoundEnd("lost"))
                 raise
             if not self._restarts(record, round_):
                 self._check_out()  # before stopping: node 0 may close the store after this
@@ -130,7 +132,7 @@ class Agent:
         self._pump.add(worker)
         return worker
 
-    def _watch(self, workers: list[Worker], round_: int) -> dict:
+    def _watch(self, workers: list[Worker], round_: int) -> RoundEnd:
         interval = self.config.monitor_interval
         reported_done = False
         next_board_look = 0.0
@@ -139,9 +141,9 @@ class Agent:
             self.console.flush()  # unfinished lines held long enough (a progress bar)
             for signum in self.inbox.take():
                 if signum in STOP_SIGNALS:
-                    return self.board.publish_end(round_, {
-                        "kind": "signal", "signal": signal.Signals(signum).name,
-                        "node": self.config.node_rank, "host": self._host})
+                    return self.board.publish_end(round_, RoundEnd(
+                        "signal", signal=signal.Signals(signum).name,
+                        node=self.config.node_rank, host=self._host))
                 self._forward(workers, signum)
             if self.store is not None:
                 self.store.check()
@@ -157,31 +159,31 @@ class Agent:
                 if record is not None:
                     return record
                 if reported_done and self.board.all_done(round_):
-                    return {"kind": "succeeded"}
+                    return RoundEnd("succeeded")
 
-    def _exit_record(self, worker: Worker) -> dict:
+    def _exit_record(self, worker: Worker) -> RoundEnd:
         self._pump.drain([worker])  # its last words may still sit in the pipe
         code = worker.returncode
         recorded = recorded_error(worker.error_file)
-        return {
-            "kind": "preempted" if code == PREEMPTED_EXIT_CODE else "failed",
-            "node": self.config.node_rank, "host": self._host, "rank": worker.rank,
-            "local_rank": worker.local_rank, "returncode": code,
-            "traceback": (traceback_tail(recorded, self._entry) if recorded
-                          else worker.output.traceback(self._entry)),
-            "from": "error file (torch elastic @record)" if recorded else "stderr",
-        }
+        return RoundEnd(
+            "preempted" if code == PREEMPTED_EXIT_CODE else "failed",
+            node=self.config.node_rank, host=self._host, rank=worker.rank,
+            local_rank=worker.local_rank, returncode=code,
+            traceback=(traceback_tail(recorded, self._entry) if recorded
+                       else worker.output.traceback(self._entry)),
+            source="error file (torch elastic @record)" if recorded else "stderr",
+        )
 
     def _forward(self, workers: list[Worker], signum: int) -> None:
         """Pass ``signum`` to each running worker's main process (see :mod:`.workers`)."""
         for worker in workers:
             worker.signal(signum)
 
-    def _stop(self, workers: list[Worker], record: dict) -> None:
+    def _stop(self, workers: list[Worker], record: RoundEnd) -> None:
         """Signal the running workers, give them ``shutdown_timeout``, then SIGKILL."""
         signum = signal.SIGTERM
-        if record["kind"] == "signal" and record["node"] == self.config.node_rank:
-            signum = signal.Signals[record["signal"]]
+        if record.kind == "signal" and record.node == self.config.node_rank:
+            signum = signal.Signals[record.signal]
         self._forward(workers, signum)
         deadline = time.monotonic() + self.config.shutdown_timeout
         while any(w.returncode is None for w in workers):
@@ -209,9 +211,9 @@ class Agent:
         if self.store is not None:
             self.store.close_round()
 
-    def _finish(self, record: dict, workers: list[Worker], round_: int) -> int:
+    def _finish(self, record: RoundEnd, workers: list[Worker], round_: int) -> int:
         self._check_out()
-        kind = record["kind"]
+        kind = record.kind
         if kind == "succeeded":
             if round_ > 0:
                 self.console.note(f"succeeded on attempt {round_ + 1}")
@@ -219,7 +221,7 @@ class Agent:
         states = ", ".join(f"rank {w.rank}: {describe_exit(w.returncode)}" for w in workers)
         if kind == "preempted":
             self.console.note(
-                f"preempted: {self._who(record)} exited with {PREEMPTED_EXIT_CODE} "
+                f"preempted: {record.who()} exited with {PREEMPTED_EXIT_CODE} "
                 f"(preempted, resumable; not a failure). Run the same command again to resume. "
                 f"Workers on this node: {states}"
             )
@@ -228,26 +230,22 @@ class Agent:
             codes = [w.returncode for w in workers]
             preempted = PREEMPTED_EXIT_CODE in codes and set(codes) <= {0, PREEMPTED_EXIT_CODE}
             self.console.note(
-                f"{record['signal']} received by the launcher of node {record['node']}: "
+                f"{record.signal} received by the launcher of node {record.node}: "
                 f"stopped every worker. Workers on this node: {states}"
                 + (" (preempted, resumable)" if preempted else "")
             )
-            return PREEMPTED_EXIT_CODE if preempted else 128 + signal.Signals[record["signal"]]
+            return PREEMPTED_EXIT_CODE if preempted else 128 + signal.Signals[record.signal]
         self.console.note(self._failure_summary(record, states, round_))
-        return shell_status(record["returncode"])
+        return shell_status(record.returncode)
 
-    def _who(self, record: dict) -> str:
-        return (f"rank {record['rank']} (local rank {record['local_rank']}) "
-                f"on node {record['node']} ({record['host']})")
-
-    def _failure_summary(self, record: dict, states: str, round_: int) -> str:
+    def _failure_summary(self, record: RoundEnd, states: str, round_: int) -> str:
         name = self.config.entrypoint
         return "\n".join([
             _RULE,
             f"{name} failed on attempt {round_ + 1} of {self.config.max_restarts + 1}",
-            f"root cause: {self._who(record)}: {describe_exit(record['returncode'])}",
-            f"from rank {record['rank']}'s {record['from']}:",
-            *("  " + line for line in (record["traceback"] or "(empty)").splitlines()),
+            f"root cause: {record.who()}: {describe_exit(record.returncode)}",
+            f"from rank {record.rank}'s {record.source}:",
+            *("  " + line for line in (record.traceback or "(empty)").splitlines()),
             f"workers on node {self.config.node_rank}: {states}",
             _RULE,
         ])

@@ -85,7 +85,8 @@ class LaunchConfig:
     One launcher runs on every node. Node 0's launcher hosts the rendezvous store (torch's
     ``TCPStore``) at ``master_addr:master_port``, bound to that address's interface only;
     the other nodes' launchers register there and agree on the world size and rank offsets.
-    Each worker gets torchrun's environment variables (see :func:`phalanx.env.worker_environ`).
+    Each worker gets torchrun's environment variables (see
+    :func:`phalanx.launcher.environment.worker_environ`).
 
     .. note::
         Every restart is a new round with a fresh store, so a group restarted after a failure
@@ -208,26 +209,3 @@ def _check_entrypoint(entrypoint: str, module: bool) -> None:
         raise LaunchConfigError(
             f"Module {entrypoint!r} not found: no {top!r} in the current directory or on sys.path"
         )
-
-
-def resolve_nproc(spec: str) -> int:
-    """``--nproc-per-node``: an integer, or ``cpu`` (usable cores), ``gpu`` (CUDA devices),
-    ``auto`` (accelerators if any, else cores), as torchrun resolves them."""
-    spec = str(spec).strip()
-    if re.fullmatch(r"-?\d+", spec):
-        return int(spec)
-    if spec == "cpu":
-        return len(os.sched_getaffinity(0))
-    if spec in ("gpu", "auto"):
-        import torch  # only these two need it; the usual integer path starts without torch
-
-        if spec == "gpu":
-            if not torch.cuda.is_available():
-                raise LaunchConfigError("--nproc-per-node gpu needs CUDA GPUs, and none is available")
-            return torch.cuda.device_count()
-        if torch.accelerator.is_available():
-            return torch.accelerator.device_count()
-        return len(os.sched_getaffinity(0))
-    raise LaunchConfigError(
-        f"Invalid --nproc-per-node {spec!r}: expected a positive integer, 'auto', 'cpu' or 'gpu'"
-    )

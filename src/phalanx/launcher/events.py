@@ -13,11 +13,11 @@ import signal
 import socket
 from typing import Iterable
 
-from ..env import STOP_SIGNALS as _STOP_NAMES
 from .config import STDERR, STDOUT
 
-# The launcher stops on these, forwarding them to every worker (torchrun's default list).
-STOP_SIGNALS = tuple(signal.Signals[name] for name in _STOP_NAMES)
+# The launcher stops on these, forwarding them to every worker: torchrun's --signals-to-handle
+# default, also what workers learn from TORCHELASTIC_SIGNALS_TO_HANDLE.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 # These are only passed on: schedulers use them to announce preemption (Slurm's --signal).
 FORWARD_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 # One read from a pipe: the kernel's default pipe capacity on Linux.

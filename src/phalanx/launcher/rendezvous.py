@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from ..errors import LaunchConfigError, RendezvousError
 from .config import LaunchConfig
+from .outcome import RoundEnd
 from .workers import Guardian, describe_exit, start_tied
 
 # How often a waiting launcher looks at the store again: short next to a human's patience and
@@ -195,14 +196,14 @@ class LocalBoard:
     nnodes = 1
 
     def __init__(self) -> None:
-        self._ends: dict[int, dict] = {}
+        self._ends: dict[int, RoundEnd] = {}
         self._done: set[int] = set()
 
-    def publish_end(self, round_: int, record: dict) -> dict:
+    def publish_end(self, round_: int, record: RoundEnd) -> RoundEnd:
         """Record how ``round_`` ended unless it already is; return the record that stands."""
         return self._ends.setdefault(round_, record)
 
-    def end_record(self, round_: int) -> dict | None:
+    def end_record(self, round_: int) -> RoundEnd | None:
         return self._ends.get(round_)
 
     def report_done(self, round_: int) -> None:
@@ -307,15 +308,15 @@ class NodeBoard:
             self._op(self._store.set, f"round{round_}/ready{self._node}", "1")
             self._wait([f"round{round_}/open"], f"open round {round_}", [0])
 
-    def publish_end(self, round_: int, record: dict) -> dict:
-        won = self._op(self._store.compare_set, f"round{round_}/end", "", json.dumps(record))
-        return json.loads(won)
+    def publish_end(self, round_: int, record: RoundEnd) -> RoundEnd:
+        won = self._op(self._store.compare_set, f"round{round_}/end", "", record.to_json())
+        return RoundEnd.from_json(won)
 
-    def end_record(self, round_: int) -> dict | None:
+    def end_record(self, round_: int) -> RoundEnd | None:
         key = f"round{round_}/end"
         if not self._op(self._store.check, [key]):
             return None
-        return json.loads(self._op(self._store.get, key))
+        return RoundEnd.from_json(self._op(self._store.get, key))
 
     def report_done(self, round_: int) -> None:
         self._op(self._store.add, f"round{round_}/done", 1)

@@ -26,6 +26,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 
+from .events import FORWARD_SIGNALS, STOP_SIGNALS
 from .output import WorkerOutput
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -163,8 +164,7 @@ class Guardian:
 
 def _guard(read_end: int, scratch: str) -> None:  # pragma: no cover - forked child
     try:
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
-                       signal.SIGUSR1, signal.SIGUSR2):
+        for signum in (*STOP_SIGNALS, *FORWARD_SIGNALS):
             signal.signal(signum, signal.SIG_IGN)  # only end of file ends it
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):  # hold none of the caller's pipes open

@@ -1,0 +1,136 @@
+"""What the machine offers the workers, and a worker's whole environment.
+
+:func:`usable_cpus` counts the cores this process may use (CPU affinity, capped by a cgroup v2
+quota); it answers ``--nproc-per-node cpu`` and sizes the ``OMP_NUM_THREADS`` default.
+:func:`worker_environ` is the contract of :mod:`phalanx.env` plus the launcher's defaults,
+which fill only what the user left unset.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Mapping
+
+from ..env import RANK_PREFIX_VAR, DistEnv, launcher_environ
+from ..errors import LaunchConfigError
+from .events import STOP_SIGNALS
+
+# cgroup v2 (the kernel's Documentation/admin-guide/cgroup-v2.rst): where the hierarchy is
+# mounted, and the file whose "0::/path" line names this process's cgroup in it. Each cgroup's
+# cpu.max holds "$QUOTA $PERIOD" in microseconds, "max $PERIOD" for no limit.
+_CGROUP_ROOT = "/sys/fs/cgroup"
+_CGROUP_MEMBERSHIP = "/proc/self/cgroup"
+
+
+def cgroup_cpu_limit(root: str = _CGROUP_ROOT, membership: str = _CGROUP_MEMBERSHIP) -> int | None:
+    """The cores this process's cgroup v2 CPU quota allows, rounded up: the smallest
+    ``ceil(quota / period)`` of ``cpu.max`` along its cgroup and every ancestor under ``root``.
+    ``None`` when no quota is set (``max``) or there is no cgroup v2 (cgroup v1's
+    ``cpu.cfs_quota_us`` is not read).
+
+    Args:
+        root: where the cgroup v2 hierarchy is mounted. Default ``/sys/fs/cgroup``.
+        membership: the file naming this process's cgroup (its ``0::/path`` line).
+            Default ``/proc/self/cgroup``.
+    """
+    try:
+        with open(membership) as f:
+            path = next((line[3:].strip() for line in f if line.startswith("0::")), "/")
+    except OSError:
+        path = "/"
+    limits = []
+    parts = [p for p in path.split("/") if p and p != ".."]
+    for depth in range(len(parts), -1, -1):  # the cgroup itself, then each ancestor to the root
+        try:
+            with open(os.path.join(root, *parts[:depth], "cpu.max")) as f:
+                quota, period = f.read().split()
+            if quota != "max":
+                limits.append(max(1, math.ceil(int(quota) / int(period))))
+        except (OSError, ValueError, ZeroDivisionError):  # none here (the root has none), or
+            continue  # not "QUOTA PERIOD": no limit read from this level
+    return min(limits, default=None)
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on: its CPU affinity (taskset, cpusets), capped by its
+    cgroup v2 CPU quota (docker ``--cpus``, Kubernetes CPU limits, systemd ``CPUQuota``)."""
+    cpus = len(os.sched_getaffinity(0))
+    limit = cgroup_cpu_limit()
+    return cpus if limit is None else min(cpus, limit)
+
+
+def default_omp_threads(local_world_size: int, cpus: int | None = None) -> int:
+    """``OMP_NUM_THREADS`` for a worker when the user set none: ``cpus`` (default
+    :func:`usable_cpus`) shared among the local workers, at least 1. torchrun sets 1 whatever
+    the machine, starving intra-op parallelism."""
+    if cpus is None:
+        cpus = usable_cpus()
+    return max(1, cpus // local_world_size)
+
+
+def worker_environ(
+    env: DistEnv,
+    *,
+    group_world_size: int,
+    max_restarts: int,
+    run_id: str,
+    error_file: str,
+    base: Mapping[str, str] | None = None,
+    cpus: int | None = None,
+) -> dict[str, str]:
+    """A worker's whole environment: ``base`` (default: this process's), the launcher
+    variables of :func:`launcher_environ`, and defaults for what the user left unset.
+
+    Defaults, each applied only when ``base`` lacks the variable:
+
+    * ``OMP_NUM_THREADS``: :func:`default_omp_threads`;
+    * ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` and ``TORCHELASTIC_SIGNALS_TO_HANDLE``, as torchrun;
+    * ``PYTHONUNBUFFERED=1``: workers write into pipes read by the launcher, where Python
+      would otherwise hold ``print`` output back in 8 KiB blocks.
+
+    And always ``PHALANX_RANK_PREFIX=1`` (see :func:`launcher_prefixes_output`).
+    """
+    base = os.environ if base is None else base
+    out = dict(base)
+    defaults = {
+        "OMP_NUM_THREADS": str(default_omp_threads(env.local_world_size, cpus)),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(s.name for s in STOP_SIGNALS),
+        "PYTHONUNBUFFERED": "1",
+    }
+    for name, value in defaults.items():
+        out.setdefault(name, value)
+    out.update(
+        launcher_environ(
+            env, group_world_size=group_world_size, max_restarts=max_restarts,
+            run_id=run_id, error_file=error_file,
+        )
+    )
+    out[RANK_PREFIX_VAR] = "1"
+    return out
+
+
+def resolve_nproc(spec: str) -> int:
+    """``--nproc-per-node``: an integer, or ``cpu`` (:func:`usable_cpus`), ``gpu`` (CUDA
+    devices), ``auto`` (accelerators if any, else usable cores), as torchrun resolves them,
+    except that ``cpu`` counts the cgroup quota too (torchrun: the CPU affinity alone)."""
+    spec = str(spec).strip()
+    if re.fullmatch(r"-?\d+", spec):
+        return int(spec)
+    if spec == "cpu":
+        return usable_cpus()
+    if spec in ("gpu", "auto"):
+        import torch  # only these two need it; the usual integer path starts without torch
+
+        if spec == "gpu":
+            if not torch.cuda.is_available():
+                raise LaunchConfigError("--nproc-per-node gpu needs CUDA GPUs, and none is available")
+            return torch.cuda.device_count()
+        if torch.accelerator.is_available():
+            return torch.accelerator.device_count()
+        return usable_cpus()
+    raise LaunchConfigError(
+        f"Invalid --nproc-per-node {spec!r}: expected a positive integer, 'auto', 'cpu' or 'gpu'"
+    )

@@ -1,0 +1,54 @@
+"""How a round ended: :class:`RoundEnd`, published by the first launcher to see the end.
+
+On several nodes the record travels through node 0's store as JSON (:meth:`RoundEnd.to_json`),
+and the first one published wins: every node acts on the same ending.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+Kind = Literal["succeeded", "failed", "preempted", "signal", "lost"]
+
+
+@dataclass(frozen=True)
+class RoundEnd:
+    """The end of one round of workers.
+
+    Args:
+        kind: ``"succeeded"`` (every worker everywhere exited 0), ``"failed"`` (a worker
+            exited non-zero or died of a signal), ``"preempted"`` (a worker exited with
+            :data:`~phalanx.errors.PREEMPTED_EXIT_CODE`), ``"signal"`` (a launcher received a
+            stop signal) or ``"lost"`` (the other nodes are gone).
+        node: the node of the launcher that saw it (``failed``, ``preempted``, ``signal``).
+        host: that node's host name.
+        rank: the worker that ended the round (``failed``, ``preempted``).
+        local_rank: its local rank.
+        returncode: its exit status (``-N``: killed by signal ``N``).
+        traceback: the end of its traceback.
+        source: where the traceback was found: ``"stderr"`` or the ``@record`` error file.
+        signal: the stop signal's name (``signal``).
+    """
+
+    kind: Kind
+    node: int | None = None
+    host: str = ""
+    rank: int | None = None
+    local_rank: int | None = None
+    returncode: int | None = None
+    traceback: str = ""
+    source: str = ""
+    signal: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RoundEnd:
+        return cls(**json.loads(text))
+
+    def who(self) -> str:
+        """``"rank 3 (local rank 1) on node 1 (host)"``: the worker that ended the round."""
+        return f"rank {self.rank} (local rank {self.local_rank}) on node {self.node} ({self.host})"
