@@ -1,7 +1,7 @@
 """Pure planning: which parameter's gradient goes where in which flat buffer.
 
 No communication and no autograd here, so the plan can be tested alone. The reducer turns a
-plan into buffers and hooks.
+plan into buffers (a :class:`Bucket` per :class:`BucketSpec`) and hooks.
 
 The rules (those of torch's DDP, so bucket boundaries match at the same ``bucket_cap_mb``):
 
@@ -30,7 +30,7 @@ reduces them) are in no bucket.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 
@@ -176,3 +176,36 @@ def describe(plan: Sequence[BucketSpec]) -> str:
         owner = "" if bucket.owner is None else f" for rank {bucket.owner}"
         lines.append(f"bucket {i}{owner}: {bucket.nbytes / MIB:.2f} MiB {bucket.dtype} on {bucket.device}: {names}")
     return "\n".join(lines)
+
+
+class Bucket:
+    """Runtime state of one :class:`BucketSpec`: its buffer, its slot views, what is pending.
+
+    A kept bucket's buffer lives as long as the reducer; a bucket this rank does not keep
+    gets one at its first gradient of a backward (:meth:`allocate`), dropped at the end.
+    """
+
+    def __init__(self, spec: BucketSpec, first: int, tail: int, keep: bool) -> None:
+        self.spec = spec
+        self.first = first  # position (launch order) of its first parameter
+        self.keep = keep
+        self._tail_numel = tail
+        self.buffer: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+        self.tail: torch.Tensor | None = None
+        if keep:
+            self.allocate(torch.zeros)
+        self.pending = len(spec.slots)
+
+    def allocate(self, factory: Any = torch.empty) -> None:
+        spec = self.spec
+        self.buffer = factory(spec.numel + self._tail_numel, dtype=spec.dtype, device=spec.device)
+        self.views = [self.buffer[s.offset : s.offset + s.numel].view(s.shape) for s in spec.slots]
+        self.tail = self.buffer[spec.numel :]
+
+    def release(self) -> None:
+        self.buffer, self.views, self.tail = None, [], None
+
+    @property
+    def positions(self) -> range:
+        return range(self.first, self.first + len(self.spec.slots))
