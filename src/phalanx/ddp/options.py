@@ -40,8 +40,6 @@ BOTH_BUFFER_FLAGS_WARNING = (
     "Both `broadcast_buffers` and `forward_sync_buffers` were given: `broadcast_buffers` is "
     "ignored (torch 2.13 deprecates it for `forward_sync_buffers`)."
 )
-
-
 NOTHING_IGNORED = (
     "phalanx's DistributedDataParallel averages every trainable parameter and broadcasts every "
     "buffer; it ignores none. Freeze parameters (requires_grad=False) to keep their gradients out"

@@ -8,6 +8,8 @@ bucket: :func:`sparse_positions` finds them at construction and
 gradient came (:class:`SparseGradients`), and the reducer launches their all-reduces at the end
 of the backward, after every dense bucket but the last (whose control tail also carries
 theirs: which ranks had a gradient), one per parameter, in the same order on every rank.
+NCCL has no sparse all-reduce in torch's release builds ("NCCL does not support all_reduce
+with sparse tensors"): sparse embeddings need Gloo, with phalanx's DDP as with torch's.
 
 Unlike torch's DDP:
 
