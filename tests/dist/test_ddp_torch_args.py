@@ -129,7 +129,7 @@ def test_accepted_arguments_mean_what_they_mean_in_torch():
             assert res["stats"] < 1e-6 and res["flags"] == res["torch_flags"], (name, res)
         assert buffers["default"]["flags"] == (True, True) and buffers["broadcast_buffers=False"]["flags"] == (False, False)
         assert buffers["both"] == (False, [("FutureWarning", BOTH_BUFFER_FLAGS_WARNING)])
-        diff, weight, mark = out["no_init_sync"]
+        diff, _, mark = out["no_init_sync"]
         assert diff == 0 and mark == [float(rank)] * 3
         ours, torch_warning = out["check_reduction"]
         assert ours == torch_warning == ("FutureWarning", CHECK_REDUCTION_WARNING)
@@ -201,8 +201,9 @@ def test_refused_arguments_and_exception_classes():
         assert kind == "ValueError" and "mixed_precision=<object" in message and "Use torch.autocast" in message
         kind, message = out["dtensor"]
         assert kind == "ValueError" and message.startswith("parameters ['weight'] are DTensors")
-        assert out["ignore"] == ("ValueError", "the module names parameters and buffers for DDP to ignore "
-                                 f"(['unused.weight'], set by _set_params_and_buffers_to_ignore_for_model): {NOTHING_IGNORED}")
+        assert out["ignore"] == ("ValueError", (
+            "the module names parameters and buffers for DDP to ignore (['unused.weight'], set by "
+            f"_set_params_and_buffers_to_ignore_for_model): {NOTHING_IGNORED}"))
         assert out["ignore_static"] == ("ValueError", "_set_params_and_buffers_to_ignore_for_model is torch's: "
                                         + NOTHING_IGNORED)
         assert out["dim"] == ("TypeError", "dim must be an int (the batch dimension), got '0'")

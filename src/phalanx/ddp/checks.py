@@ -1,9 +1,11 @@
-"""DistributedDataParallel's argument checks, its cross-rank agreement check, and what
-``shard_gradients`` needs of an optimizer.
+"""DistributedDataParallel's checks of the module and flags, its cross-rank agreement check,
+what ``shard_gradients`` needs of an optimizer, and the refusal of distributed autograd at
+each forward.
 
 Arguments are checked on every rank and the verdicts exchanged in the same collective as the
 parameter descriptions (:func:`phalanx.agreement.agree`), so one rank's bad argument is
-raised on every rank and none waits.
+raised on every rank and none waits (:mod:`phalanx.ddp.options` resolves torch's other
+arguments the same way).
 """
 
 from __future__ import annotations

@@ -116,7 +116,8 @@ def refuse_torch_only(module: nn.Module, delay_all_reduce_named_params: Any,
         raise ValueError(f"the module names parameters and buffers for DDP to ignore ({sorted(ignored)}, "
                          f"set by _set_params_and_buffers_to_ignore_for_model): {NOTHING_IGNORED}")
     if device_mesh is not None:
-        from torch.distributed.tensor import DTensor  # only for a mesh: its import takes time
+        # imported only for a mesh: it takes time
+        from torch.distributed.tensor import DTensor
 
         tensors = [n for n, p in module.named_parameters() if isinstance(p, DTensor)]
         if tensors:

@@ -1,20 +1,12 @@
 """DistributedDataParallel: one replica per process, gradients averaged during backward.
 
-The wrapper is thin; the work is done by three objects it composes:
-
-* :func:`phalanx.ddp.bucketing.plan_buckets` decides which gradient goes into which flat bucket;
-* :class:`phalanx.ddp.reducer.Reducer` fills the buckets from grad-ready hooks and all-reduces each
-  one as soon as it is complete, overlapping communication with the rest of the backward (or,
-  after :meth:`DistributedDataParallel.shard_gradients`, reduces it to the rank that owns it:
-  :mod:`phalanx.ddp.bucket_comm`);
-* :class:`phalanx.ddp.buffer_sync.BufferSync` broadcasts rank 0's buffers (BatchNorm running
-  statistics...) before a forward.
-
-The arguments are checked and resolved by :mod:`phalanx.ddp.options` (torch 2.13's) and
-:mod:`phalanx.ddp.checks` (which also holds the ranks' agreement check); pickling by
-:mod:`phalanx.ddp.pickling`. A forward runs in three phases: before (move inputs to
-``device_ids[0]``, broadcast buffers), the module's own forward, after (arm the reducer for
-the backward that follows).
+The wrapper is thin: :func:`~phalanx.ddp.bucketing.plan_buckets` plans the buckets, a
+:class:`~phalanx.ddp.reducer.Reducer` fills and reduces them during the backward (all-reduce,
+or after :meth:`DistributedDataParallel.shard_gradients` a reduce to each bucket's owner), a
+:class:`~phalanx.ddp.buffer_sync.BufferSync` broadcasts rank 0's buffers before a forward.
+Arguments are resolved by :mod:`phalanx.ddp.options` and :mod:`phalanx.ddp.checks`, pickling
+by :mod:`phalanx.ddp.pickling`. A forward runs in three phases: before (inputs to
+``device_ids[0]``, buffers broadcast), the module's own, after (arm the reducer).
 """
 
 from __future__ import annotations
@@ -32,9 +24,21 @@ from .._logging import get_logger
 from .bucket_comm import AllReduceMean, ReduceToOwner
 from .bucketing import BucketSpec, describe, plan_buckets
 from .buffer_sync import BufferSync
+from .checks import (
+    GradientOwners,
+    agree_on_owners,
+    agree_on_replicas,
+    check_group,
+    refuse_distributed_autograd,
+)
 from .devices import to_device
-from .checks import GradientOwners, agree_on_owners, agree_on_replicas, check_group, refuse_distributed_autograd
-from .options import NOTHING_IGNORED, TORCH_ONLY_ATTRIBUTES, resolve_arguments, resolve_group, warn_check_reduction
+from .options import (
+    NOTHING_IGNORED,
+    TORCH_ONLY_ATTRIBUTES,
+    resolve_arguments,
+    resolve_group,
+    warn_check_reduction,
+)
 from .pickling import picklable_state, unpickled_state
 from .reducer import Reducer, tensor_bytes
 from .sparse import sparse_positions
@@ -76,16 +80,11 @@ class DistributedDataParallel(nn.Module):
         inplace operation").
 
     .. note::
-        Sparse gradients (``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``) are
-        averaged as sparse tensors, outside the buckets, and ``.grad`` stays sparse, as in
-        torch; see :mod:`phalanx.ddp.sparse` for the differences (unused ones allowed).
-        ``backward(create_graph=True)`` averages the first-order gradients and warns that
-        higher-order terms are not averaged, as torch does (:mod:`phalanx.ddp.unusual`).
-
-    .. note::
-        ``torch.save``, ``pickle`` and ``copy.deepcopy`` work; loading rebuilds the hooks and
-        buckets, without a collective, in the loading process's default group. Over another
-        group only ``deepcopy`` works, as in torch (:mod:`phalanx.ddp.pickling`).
+        As in torch: sparse gradients (``nn.Embedding(sparse=True)``...) are averaged as
+        sparse tensors and stay sparse (:mod:`phalanx.ddp.sparse`); ``create_graph=True``
+        averages the first-order gradients, with a warning (:mod:`phalanx.ddp.unusual`);
+        ``torch.save``/``pickle``/``deepcopy`` work, loading into the default group of the
+        loading process, without a collective (:mod:`phalanx.ddp.pickling`).
 
     .. note::
         ZeRO stage 2: with a :class:`~phalanx.ZeroRedundancyOptimizer` over this model,
