@@ -21,6 +21,7 @@ from .errors import (
     RankMismatchError,
     RendezvousError,
     UnusedParametersError,
+    UsageError,
 )
 
 __version__ = "0.1.0"
@@ -111,6 +112,7 @@ __all__ = [
     "SyncBatchNorm",
     "TrainingState",
     "UnusedParametersError",
+    "UsageError",
     "ZeroRedundancyOptimizer",
     "barrier",
     "destroy_process_group",
