@@ -108,7 +108,9 @@ class Reducer:
         # Parameter k (launch order) is params[k], in bucket _bucket_of[k] (slot k - its first).
         self.names = [slot.name for slot in slots]
         self.params = [named_params[slot.index][1] for slot in slots]
-        self._sparse = SparseGradients(sparse_params, bucket_comm.group, bucket_comm.divisor)
+        # what an average divides by (bucket_comm.divisor is 1 when a comm hook averages)
+        self.world_size = dist.get_world_size(bucket_comm.group)
+        self._sparse = SparseGradients(sparse_params, bucket_comm.group, self.world_size)
         tail = 1 + (len(slots) + len(sparse_params) if self.allow_unused else 0)
         self._buckets: list[Bucket] = []
         self._bucket_of: list[int] = []
@@ -232,7 +234,8 @@ class Reducer:
         if grad is None:
             view.zero_()
         elif grad is view:
-            view.div_(self.bucket_comm.divisor)
+            if self.bucket_comm.divisor != 1:
+                view.div_(self.bucket_comm.divisor)
         else:
             try:
                 torch.div(grad, self.bucket_comm.divisor, out=view)
@@ -329,7 +332,11 @@ class Reducer:
             bucket = self._buckets[self._bucket_of[k]]
             if bucket.keep and (used is None or used[k]):
                 view = bucket.views[k - bucket.first]
-                self.params[k].grad = averaged_with_graph(local, view, self.bucket_comm.divisor)
+                self.params[k].grad = averaged_with_graph(local, view, self.world_size)
+
+    def sparse_names(self) -> list[str]:
+        """Names of the parameters whose gradients come sparse (in no bucket)."""
+        return list(self._sparse.names)
 
     def buffers(self) -> list[torch.Tensor]:
         """The bucket buffers allocated now (outside a backward: the kept ones)."""

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..errors import UsageError
 from .._logging import get_logger
 from .bucket_comm import AllReduceMean, ReduceToOwner
 from .bucketing import BucketSpec, describe, plan_buckets
@@ -31,6 +32,7 @@ from .checks import (
     check_group,
     refuse_distributed_autograd,
 )
+from .comm_hook import SHARDED_WITH_HOOK, GradBucket, HookComm, check_registration
 from .devices import to_device
 from .options import (
     NOTHING_IGNORED,
@@ -240,6 +242,8 @@ class DistributedDataParallel(nn.Module):
         for name, value in flags.items():
             setattr(self, name, value)
         self.require_backward_grad_sync = True
+        self._comm_hook: tuple[Any, Any] | None = None  # (state, hook) of register_comm_hook
+        self._forwarded = False  # a forward ran: too late to register a comm hook
         self._set_up()
         if self._reducer is not None and init_sync:
             self._broadcast_state(args.init_sync_buffers)
@@ -272,7 +276,10 @@ class DistributedDataParallel(nn.Module):
         if _log0.isEnabledFor(logging.DEBUG):
             _log0.debug("bucket plan, in launch order:\n%s", describe(self.bucket_plan))
         group = self.process_group
-        strategy = AllReduceMean(group) if owners is None else ReduceToOwner(self.bucket_plan, group)
+        if self._comm_hook is not None:
+            strategy = HookComm(self.bucket_plan, named, *self._comm_hook, group)
+        else:
+            strategy = AllReduceMean(group) if owners is None else ReduceToOwner(self.bucket_plan, group)
         if self._reducer is not None:
             self._reducer.close()  # its hooks must not act on the next backward
         self._reducer = Reducer(
@@ -288,6 +295,7 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._device is not None:
             inputs, kwargs = to_device(inputs, self._device), to_device(kwargs, self._device)
+        self._forwarded = True
         if self._reducer is None:
             return self.module(*inputs, **kwargs)
         refuse_distributed_autograd()
@@ -374,10 +382,62 @@ class DistributedDataParallel(nn.Module):
             >>> opt.clip_grad_norm_(1.0)         # the norm of the whole averaged gradient
             >>> opt.step()                       # owners step and broadcast the parameters
         """
+        if self._comm_hook is not None:
+            raise UsageError(f"shard_gradients() after register_comm_hook(): {SHARDED_WITH_HOOK}")
         mid_iteration = self._reducer is not None and self._reducer.awaiting_backward
         owners = agree_on_owners(self.module, self.process_group, mid_iteration, optimizer)
         if self._reducer is not None:
             self._build_reducer(owners)
+
+    def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], torch.futures.Future]) -> None:
+        """Reduce each bucket with ``hook(state, bucket)`` instead of the built-in all-reduce.
+
+        torch's contract (:mod:`phalanx.ddp.comm_hook` has the details): ``bucket`` has the
+        methods of ``torch.distributed.GradBucket`` (``index()``, ``buffer()``,
+        ``gradients()``, ``parameters()``, ``is_last()``, ``set_buffer()``); its buffer holds
+        this rank's gradients, *not* divided by the world size; the hook returns a
+        ``torch.futures.Future`` whose value is the averaged buffer, written back to
+        ``.grad`` when the backward ends. torch's hooks work unchanged (``default_hooks``,
+        the compress wrappers, PowerSGD, also on Gloo with several buckets, and
+        ``bf16_compress_hook``, which torch's DDP refuses without NCCL); phalanx's own, in
+        :mod:`phalanx.comm_hooks`, compress on Gloo and NCCL. Unlike torch's, the hook never
+        sees the reducer's control tail: the unused-parameter counts go in a small extra
+        all-reduce of their own. With one process nothing is installed and the hook never
+        runs.
+
+        Args:
+            state: the hook's first argument (torch's default hooks: a process group or ``None``).
+            hook (Callable): ``hook(state, bucket) -> Future[Tensor]``, or a
+                :class:`~phalanx.ddp.comm_hook.PhasedHook`.
+
+        Raises:
+            TypeError: ``hook`` cannot be called as ``hook(state, bucket)``.
+            UsageError: a hook is registered already, a forward has run, gradients are
+                sharded (:meth:`shard_gradients`), or the model has sparse gradients.
+
+        .. warning::
+            Register on every rank, once, before the first forward (torch's rule). Hooks are
+            not pickled: register again after loading a pickled DDP.
+
+        Example::
+
+            >>> from phalanx import comm_hooks
+            >>> ddp.register_comm_hook(None, comm_hooks.bf16_compress_hook)
+            >>> state = comm_hooks.PowerSGDState(None, matrix_approximation_rank=4)
+            >>> other_ddp.register_comm_hook(state, comm_hooks.powerSGD_hook)
+        """
+        sharded = self._reducer is not None and isinstance(self._reducer.bucket_comm, ReduceToOwner)
+        sparse = [] if self._reducer is None else self._reducer.sparse_names()
+        check_registration(hook, self._comm_hook, self._forwarded, sharded, sparse)
+        self._comm_hook = (state, hook)
+        if self._reducer is not None:
+            self._build_reducer(None)
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch's C++ hooks: refused (``ValueError``); the Python ones do the same."""
+        raise ValueError(f"_register_builtin_comm_hook({comm_hook_type}) is torch's C++ hook API; phalanx runs "
+                         "Python hooks: register_comm_hook(None, default_hooks.allreduce_hook or "
+                         "fp16_compress_hook), or phalanx.comm_hooks' hooks")
 
     def gradient_bytes(self) -> int:
         """Bytes this rank holds for gradients now: ``.grad`` tensors and kept bucket buffers.
