@@ -35,6 +35,8 @@ _LAZY = {
     "TrainingState": "checkpoint",
     "PreemptionHandler": "checkpoint",
     "DistributedDataParallel": "ddp",
+    "DiLoCo": "comm_hooks",
+    "LocalSGD": "comm_hooks",
     "barrier": "process_group",
     "destroy_process_group": "process_group",
     "get_device": "process_group",
@@ -50,7 +52,9 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
+    from . import comm_hooks
     from .checkpoint import Checkpointer, PreemptionHandler, TrainingState
+    from .comm_hooks import DiLoCo, LocalSGD
     from .ddp import DistributedDataParallel
     from .process_group import (
         barrier,
@@ -83,9 +87,15 @@ _FROM_TORCH_DISTRIBUTED = frozenset({
 })
 
 
+# Subpackages reachable as attributes without importing them first (phalanx.comm_hooks.X).
+_SUBPACKAGES = frozenset({"comm_hooks"})
+
+
 def __getattr__(name: str):
     if name in _FROM_TORCH_DISTRIBUTED:
         return getattr(import_module("torch.distributed"), name)
+    if name in _SUBPACKAGES:
+        return import_module(f".{name}", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
@@ -100,10 +110,12 @@ __all__ = [
     "AlreadyInitializedError",
     "CheckpointError",
     "Checkpointer",
+    "DiLoCo",
     "DistEnv",
     "DistributedDataParallel",
     "DistributedSampler",
     "EnvironmentConfigError",
+    "LocalSGD",
     "NotInitializedError",
     "PhalanxError",
     "PreemptionHandler",
@@ -115,6 +127,7 @@ __all__ = [
     "UsageError",
     "ZeroRedundancyOptimizer",
     "barrier",
+    "comm_hooks",
     "destroy_process_group",
     "get_device",
     "get_local_rank",

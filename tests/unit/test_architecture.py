@@ -26,6 +26,7 @@ ALLOWED = {
     "sync_batchnorm": set(),
     "ddp": {"comm", "agreement", "errors", "_logging"},
     "zero": {"comm", "agreement", "errors"},
+    "comm_hooks": {"comm", "ddp"},
     "checkpoint": {"comm", "agreement", "process_group", "errors", "_logging", "ddp"},
     "launcher": {"env", "errors", "_logging"},
     "bench": {"ddp", "process_group", "launcher"},
