@@ -119,6 +119,8 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:
+    from .bench.options import add_comm_hook_option  # no torch
+
     parser = commands.add_parser(
         "bench", help="phalanx DDP vs torch DDP vs one process, side by side",
         description=_BENCH_DOC, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -130,6 +132,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     add("--nproc", type=int, default=2, help="processes for the DDP runs (default 2)")
     add("--bucket-mb", "--bucket_mb", type=float, default=None,
         help="bucket cap in MiB for both DDPs (default: theirs, 25 MiB with a 1 MiB first bucket)")
+    add_comm_hook_option(add)
     add("--steps", type=int, default=10, help="timed steps per repeat (default 10)")
     add("--repeats", type=int, default=3, help="fresh models per implementation (default 3)")
     add("--warmup", type=int, default=3, help="untimed steps per repeat (default 3)")
@@ -225,6 +228,7 @@ def _bench(args: argparse.Namespace) -> int:
               "--threads", str(args.threads)]
     if args.bucket_mb is not None:
         common += ["--bucket-cap-mb", str(args.bucket_mb)]
+    common += ["--comm-hook", args.comm_hook]
     results = {}
     for name, nproc, impls in (("alone", 1, ("bare", "phalanx")), ("ddp", args.nproc, ("phalanx", "torch"))):
         print(f"phalanx bench: {'/'.join(impls)} on {nproc} process(es)...", file=sys.stderr, flush=True)
@@ -237,7 +241,7 @@ def _bench(args: argparse.Namespace) -> int:
     settings = {k: v for k, v in vars(args).items() if k != "handler"}
     (out / "bench.json").write_text(json.dumps({"rows": rows, "settings": settings}, indent=2))
     print(f"\n{args.nproc} processes, Gloo, {args.threads} thread(s) and batch {args.batch_size} "
-          f"per process, bucket cap {args.bucket_mb or 'default'}\n")
+          f"per process, bucket cap {args.bucket_mb or 'default'}, comm hook {args.comm_hook}\n")
     print(bench_report.format_table(rows))
     if not args.no_plot:
         print(f"\nchart: {bench_report.plot(rows, out / 'bench.png')}")

@@ -8,6 +8,8 @@ The files, in the order data flows through them:
 ``report.py``
     No torch: turns the step times into the table (medians, paired ratio, scaling
     efficiency, exposed communication) and the chart.
+``options.py``
+    No torch: ``--comm-hook``, shared by the engine and the ``phalanx bench`` command.
 ``ranks.py``
     No torch: how every benchmark script starts its ranks, through the launcher's
     :func:`~phalanx.launcher.launch` as ``phalanx bench`` does, and reads rank 0's result.
