@@ -149,7 +149,7 @@ def _registration_errors(rank, world_size):
     ddp = phalanx.DistributedDataParallel(nn.Linear(3, 3))
     out["not callable"] = error_of(ddp.register_comm_hook, None, 42)
     out["arity"] = error_of(ddp.register_comm_hook, None, lambda bucket: bucket)
-    out["builtin"] = error_of(ddp._register_builtin_comm_hook, dist.BuiltinCommHookType.ALLREDUCE)
+    out["builtin"] = error_of(lambda: ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE))
     ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     out["twice"] = error_of(ddp.register_comm_hook, None, default_hooks.allreduce_hook)
     late = phalanx.DistributedDataParallel(nn.Linear(3, 3))
@@ -182,7 +182,10 @@ def test_registration_errors():
     assert out["not callable"] == ("TypeError", "a communication hook must be callable as hook(state, bucket) "
                                    "-> Future, got int")
     assert out["arity"][0] == "TypeError" and "is called as hook(state, bucket)" in out["arity"][1]
-    assert out["builtin"][0] == "ValueError" and "register_comm_hook(None, default_hooks" in out["builtin"][1]
+    assert out["builtin"] == ("AttributeError", "phalanx's DistributedDataParallel has no "
+                              "'_register_builtin_comm_hook': torch's C++ hooks are not there; register their "
+                              "Python twins with register_comm_hook(None, default_hooks.allreduce_hook or "
+                              "fp16_compress_hook), or phalanx.comm_hooks' hooks")
     assert out["twice"] == ("UsageError", "register_comm_hook can be called once per DistributedDataParallel "
                             "(as in torch); allreduce_hook is registered already")
     assert out["late"][0] == "UsageError" and "before the first forward" in out["late"][1]

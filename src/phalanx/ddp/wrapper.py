@@ -390,41 +390,21 @@ class DistributedDataParallel(nn.Module):
             self._build_reducer(owners)
 
     def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], torch.futures.Future]) -> None:
-        """Reduce each bucket with ``hook(state, bucket)`` instead of the built-in all-reduce.
+        """Reduce each bucket with ``hook(state, bucket)`` (torch's contract) instead of the all-reduce.
 
-        torch's contract (:mod:`phalanx.ddp.comm_hook` has the details): ``bucket`` has the
-        methods of ``torch.distributed.GradBucket`` (``index()``, ``buffer()``,
-        ``gradients()``, ``parameters()``, ``is_last()``, ``set_buffer()``); its buffer holds
-        this rank's gradients, *not* divided by the world size; the hook returns a
-        ``torch.futures.Future`` whose value is the averaged buffer, written back to
-        ``.grad`` when the backward ends. torch's hooks work unchanged (``default_hooks``,
-        the compress wrappers, PowerSGD, also on Gloo with several buckets, and
-        ``bf16_compress_hook``, which torch's DDP refuses without NCCL); phalanx's own, in
-        :mod:`phalanx.comm_hooks`, compress on Gloo and NCCL. Unlike torch's, the hook never
-        sees the reducer's control tail: the unused-parameter counts go in a small extra
-        all-reduce of their own. With one process nothing is installed and the hook never
-        runs.
-
-        Args:
-            state: the hook's first argument (torch's default hooks: a process group or ``None``).
-            hook (Callable): ``hook(state, bucket) -> Future[Tensor]``, or a
-                :class:`~phalanx.ddp.comm_hook.PhasedHook`.
+        The contract, and where phalanx differs from torch, are in :mod:`phalanx.ddp.comm_hook`:
+        torch's hooks work unchanged (PowerSGD also with several buckets on Gloo, bf16 also
+        without NCCL); :mod:`phalanx.comm_hooks` has phalanx's. Call it on every rank, once,
+        before the first forward (torch's rule), and again after unpickling.
 
         Raises:
             TypeError: ``hook`` cannot be called as ``hook(state, bucket)``.
-            UsageError: a hook is registered already, a forward has run, gradients are
-                sharded (:meth:`shard_gradients`), or the model has sparse gradients.
-
-        .. warning::
-            Register on every rank, once, before the first forward (torch's rule). Hooks are
-            not pickled: register again after loading a pickled DDP.
+            UsageError: registered already, after a forward, with :meth:`shard_gradients`,
+                or for a model with sparse gradients.
 
         Example::
 
-            >>> from phalanx import comm_hooks
-            >>> ddp.register_comm_hook(None, comm_hooks.bf16_compress_hook)
-            >>> state = comm_hooks.PowerSGDState(None, matrix_approximation_rank=4)
-            >>> other_ddp.register_comm_hook(state, comm_hooks.powerSGD_hook)
+            >>> ddp.register_comm_hook(None, phalanx.comm_hooks.bf16_compress_hook)
         """
         sharded = self._reducer is not None and isinstance(self._reducer.bucket_comm, ReduceToOwner)
         sparse = [] if self._reducer is None else self._reducer.sparse_names()
@@ -432,12 +412,6 @@ class DistributedDataParallel(nn.Module):
         self._comm_hook = (state, hook)
         if self._reducer is not None:
             self._build_reducer(None)
-
-    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
-        """torch's C++ hooks: refused (``ValueError``); the Python ones do the same."""
-        raise ValueError(f"_register_builtin_comm_hook({comm_hook_type}) is torch's C++ hook API; phalanx runs "
-                         "Python hooks: register_comm_hook(None, default_hooks.allreduce_hook or "
-                         "fp16_compress_hook), or phalanx.comm_hooks' hooks")
 
     def gradient_bytes(self) -> int:
         """Bytes this rank holds for gradients now: ``.grad`` tensors and kept bucket buffers.
