@@ -191,7 +191,9 @@ def measure(args: argparse.Namespace) -> dict:
 
 # ------------------------------------------------------------- orchestration (no torch) ----
 def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"bench_slow_link: `ip {' '.join(args)}` failed: {done.stderr.strip()}")
 
 
 @contextlib.contextmanager
@@ -213,8 +215,8 @@ def linked_namespaces(rate: str):
             _ip("-n", ns, "link", "set", "lo", "up")
             # burst: 1 MiB, several 64 KiB segments (veth offloads segmentation), so that
             # the rate, not the bucket, is the limit; latency: how long a packet may queue
-            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                            rate, "burst", "1mb", "latency", "100ms"], check=True, capture_output=True, text=True)
+            _ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+                "burst", "1mb", "latency", "100ms")
         yield nodes
     finally:
         for ns in created:  # deleting a namespace deletes its end of the veth pair (and the other)

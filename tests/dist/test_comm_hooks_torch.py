@@ -14,6 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import phalanx
+from phalanx import comm_hooks
 from phalanx.ddp.comm_hook import GradBucket
 from tests.harness import error_of, run_ranks
 
@@ -81,6 +82,26 @@ def _against_torch(rank, world_size, steps=5):
         got, want, exact = (_grads_after(m, steps, rank) for m in (ours, theirs, plain))
         out[name] = ([(g - w).abs().max().item() / w.abs().max().item() for g, w in zip(got, want)],
                      [(g - e).abs().max().item() / e.abs().max().item() for g, e in zip(got, exact)])
+    # gradients as views into the buckets: the hook's in-place work lands in .grad
+    for name in ("allreduce", "powerSGD"):
+        torch_hook, our_hook, make_state = _hooks()[name]
+        theirs = TorchDDP(_net(), bucket_cap_mb=ONE_BUCKET_MB)
+        theirs.register_comm_hook(make_state(), torch_hook)
+        ours = phalanx.DistributedDataParallel(_net(), bucket_cap_mb=ONE_BUCKET_MB, gradient_as_bucket_view=True)
+        ours.register_comm_hook(make_state(), our_hook)
+        got, want = (_grads_after(m, steps, rank) for m in (ours, theirs))
+        out[f"{name} as view"] = ([(g - w).abs().max().item() / w.abs().max().item() for g, w in zip(got, want)],
+                                  out[name][1])
+    # phalanx's phased hooks on torch's DDP (called as plain hooks: all phases at once)
+    for name in ("bf16", "powersgd"):
+        grads = []
+        for make in (TorchDDP, phalanx.DistributedDataParallel):
+            model = make(_net(), bucket_cap_mb=ONE_BUCKET_MB)
+            state, hook = (comm_hooks.by_name(name, start_powerSGD_iter=2) if name == "powersgd"
+                           else comm_hooks.by_name(name))
+            model.register_comm_hook(state, _for_torch(hook) if make is TorchDDP else hook)
+            grads.append(_grads_after(model, steps, rank))
+        out[f"phalanx {name} on torch"] = max((a - b).abs().max().item() for a, b in zip(*grads))
     # torch 2.13's batched_powerSGD_hook fails once it compresses (_orthogonalize asserts a 3-D
     # batch, the hook passes a matrix), on its own DDP as on ours: the same until then
     batched = []
@@ -104,11 +125,13 @@ def test_torchs_hooks_give_torchs_gradients(world_size):
         # fp16: 10 bits of mantissa, bf16: 7).
         ulp = {"fp16": 2**-10, "fp16_wrapper": 2**-10, "bf16": 2**-7, "bf16_wrapper": 2**-7}
         tolerance = 0.0 if world_size == 2 else 1e-6
+        for name in ("bf16", "powersgd"):  # the same operations on the same buckets
+            assert rank_result.pop(f"phalanx {name} on torch") <= tolerance, name
         diff, their_error, our_error = rank_result.pop("batched_powerSGD")
         assert diff <= tolerance and our_error == their_error == ("AssertionError", "")
         for name, (to_torch, to_exact) in rank_result.items():
             assert max(to_torch) <= (0.0 if world_size == 2 else ulp.get(name, 1e-6)), (name, to_torch)
-            if name == "powerSGD":  # rank 2 of 32x32 matrices is lossy, but not before iteration 2
+            if name.startswith("powerSGD"):  # rank 2 of 32x32 matrices is lossy, but not before iteration 2
                 assert to_exact[0] == to_exact[1] == 0.0 and min(to_exact[2:]) > 1e-3, to_exact
             else:  # an average within the hook's precision
                 assert max(to_exact) <= 4 * ulp.get(name, 0.0), (name, to_exact)

@@ -121,7 +121,7 @@ class PhasedHook:
         self.__name__ = self.__qualname__ = name or getattr(phases, "__name__", "phased_hook")
         self.__doc__ = getattr(phases, "__doc__", None)
 
-    def __call__(self, state: Any, bucket: Any) -> torch.futures.Future:
+    def __call__(self, state, bucket):  # unannotated: torch's DDP checks the annotations it finds
         running = _Running(self.phases(state, bucket))
         while not running.done:
             running.advance()
