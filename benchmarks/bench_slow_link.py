@@ -84,6 +84,8 @@ def load_digits(model: str):
     if model == "mlp":
         for i in (0, 2):
             tensors[i] = F.interpolate(tensors[i], size=32, mode="bilinear", align_corners=False).flatten(1)
+        mean, std = tensors[0].mean(), tensors[0].std()  # standardised with the training set's statistics
+        tensors[0], tensors[2] = (tensors[0] - mean) / std, (tensors[2] - mean) / std
     return tensors
 
 

@@ -29,6 +29,11 @@ handle is resumed by the reducer's thread at fixed points only: before each late
 launched, every unfinished phased hook advances by one phase (waiting for its pending
 collective), and the end of the backward finishes them in bucket order. Where a phase ends
 therefore depends on the bucket sequence alone, the same on every rank.
+
+**Refused**: a hook with ZeRO stage 2 (buckets reduced to their owner, not averaged),
+with sparse gradients (phalanx all-reduces them outside the buckets), registered twice or
+after a forward. With one process no reducer exists and the hook never runs. A pickled
+DDP comes back without its hook.
 """
 
 from __future__ import annotations

@@ -77,8 +77,9 @@ class Reducer:
         named_params: ``(name, parameter)`` pairs the ``plan`` indexes into.
         plan: buckets in launch order, from :func:`phalanx.ddp.bucketing.plan_buckets`; not empty.
         bucket_comm (BucketComm): how each bucket is reduced:
-            :class:`~phalanx.ddp.bucket_comm.AllReduceMean` or
-            :class:`~phalanx.ddp.bucket_comm.ReduceToOwner`.
+            :class:`~phalanx.ddp.bucket_comm.AllReduceMean`,
+            :class:`~phalanx.ddp.bucket_comm.ReduceToOwner` or, with a communication hook,
+            :class:`~phalanx.ddp.comm_hook.HookComm` (divisor 1: the hook averages).
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket (saves memory
             and the copy back). Default ``False``.
         find_unused_parameters: walk the graph after each forward to find parameters that
