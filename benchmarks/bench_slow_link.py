@@ -36,13 +36,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from phalanx.bench.netns import NamespaceError, veth_namespaces
 from phalanx.bench.ranks import RESULT_FLAG, launch_ranks, serve
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("torch", "torch-fp16", "torch-powersgd", "phalanx", "phalanx-fp16", "phalanx-bf16",
            "phalanx-powersgd", "phalanx-localsgd", "phalanx-diloco")
-# Addresses of the two namespaces (a private /24 no test or benchmark uses otherwise).
-SUBNET = "10.214.0"
+# The two namespaces' names and addresses (a private /24 no test or benchmark uses otherwise).
+PREFIX, SUBNET = "phxlink", "10.214.0"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -192,39 +193,6 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 # ------------------------------------------------------------- orchestration (no torch) ----
-def _ip(*args: str) -> None:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"bench_slow_link: `ip {' '.join(args)}` failed: {done.stderr.strip()}")
-
-
-@contextlib.contextmanager
-def linked_namespaces(rate: str):
-    """Two namespaces joined by a veth pair, each end limited to ``rate`` by tc's token bucket
-    filter: yields ``[(namespace, interface, address), ...]``; removes them on the way out."""
-    tag = os.getpid() % 100000
-    nodes = [(f"phxlink{tag}{s}", f"vlk{tag}{s}", f"{SUBNET}.{i + 1}") for i, s in enumerate("ab")]
-    created = []
-    try:
-        for ns, _, _ in nodes:
-            _ip("netns", "add", ns)
-            created.append(ns)
-        _ip("link", "add", nodes[0][1], "type", "veth", "peer", "name", nodes[1][1])
-        for ns, dev, addr in nodes:
-            _ip("link", "set", dev, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            # burst: 1 MiB, several 64 KiB segments (veth offloads segmentation), so that
-            # the rate, not the bucket, is the limit; latency: how long a packet may queue
-            _ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
-                "burst", "1mb", "latency", "100ms")
-        yield nodes
-    finally:
-        for ns in created:  # deleting a namespace deletes its end of the veth pair (and the other)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
 def _on_signals_raise():
     """SIGTERM/SIGHUP end the run like Ctrl-C does, so every ``finally`` cleans up."""
     def stop(signum, frame):
@@ -238,27 +206,33 @@ def run_on_namespaces(args: argparse.Namespace, argv: list[str]) -> dict:
     """Node 0 and node 1 (``phalanx run --nnodes 2``), one in each namespace; rank 0's result."""
     if os.geteuid() != 0:
         raise SystemExit("bench_slow_link: network namespaces and tc need root (or use --loopback)")
-    with linked_namespaces(args.rate) as nodes, tempfile.TemporaryDirectory() as scratch:
-        result = Path(scratch) / "result.json"
-        master = nodes[0][2]
-        procs = []
-        try:
-            for node, (ns, dev, _) in enumerate(nodes):
-                cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "phalanx", "run", "--nnodes", "2",
-                       "--node-rank", str(node), "--master-addr", master, "--master-port", "29500",
-                       "--nproc-per-node", "1", "--rdzv-timeout", "120", __file__, *argv,
-                       RESULT_FLAG, str(result)]
-                env = {**os.environ, "GLOO_SOCKET_IFNAME": dev, "PYTHONPATH": _pythonpath()}
-                procs.append(subprocess.Popen(cmd, env=env))
-            codes = [p.wait() for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()  # the launcher stops its worker
-                    p.wait(30)
-        if any(codes):
-            raise SystemExit(f"bench_slow_link: the nodes failed (exit {codes}); their output is above")
-        return json.loads(result.read_text())
+    try:
+        links = veth_namespaces(PREFIX, SUBNET, args.rate)
+        with links as nodes, tempfile.TemporaryDirectory() as scratch:
+            return _two_nodes(nodes, Path(scratch) / "result.json", argv)
+    except NamespaceError as e:
+        raise SystemExit(f"bench_slow_link: {e}") from None
+
+
+def _two_nodes(nodes: list[tuple[str, str, str]], result: Path, argv: list[str]) -> dict:
+    master = nodes[0][2]
+    procs = []
+    try:
+        for node, (ns, dev, _) in enumerate(nodes):
+            cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "phalanx", "run", "--nnodes", "2",
+                   "--node-rank", str(node), "--master-addr", master, "--master-port", "29500",
+                   "--nproc-per-node", "1", "--rdzv-timeout", "120", __file__, *argv, RESULT_FLAG, str(result)]
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": dev, "PYTHONPATH": _pythonpath()}
+            procs.append(subprocess.Popen(cmd, env=env))
+        codes = [p.wait() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()  # the launcher stops its worker
+                p.wait(30)
+    if any(codes):
+        raise SystemExit(f"bench_slow_link: the nodes failed (exit {codes}); their output is above")
+    return json.loads(result.read_text())
 
 
 def _pythonpath() -> str:

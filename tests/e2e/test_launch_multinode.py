@@ -13,11 +13,11 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 
 import pytest
 import torch
 
+from phalanx.bench.netns import NamespaceError, veth_namespaces
 from tests.e2e.launch_helpers import (
     BEHAVE,
     TRAIN,
@@ -74,33 +74,13 @@ def _veth_namespaces():
         pytest.skip("network namespaces need root")
     if shutil.which("ip") is None:
         pytest.skip("the `ip` command (iproute2) is not installed")
-    tag = os.getpid() % 100000
-    names = [f"phx{tag}a", f"phx{tag}b"]
-    nodes = [(names[0], f"vphx{tag}a", "10.213.0.1"), (names[1], f"vphx{tag}b", "10.213.0.2")]
-
-    def ip(*args):
-        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-    created = []
     try:
-        for ns in names:
-            try:
-                ip("netns", "add", ns)
-            except subprocess.CalledProcessError as e:
-                if not created:  # root, but not allowed to (no CAP_SYS_ADMIN, say)
-                    pytest.skip(f"cannot create a network namespace: {e.stderr.strip()}")
-                raise
-            created.append(ns)
-        ip("link", "add", nodes[0][1], "type", "veth", "peer", "name", nodes[1][1])
-        for ns, dev, addr in nodes:
-            ip("link", "set", dev, "netns", ns)
-            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            ip("-n", ns, "link", "set", dev, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-        yield nodes
-    finally:
-        for ns in created:  # deleting a namespace deletes its end of the veth pair
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        with veth_namespaces("phx", "10.213.0") as nodes:
+            yield nodes
+    except NamespaceError as e:
+        if e.nothing_created:  # root, but not allowed to (no CAP_SYS_ADMIN, say)
+            pytest.skip(f"cannot create a network namespace: {e}")
+        raise
 
 
 def test_two_nodes_in_network_namespaces_equal_one_node(tmp_path, reference):

@@ -36,7 +36,7 @@ ALLOWED = {
 # Parts that must not import torch when imported (the launcher starts before its workers and
 # must not pay torch's seconds of import first); imports inside functions are allowed.
 TORCH_FREE = {"errors", "env", "_logging", "launcher", "cli", "__main__", "bench.report",
-              "bench.ranks", "bench.options", "bench"}
+              "bench.ranks", "bench.options", "bench.netns", "bench"}
 
 
 def _part(module: str) -> str:
