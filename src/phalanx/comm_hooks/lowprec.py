@@ -24,6 +24,7 @@ size, and no extra collective for the scales.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -97,7 +98,7 @@ def _scale(values: torch.Tensor) -> float:
     largest = max(-low.item(), high.item())
     if not 0.0 < largest < float("inf"):  # zeros, or inf/nan that no scale can save: sent as they are
         return 1.0
-    exponent = TARGET_EXPONENT - 1 - torch.tensor(largest).log2().floor().item()
+    exponent = TARGET_EXPONENT - math.frexp(largest)[1]  # largest in [2**(e-1), 2**e)
     return 2.0 ** min(MAX_EXPONENT, max(MIN_EXPONENT, exponent))
 
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..ddp.comm_hook import run_phases
 from .lowprec import DTYPES, average_16bit
 
 
@@ -55,14 +56,7 @@ def average_(flat: torch.Tensor, group: dist.ProcessGroup | None, compress: str 
     if compress is None:
         dist.all_reduce(flat, group=group)
         return flat.div_(dist.get_world_size(group))
-    phases = average_16bit(flat, DTYPES[compress], group)
-    try:
-        work = next(phases)
-        while True:
-            work.wait()
-            work = phases.send(None)
-    except StopIteration:
-        return flat
+    return run_phases(average_16bit(flat, DTYPES[compress], group))
 
 
 class _Periodic:
@@ -169,8 +163,8 @@ class DiLoCo(_Periodic):
 
     .. note::
         As :class:`LocalSGD`: call :meth:`step` instead of ``inner_optimizer.step()``. DiLoCo
-        keeps an fp32... copy of the parameters in their dtype and the outer momentum: two
-        more copies of the model per rank.
+        keeps the global parameters and the outer momentum: two more copies of the model
+        per rank.
 
     Args:
         model (nn.Module): phalanx's or torch's DDP, or a plain module.

@@ -127,11 +127,8 @@ class PhasedHook:
         self.__doc__ = getattr(phases, "__doc__", None)
 
     def __call__(self, state, bucket):  # unannotated: torch's DDP checks the annotations it finds
-        running = _Running(self.phases(state, bucket))
-        while not running.done:
-            running.advance()
         future: torch.futures.Future = torch.futures.Future()
-        future.set_result(running.result)
+        future.set_result(run_phases(self.phases(state, bucket)))
         return future
 
     def __repr__(self) -> str:
@@ -160,6 +157,15 @@ class _Running:
         """Wait for the pending collective and run the next phase."""
         self._work.wait()
         self._resume()
+
+
+def run_phases(phases: Phases) -> Any:
+    """Run a phased hook's (or any such generator's) phases one after the other, waiting for
+    each collective; return its result."""
+    running = _Running(phases)
+    while not running.done:
+        running.advance()
+    return running.result
 
 
 class HookWork:
