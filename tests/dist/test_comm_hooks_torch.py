@@ -191,6 +191,23 @@ def _registration_errors(rank, world_size):
     zero_ddp.shard_gradients(zero)
     out["after shard"] = error_of(zero_ddp.register_comm_hook, None, default_hooks.allreduce_hook)
     out["shard after"] = error_of(ddp.shard_gradients, zero)
+    out["bench"] = _bench_engine_hooks()
+    return out
+
+
+def _bench_engine_hooks():
+    """phalanx bench --comm-hook: each name on both DDPs; the losses of a step must agree."""
+    from phalanx.bench.engine import Trainer, build, make_batch
+
+    batch = make_batch("cnn", 4, seed=1)
+    out = {}
+    for name in ("none", "fp16", "bf16", "powersgd"):
+        models = {impl: build("cnn", impl, comm_hook=name) for impl in ("phalanx", "torch")}
+        for model in models.values():
+            Trainer(model, batch).step()
+        hooked = {impl: getattr(m, "_comm_hook", None) is not None or bool(getattr(m, "_comm_hooks", []))
+                  for impl, m in models.items()}
+        out[name] = (hooked, models["torch"].bucket_bytes_cap)
     return out
 
 
@@ -219,6 +236,12 @@ def test_registration_errors():
     assert out["sparse"][0] == "UsageError" and "['0.weight'] have sparse gradients" in out["sparse"][1]
     assert out["after shard"][0] == "UsageError" and "ZeRO stage 2 reduces each bucket" in out["after shard"][1]
     assert out["shard after"][0] == "UsageError" and "shard_gradients() after register_comm_hook()" in out["shard after"][1]
+    # phalanx bench --comm-hook NAME registers NAME on both DDPs (torch's PowerSGD: one bucket)
+    bench = out["bench"]
+    assert bench["none"][0] == {"phalanx": False, "torch": False}
+    for name in ("fp16", "bf16", "powersgd"):
+        assert bench[name][0] == {"phalanx": True, "torch": True}, name
+    assert bench["powersgd"][1] == 1e6 * 2**20 and bench["none"][1] == 25 * 2**20
 
 
 def test_grad_bucket_has_torchs_methods():
