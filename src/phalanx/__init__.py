@@ -15,9 +15,12 @@ from .env import DistEnv
 from .errors import (
     AlreadyInitializedError,
     CheckpointError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
     EnvironmentConfigError,
     NotInitializedError,
     PhalanxError,
+    RankExitedError,
     RankMismatchError,
     RendezvousError,
     UnusedParametersError,
@@ -69,7 +72,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
 
 # torch.distributed's own collectives and types, reachable as phalanx.X so that
 # `import phalanx as dist` replaces `import torch.distributed as dist` in a script: phalanx
-# writes no collective of its own, every one of these *is* torch's.
+# writes no collective of its own, every one of these is torch's; the group collectives are
+# checked across ranks and recorded first (phalanx.diagnostics.collectives).
 _FROM_TORCH_DISTRIBUTED = frozenset({
     "Backend", "GroupMember", "P2POp", "ProcessGroup", "ReduceOp", "Work",
     "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
@@ -84,6 +88,9 @@ _FROM_TORCH_DISTRIBUTED = frozenset({
 
 def __getattr__(name: str):
     if name in _FROM_TORCH_DISTRIBUTED:
+        collectives = import_module(".diagnostics.collectives", __name__)
+        if name in collectives.CHECKED:  # checked and recorded first (phalanx.diagnostics)
+            return collectives.checked(name)
         return getattr(import_module("torch.distributed"), name)
     module = _LAZY.get(name)
     if module is None:
@@ -99,6 +106,8 @@ __all__ = [
     "AlreadyInitializedError",
     "CheckpointError",
     "Checkpointer",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "DistEnv",
     "DistributedDataParallel",
     "DistributedSampler",
@@ -106,6 +115,7 @@ __all__ = [
     "NotInitializedError",
     "PhalanxError",
     "PreemptionHandler",
+    "RankExitedError",
     "RankMismatchError",
     "RendezvousError",
     "SyncBatchNorm",

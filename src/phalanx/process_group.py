@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from . import env as _env
+from .diagnostics.log import call_site
+from .diagnostics.monitor import Diagnostics
 from .errors import AlreadyInitializedError, NotInitializedError, RendezvousError
 
 # torch's backend names; anything else is refused before c10d sees it.
@@ -62,9 +64,11 @@ def _uses_cuda(backend: str) -> bool:
     return "nccl" in backend or backend == "xccl"
 
 
-def _default_timeout(backend: str) -> timedelta:
-    # torch's own defaults: 10 minutes for NCCL, 30 minutes otherwise.
-    return timedelta(minutes=10) if backend == "nccl" else timedelta(minutes=30)
+# The watchdog limit: how long a collective may wait before every rank reports where it is
+# (phalanx.diagnostics.hang). torch waits 30 minutes (10 with NCCL) before saying anything;
+# 5 minutes is long against any step or checkpoint write a rank may wait for, and short
+# against a job's hours.
+DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 
 def _make_store(env: _env.DistEnv, timeout: timedelta) -> dist.Store:
@@ -195,7 +199,7 @@ def init_process_group(
         )
     backend = _resolve_backend(backend, found)
     if timeout is None:
-        timeout = _default_timeout(backend)
+        timeout = DEFAULT_TIMEOUT
     if _uses_cuda(backend) and torch.cuda.is_available():
         torch.cuda.set_device(found.local_rank)
         if device_id is None:
@@ -219,7 +223,31 @@ def init_process_group(
         pg_options=pg_options,
         device_id=device_id,
     )
+    _start_diagnostics(backend, timeout, store)
     return found
+
+
+# The diagnostics of this process's default group (phalanx.diagnostics), or None. Like torch's
+# own default group, it is process-wide: every collective of the process reports to it.
+_diagnostics: Diagnostics | None = None
+
+
+def _start_diagnostics(backend: str, timeout: timedelta, store: dist.Store | None) -> None:
+    global _diagnostics
+    if dist.get_world_size() == 1:
+        return
+    if store is None:  # torch made it from init_method
+        store = dist.distributed_c10d._get_default_store()
+    check_group = dist.new_group(backend="gloo") if "nccl" in backend else None
+    _diagnostics = Diagnostics(store, timeout.total_seconds(), _env.diagnosis_file(),
+                               check_group=check_group)
+
+
+def diagnostics() -> Diagnostics | None:
+    """This process's :class:`~phalanx.diagnostics.Diagnostics`, or ``None`` (no process group,
+    a single process, or switched off with ``enabled = False``)."""
+    diag = _diagnostics
+    return diag if diag is not None and diag.enabled else None
 
 
 # torch 2.13's Gloo threads may still owe a finished collective its clean-up, which takes the
@@ -231,9 +259,14 @@ _GLOO_SETTLE_S = 0.05
 
 def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
     """Leave the job (or destroy ``group``). A no-op when nothing is initialised."""
-    if dist.is_initialized():
-        time.sleep(_GLOO_SETTLE_S)  # releases the GIL: see _GLOO_SETTLE_S
-        dist.destroy_process_group(group)
+    global _diagnostics
+    if not dist.is_initialized():
+        return
+    if group is None and _diagnostics is not None:
+        diag, _diagnostics = _diagnostics, None
+        diag.close()
+    time.sleep(_GLOO_SETTLE_S)  # releases the GIL: see _GLOO_SETTLE_S
+    dist.destroy_process_group(group)
 
 
 def is_initialized() -> bool:
@@ -283,4 +316,10 @@ def barrier(
         raise NotInitializedError("barrier() needs init_process_group() to have been called")
     if device_ids is None and dist.get_backend(group) == "nccl":
         device_ids = [torch.cuda.current_device()]
-    return dist.barrier(group, async_op=async_op, device_ids=device_ids)
+    diag = diagnostics()
+    if diag is None or dist.get_world_size(group) == 1:
+        return dist.barrier(group, async_op=async_op, device_ids=device_ids)
+    site = call_site(2)
+    diag.sync_point("barrier", group, site=site)
+    with diag.collective("barrier", (), group, site):
+        return dist.barrier(group, async_op=async_op, device_ids=device_ids)

@@ -1,0 +1,232 @@
+"""The per-process diagnostics: collective logs per group, sync points, hang reports.
+
+:class:`Diagnostics` is made by :func:`phalanx.init_process_group` and found with
+:func:`phalanx.process_group.diagnostics`. Everything that issues a collective tells it:
+``begin`` before, ``end`` after (``fail`` when a wait raised). A *sync point* is where the
+ranks check that they agree: one tiny all-reduce (MAX over ``[h, -h]``, ``h`` a CRC-32 of
+the point and of every collective since the previous point: equal everywhere iff MAX == MIN),
+issued before a script's own collectives (``phalanx.all_reduce`` and the others), before each
+synchronising DDP forward, a checkpoint, a preemption check and ``destroy_process_group``.
+When the ranks disagree, every rank learns every rank's collectives since the last point and
+raises :class:`~phalanx.errors.CollectiveMismatchError` naming the first one that differs and
+where each rank issued it, before any payload of the wrong size can reach Gloo (which would
+abort the process).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import zlib
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError, RankExitedError
+from .hang import Watchdog, assemble, snapshot
+from .log import CollectiveLog, Record, call_site, describe_tensors
+
+# Signal that interrupts a rank's main thread (a late rank outside any collective) to raise
+# the final hang report: a real-time signal, which nothing in torch or the launcher uses
+# (SIGUSR1/SIGUSR2 are preemption signals).
+INTERRUPT_SIGNAL = signal.SIGRTMIN + 3
+
+# What Gloo says when it gives up waiting (unbound_buffer.cc "Timed out waiting ... for recv")
+# and when a peer is gone (pair.cc "Connection closed by peer", "Connection reset by peer").
+_TIMEOUT_WORDS = ("Timed out", "timed out", "Timeout", "timeout")
+_LOST_WORDS = ("Connection closed", "Connection reset", "Broken pipe", "Read error")
+
+
+def _kind(error: BaseException) -> str | None:
+    text = str(error)
+    if any(w in text for w in _LOST_WORDS):
+        return "lost"
+    if any(w in text for w in _TIMEOUT_WORDS):
+        return "timeout"
+    return None
+
+
+class Diagnostics:
+    """This process's view of its collectives (see the module notes).
+
+    Args:
+        store: the job's store; the watchdog thread uses a clone of it.
+        timeout_s: the watchdog limit (the process group's timeout), for the reports.
+        report_file: where to write the final report for ``phalanx run`` (``None``: nowhere).
+        check_group: a Gloo group over the world for sync points when the world is on NCCL
+            (CPU tensors never synchronise the GPU). Default ``None``: the world itself.
+    """
+
+    def __init__(self, store: Any, timeout_s: float, report_file: str | None = None,
+                 check_group: dist.ProcessGroup | None = None) -> None:
+        self.rank = dist.get_rank()
+        self.enabled = True  # False: every collective goes unchecked and unrecorded
+        self.timeout_s = timeout_s
+        self.report_file = report_file
+        self._check_group = check_group
+        self.logs: dict[str, CollectiveLog] = {}
+        self._names: dict[int, str] = {}
+        self.failing = False
+        self._pending: BaseException | None = None
+        self._main = threading.main_thread().ident
+        self._previous_handler = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(INTERRUPT_SIGNAL, self._interrupted)
+        self._watchdog = Watchdog(dist.PrefixStore("phalanx/diag/", store.clone()), self.rank,
+                                  lambda: snapshot(self.rank, self.logs), self._deliver)
+
+    # ---- the log ------------------------------------------------------------------------
+    def group_name(self, group: dist.ProcessGroup | None) -> str:
+        if group is None or group is dist.group.WORLD:
+            return "world"
+        name = self._names.get(id(group))
+        if name is None:
+            ranks = dist.get_process_group_ranks(group)
+            name = self._names[id(group)] = f"ranks {','.join(map(str, ranks))}"
+        return name
+
+    def log(self, group: dist.ProcessGroup | None) -> CollectiveLog:
+        name = self.group_name(group)
+        log = self.logs.get(name)
+        if log is None:
+            log = self.logs[name] = CollectiveLog()
+        return log
+
+    def begin(self, op: str, tensors: Sequence[Any], group: dist.ProcessGroup | None,
+              site: str | None = None) -> Record:
+        dtype, shape = describe_tensors(tensors)
+        return self.log(group).begin(op, dtype, shape, self.group_name(group), site or call_site(3))
+
+    @staticmethod
+    def end(record: Record) -> None:
+        CollectiveLog.end(record)
+
+    @contextmanager
+    def collective(self, op: str, tensors: Sequence[Any], group: dist.ProcessGroup | None,
+                   site: str | None = None) -> Iterator[Record]:
+        """Record the collective issued inside; a failure of it raises the hang report."""
+        record = self.begin(op, tensors, group, site or call_site(3))
+        try:
+            yield record
+        except RuntimeError as e:
+            raise self.fail(record, e) from e
+        finally:
+            if record.end is None:
+                self.end(record)
+
+    # ---- sync points ----------------------------------------------------------------------
+    def sync_point(self, what: str, group: dist.ProcessGroup | None = None,
+                   extra: Sequence[int] = (), site: str | None = None) -> list[int]:
+        """Every rank of ``group`` checks here that it agrees with the others on ``what`` and
+        on the collectives since the last point; returns ``extra`` reduced with MAX.
+
+        Raises:
+            CollectiveMismatchError: on every rank, naming what each rank is at.
+        """
+        site = site or call_site(2)
+        log = self.log(group)
+        h = zlib.crc32(what.encode(), log.fingerprint)
+        payload = torch.tensor([h, -h, *extra], dtype=torch.int64)
+        on = self._check_group if self._check_group is not None and group is None else group
+        with self.collective(f"check before {what}", (), group, site):
+            dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=on)
+        agree = payload[0].item() == -payload[1].item()
+        since = log.since_check[:-1]  # without this check itself
+        log.checked()  # after a mismatch too: every rank has reached this point
+        if not agree:
+            self._mismatch(what, site, since, on)
+        return payload[2:].tolist()
+
+    def _mismatch(self, what: str, site: str, since: list[str], group: Any) -> None:
+        mine = {"rank": dist.get_rank(), "at": f"{what} ({site})", "since": since}
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        raise CollectiveMismatchError(mismatch_message(everyone))
+
+    # ---- failures -------------------------------------------------------------------------
+    def fail(self, record: Record, error: RuntimeError) -> RuntimeError:
+        """The error to raise for ``record``'s failed collective: the hang report when the
+        collective timed out or a peer left, else ``error`` itself."""
+        kind = _kind(error)
+        if kind is None or isinstance(error, (CollectiveTimeoutError, RankExitedError)):
+            CollectiveLog.end(record, failed=True)
+            return error
+        self.failing = True
+        waited = {"seq": record.seq, "desc": record.describe()}
+        try:
+            final = self._watchdog.wait_final(0)
+            if final is None:
+                ranks = (list(range(dist.get_world_size())) if record.group == "world"
+                         else [int(r) for r in record.group.split()[1].split(",")])
+                snaps = self._watchdog.request(ranks)
+                final = self._watchdog.settle(*assemble(kind, self.rank, record.group, ranks,
+                                                        waited, snaps, self.timeout_s))
+        except Exception as store_error:  # the store is gone too: report what this rank knows
+            final = (f"{error}\n(no report from the other ranks: the store is unreachable: "
+                     f"{store_error})", [])
+        CollectiveLog.end(record, failed=True)  # in flight until now: so the snapshots say
+        self._write(*final)
+        cls = CollectiveTimeoutError if kind == "timeout" else RankExitedError
+        return cls(final[0], culprits=final[1])
+
+    def _write(self, text: str, culprits: list[int]) -> None:
+        if self.report_file is None:
+            return
+        try:
+            with open(self.report_file, "w") as f:
+                json.dump({"report": text, "culprits": culprits, "rank": self.rank}, f)
+        except OSError:
+            pass  # a report that cannot be written must not hide the error itself
+
+    def _deliver(self, text: str, culprits: list[int]) -> None:
+        """Watchdog thread: another rank's report is final."""
+        self._write(text, culprits)
+        busy = any(log.in_flight() is not None for log in self.logs.values())
+        if self.failing or busy or self._previous_handler is None:
+            return  # this rank's own collective will fail and raise it
+        self._pending = CollectiveTimeoutError(
+            f"Rank {self.rank} was stopped: another rank gave up waiting for it.\n{text}",
+            culprits=culprits)
+        signal.pthread_kill(self._main, INTERRUPT_SIGNAL)
+
+    def _interrupted(self, signum: int, frame: Any) -> None:
+        error, self._pending = self._pending, None
+        if error is not None:
+            self.failing = True
+            raise error
+
+    def close(self) -> None:
+        self._watchdog.close()
+        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(INTERRUPT_SIGNAL, self._previous_handler)
+            self._previous_handler = None
+
+
+def mismatch_message(everyone: list[dict[str, Any]]) -> str:
+    """Name the first collective that differs between ranks, and where each rank issued it;
+    or, if their collectives agree, the points the ranks are at."""
+    signatures = [[entry.split(" (")[0] for entry in info["since"]] for info in everyone]
+    longest = max(len(s) for s in signatures)
+    index = next((i for i in range(longest)
+                  if len({tuple(s[i:i + 1]) for s in signatures}) > 1), None)
+    if index is None:
+        where = {info["rank"]: info["at"] for info in everyone}
+        subject = "The ranks are at different collectives"
+    else:
+        where = {info["rank"]: (info["since"][index] if index < len(info["since"])
+                                else f"nothing more before {info['at']}") for info in everyone}
+        subject = "The ranks' collectives differ"
+    by_place: dict[str, list[int]] = {}
+    for rank, place in where.items():
+        by_place.setdefault(place, []).append(rank)
+    parts = [f"{'ranks' if len(r) > 1 else 'rank'} {', '.join(map(str, r))} "
+             f"{'are' if len(r) > 1 else 'is'} at {place}" for place, r in by_place.items()]
+    hint = ""
+    if any("DistributedDataParallel" in place for place in by_place) and len(by_place) > 1:
+        hint = (". A rank that runs out of batches before the others stops joining DDP's "
+                "steps: give every rank as many batches (DistributedSampler, drop_last) or "
+                "wrap the loop in `with model.join():`")
+    return f"{subject}: " + "; ".join(parts) + hint
