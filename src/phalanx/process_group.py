@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from . import env as _env
 from .diagnostics.log import call_site
+from .diagnostics import monitor
 from .diagnostics.monitor import Diagnostics
 from .errors import AlreadyInitializedError, NotInitializedError, RendezvousError
 
@@ -227,27 +228,17 @@ def init_process_group(
     return found
 
 
-# The diagnostics of this process's default group (phalanx.diagnostics), or None. Like torch's
-# own default group, it is process-wide: every collective of the process reports to it.
-_diagnostics: Diagnostics | None = None
-
-
 def _start_diagnostics(backend: str, timeout: timedelta, store: dist.Store | None) -> None:
-    global _diagnostics
     if dist.get_world_size() == 1:
         return
     if store is None:  # torch made it from init_method
         store = dist.distributed_c10d._get_default_store()
     check_group = dist.new_group(backend="gloo") if "nccl" in backend else None
-    _diagnostics = Diagnostics(store, timeout.total_seconds(), _env.diagnosis_file(),
-                               check_group=check_group)
+    monitor.install(Diagnostics(store, timeout.total_seconds(), _env.diagnosis_file(),
+                                check_group=check_group))
 
 
-def diagnostics() -> Diagnostics | None:
-    """This process's :class:`~phalanx.diagnostics.Diagnostics`, or ``None`` (no process group,
-    a single process, or switched off with ``enabled = False``)."""
-    diag = _diagnostics
-    return diag if diag is not None and diag.enabled else None
+diagnostics = monitor.current
 
 
 # torch 2.13's Gloo threads may still owe a finished collective its clean-up, which takes the
@@ -259,12 +250,10 @@ _GLOO_SETTLE_S = 0.05
 
 def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
     """Leave the job (or destroy ``group``). A no-op when nothing is initialised."""
-    global _diagnostics
     if not dist.is_initialized():
         return
-    if group is None and _diagnostics is not None:
-        diag, _diagnostics = _diagnostics, None
-        diag.close()
+    if group is None:
+        monitor.uninstall()
     time.sleep(_GLOO_SETTLE_S)  # releases the GIL: see _GLOO_SETTLE_S
     dist.destroy_process_group(group)
 

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from .log import call_site, describe_tensors
+from .monitor import current
 
 # Per collective: the arguments holding the tensor whose dtype and shape every rank must
 # agree on, and the arguments every rank must pass alike. The *_object collectives move
@@ -54,15 +55,13 @@ def _value(value: Any) -> str:
 def checked(name: str) -> Callable[..., Any]:
     """torch.distributed's ``name``, checked and recorded by this process's diagnostics (when
     it has any: a process group of several ranks, diagnostics on)."""
-    from ..process_group import diagnostics
-
     fn = getattr(dist, name)
     signature = inspect.signature(fn)
     tensor_args, alike = _SPEC[name]
 
     @functools.wraps(fn)
     def collective(*args: Any, **kwargs: Any) -> Any:
-        diag = diagnostics()
+        diag = current()
         bound = signature.bind(*args, **kwargs)
         group = bound.arguments.get("group")
         if diag is None or dist.get_world_size(group) == 1 or dist.get_rank(group) < 0:

@@ -230,3 +230,27 @@ def mismatch_message(everyone: list[dict[str, Any]]) -> str:
                 "steps: give every rank as many batches (DistributedSampler, drop_last) or "
                 "wrap the loop in `with model.join():`")
     return f"{subject}: " + "; ".join(parts) + hint
+
+
+# This process's diagnostics, or None. Like torch's default group, which it watches, it is
+# process-wide: every collective of the process reports to it. Set by init_process_group.
+_current: Diagnostics | None = None
+
+
+def install(diagnostics: Diagnostics) -> None:
+    global _current
+    uninstall()
+    _current = diagnostics
+
+
+def uninstall() -> None:
+    global _current
+    if _current is not None:
+        _current.close()
+        _current = None
+
+
+def current() -> Diagnostics | None:
+    """This process's :class:`Diagnostics`, or ``None`` (no process group of several ranks, or
+    switched off with ``current().enabled = False``)."""
+    return _current if _current is not None and _current.enabled else None
