@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from . import env as _env
-from .diagnostics.log import call_site
 from .diagnostics import monitor
+from .diagnostics.log import call_site
 from .diagnostics.monitor import Diagnostics
 from .errors import AlreadyInitializedError, NotInitializedError, RendezvousError
 

@@ -19,13 +19,19 @@ import json
 import signal
 import threading
 import zlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveMismatchError, CollectiveTimeoutError, RankExitedError
+from ..errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    PhalanxError,
+    RankExitedError,
+)
 from .hang import Watchdog, assemble, snapshot
 from .log import CollectiveLog, Record, call_site, describe_tensors
 
@@ -49,6 +55,19 @@ def _kind(error: BaseException) -> str | None:
     return None
 
 
+@dataclass
+class _Check:
+    """A sync point in flight."""
+
+    what: str
+    site: str
+    since: list[str]  # the collectives before it, since the previous point
+    payload: torch.Tensor
+    work: Any
+    record: Record
+    group: Any
+
+
 class Diagnostics:
     """This process's view of its collectives (see the module notes).
 
@@ -70,7 +89,9 @@ class Diagnostics:
         self.logs: dict[str, CollectiveLog] = {}
         self._names: dict[int, str] = {}
         self.failing = False
-        self._pending: BaseException | None = None
+        self._pending: _Check | None = None  # a sync point started, not yet waited for
+        self._last_work: Any = None
+        self._interrupt: BaseException | None = None
         self._main = threading.main_thread().ident
         self._previous_handler = None
         if threading.current_thread() is threading.main_thread():
@@ -97,6 +118,10 @@ class Diagnostics:
 
     def begin(self, op: str, tensors: Sequence[Any], group: dist.ProcessGroup | None,
               site: str | None = None) -> Record:
+        """Record a collective about to be issued; a sync point still pending is settled first
+        (nothing goes out before the ranks are known to agree)."""
+        if self._pending is not None:
+            self.settle()
         dtype, shape = describe_tensors(tensors)
         return self.log(group).begin(op, dtype, shape, self.group_name(group), site or call_site(3))
 
@@ -119,9 +144,14 @@ class Diagnostics:
 
     # ---- sync points ----------------------------------------------------------------------
     def sync_point(self, what: str, group: dist.ProcessGroup | None = None,
-                   extra: Sequence[int] = (), site: str | None = None) -> list[int]:
+                   extra: Sequence[int] = (), site: str | None = None,
+                   wait: bool = True) -> list[int] | None:
         """Every rank of ``group`` checks here that it agrees with the others on ``what`` and
         on the collectives since the last point; returns ``extra`` reduced with MAX.
+
+        With ``wait=False`` the check is only started: the next collective recorded (or
+        :meth:`settle`) waits for it, so its latency hides behind the work in between (a
+        forward's, for DDP); ``None`` is returned.
 
         Raises:
             CollectiveMismatchError: on every rank, naming what each rank is at.
@@ -131,27 +161,42 @@ class Diagnostics:
         h = zlib.crc32(what.encode(), log.fingerprint)
         payload = torch.tensor([h, -h, *extra], dtype=torch.int64)
         on = self._check_group if self._check_group is not None and group is None else group
-        with self.collective(f"check before {what}", (), group, site):
-            dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=on)
-        agree = payload[0].item() == -payload[1].item()
-        since = log.since_check[:-1]  # without this check itself
-        log.checked()  # after a mismatch too: every rank has reached this point
-        if not agree:
-            self._mismatch(what, site, since, on)
-        return payload[2:].tolist()
+        record = self.begin(f"check before {what}", (), group, site)
+        try:
+            work = dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=on, async_op=True)
+        except RuntimeError as e:
+            raise self.fail(record, e) from e
+        self._pending = _Check(what, site, log.since_check[:-1], payload, work, record, on)
+        log.checked()  # the next fingerprint starts here, whatever the verdict
+        return self.settle() if wait else None
 
-    def _mismatch(self, what: str, site: str, since: list[str], group: Any) -> None:
-        mine = {"rank": dist.get_rank(), "at": f"{what} ({site})", "since": since}
-        everyone: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
+    def settle(self) -> list[int]:
+        """Wait for the pending sync point; raise on a mismatch; return its reduced extras."""
+        check, self._pending = self._pending, None
+        if check is None:
+            return []
+        try:
+            check.work.wait()
+        except RuntimeError as e:
+            raise self.fail(check.record, e) from e
+        self.end(check.record)
+        self._last_work = check.work  # see phalanx.comm.LastWorks: kept by the main thread
+        if check.payload[0].item() != -check.payload[1].item():
+            self._mismatch(check)
+        return check.payload[2:].tolist()
+
+    def _mismatch(self, check: _Check) -> None:
+        mine = {"rank": dist.get_rank(), "at": f"{check.what} ({check.site})", "since": check.since}
+        everyone: list[Any] = [None] * dist.get_world_size(check.group)
+        dist.all_gather_object(everyone, mine, group=check.group)
         raise CollectiveMismatchError(mismatch_message(everyone))
 
     # ---- failures -------------------------------------------------------------------------
     def fail(self, record: Record, error: RuntimeError) -> RuntimeError:
         """The error to raise for ``record``'s failed collective: the hang report when the
         collective timed out or a peer left, else ``error`` itself."""
-        kind = _kind(error)
-        if kind is None or isinstance(error, (CollectiveTimeoutError, RankExitedError)):
+        kind = None if isinstance(error, PhalanxError) else _kind(error)  # Gloo's, not ours
+        if kind is None:
             CollectiveLog.end(record, failed=True)
             return error
         self.failing = True
@@ -187,18 +232,23 @@ class Diagnostics:
         busy = any(log.in_flight() is not None for log in self.logs.values())
         if self.failing or busy or self._previous_handler is None:
             return  # this rank's own collective will fail and raise it
-        self._pending = CollectiveTimeoutError(
+        self._interrupt = CollectiveTimeoutError(
             f"Rank {self.rank} was stopped: another rank gave up waiting for it.\n{text}",
             culprits=culprits)
         signal.pthread_kill(self._main, INTERRUPT_SIGNAL)
 
     def _interrupted(self, signum: int, frame: Any) -> None:
-        error, self._pending = self._pending, None
+        error, self._interrupt = self._interrupt, None
         if error is not None:
             self.failing = True
             raise error
 
     def close(self) -> None:
+        if self._pending is not None:  # a forward's check nothing came after: finish it
+            try:
+                self.settle()
+            except RuntimeError:
+                pass  # leaving anyway: a last mismatch or a peer gone changes nothing now
         self._watchdog.close()
         if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
             signal.signal(INTERRUPT_SIGNAL, self._previous_handler)
@@ -248,6 +298,20 @@ def uninstall() -> None:
     if _current is not None:
         _current.close()
         _current = None
+
+
+def watched(op: str, tensors: Sequence[Any] = (), group: dist.ProcessGroup | None = None,
+            check: bool = False) -> Any:
+    """A context manager around a collective (or a few) that phalanx issues: recorded as
+    ``op``, a hang inside it reported; with ``check``, a sync point first. Does nothing
+    without diagnostics."""
+    diag = current()
+    if diag is None:
+        return nullcontext()
+    site = call_site(2)
+    if check:
+        diag.sync_point(op, group, site=site)
+    return diag.collective(op, tensors, group, site)
 
 
 def current() -> Diagnostics | None:
