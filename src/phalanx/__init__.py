@@ -24,6 +24,7 @@ from .errors import (
     RankMismatchError,
     RendezvousError,
     UnusedParametersError,
+    UsageError,
 )
 
 __version__ = "0.1.0"
@@ -121,6 +122,7 @@ __all__ = [
     "SyncBatchNorm",
     "TrainingState",
     "UnusedParametersError",
+    "UsageError",
     "ZeroRedundancyOptimizer",
     "barrier",
     "destroy_process_group",

@@ -35,7 +35,8 @@ from . import comm, errors
 # The exception types a peer's problem is raised as on the other ranks, by name.
 _REBUILDABLE = {cls.__name__: cls for cls in (
     errors.CheckpointError, errors.RankMismatchError, errors.UnusedParametersError,
-    errors.NotInitializedError, errors.EnvironmentConfigError, ValueError, TypeError, RuntimeError,
+    errors.NotInitializedError, errors.EnvironmentConfigError, errors.UsageError,
+    ValueError, TypeError, RuntimeError,
 )}
 
 

@@ -4,6 +4,13 @@ User mistakes (a bad argument, a bad environment variable) raise ``ValueError`` 
 ``TypeError`` -- plain ones, or the subclasses below when callers may want to catch
 them specifically. Problems that involve several ranks raise ``RuntimeError``
 subclasses, on every rank involved, naming the ranks and the first thing that differs.
+
+Where torch raises another built-in class for the same case, phalanx's error is an instance
+of that class too, so that a script written for torch catches it unchanged: a user mistake
+that torch reports as ``RuntimeError`` (a DDP module with no parameter that requires a
+gradient, ``process_group`` given with ``device_mesh``...) raises :class:`UsageError`, both a
+``ValueError`` and a ``RuntimeError``; a process group missing or initialised twice is a
+``RuntimeError`` here and a ``ValueError`` in torch, so those errors are both as well.
 """
 
 from __future__ import annotations
@@ -17,12 +24,17 @@ class EnvironmentConfigError(PhalanxError, ValueError):
     """An environment variable (RANK, WORLD_SIZE, SLURM_*, ...) is missing or malformed."""
 
 
-class AlreadyInitializedError(PhalanxError, RuntimeError):
-    """``init_process_group`` was called while a default process group exists."""
+class UsageError(PhalanxError, ValueError, RuntimeError):
+    """A user mistake that torch reports as a ``RuntimeError`` (so it is both)."""
 
 
-class NotInitializedError(PhalanxError, RuntimeError):
-    """A collective was requested before ``init_process_group``."""
+class AlreadyInitializedError(PhalanxError, RuntimeError, ValueError):
+    """``init_process_group`` was called while a default process group exists (torch:
+    ``ValueError``)."""
+
+
+class NotInitializedError(PhalanxError, RuntimeError, ValueError):
+    """A collective was requested before ``init_process_group`` (torch: ``ValueError``)."""
 
 
 class RendezvousError(PhalanxError, RuntimeError):

@@ -140,7 +140,7 @@ def test_construction_errors_on_every_rank():
         assert out["output_device_alone"] == ("ValueError", "output_device=0 needs device_ids; got device_ids=None")
         assert out["group_type"] == (
             "TypeError", "process_group must be a torch.distributed ProcessGroup or None, got str")
-        assert out["all_frozen"][0] == "ValueError" and "at least one parameter that requires a gradient" in out["all_frozen"][1]
+        assert out["all_frozen"][0] == "UsageError" and "at least one parameter that requires a gradient" in out["all_frozen"][1]
         assert out["empty_device_ids_ok"] is None
 
 

@@ -32,6 +32,18 @@ def test_same_buckets_as_torch_in_reverse_order(seed, cap_mb):
     assert [[s.index for s in b.slots] for b in plan] == [[last - i for i in b] for b in expected]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_caps_list_same_buckets_as_torch(seed):
+    """torch's bucket_cap_mb_list: each (device, dtype) steps through the list, the last cap repeats."""
+    named = _params(seed, 20)
+    caps = [int(mb * MIB) for mb in random.Random(seed).choices([0.1, 0.4, 1.5], k=3)]
+    reversed_tensors = [p for _, p in reversed(named)]
+    expected, _ = dist._compute_bucket_assignment_by_size(reversed_tensors, caps)
+    last = len(named) - 1
+    plan = plan_buckets(named, caps=caps)
+    assert [[s.index for s in b.slots] for b in plan] == [[last - i for i in b] for b in expected]
+
+
 def test_slots_dtypes_offsets_and_launch_order():
     named = [
         ("a", torch.nn.Parameter(torch.zeros(2, 3))),
@@ -86,3 +98,23 @@ def test_owners_never_share_a_bucket():
     assert plan_buckets(named, owners=None) == plan_buckets(named, owners=[None] * 6)
     with pytest.raises(ValueError, match="one owner per parameter: 6 parameters, got 2 owners"):
         plan_buckets(named, owners=[0, 1])
+
+
+def test_caps_per_bucket_and_skipped_parameters():
+    # 0.38 MiB each, reversed order p7..p0: caps 0.5, 1, then 0.3 MiB for the rest
+    named = [(f"p{i}", torch.nn.Parameter(torch.zeros(100_000))) for i in range(8)]
+    caps = (int(0.5 * MIB), 1 * MIB, int(0.3 * MIB))
+    plan = plan_buckets(named, caps=caps)
+    assert [[s.index for s in b.slots] for b in plan] == [[7, 6], [5, 4, 3], [2], [1], [0]]
+    assert plan_buckets(named, 5, 7, caps=(int(0.5 * MIB), 1 * MIB, int(0.3 * MIB))) == plan  # caps win
+    assert plan_buckets(named, int(0.3 * MIB), int(0.5 * MIB)) == plan_buckets(
+        named, caps=(int(0.5 * MIB), int(0.3 * MIB)))
+    # skipped: p6 and its second name "tied" (the same tensor) are in no bucket
+    named.append(("tied", named[6][1]))
+    skipped = plan_buckets(named, caps=caps, skip=[6])
+    assert [[s.index for s in b.slots] for b in skipped] == [[7, 5], [4, 3, 2], [1], [0]]
+    assert plan_buckets(named[:1], skip=[0]) == []
+    with pytest.raises(ValueError, match=r"bucket sizes must be positive, got caps of \[1, 0\] bytes"):
+        plan_buckets(named, caps=(1, 0))
+    with pytest.raises(ValueError, match=r"got caps of \[\] bytes"):
+        plan_buckets(named, caps=())

@@ -2,15 +2,24 @@
 
 The files, in the order data flows through them:
 
+``options.py``
+    torch 2.13's constructor arguments beyond the core ones (``device_mesh``,
+    ``forward_sync_buffers``, ``bucket_cap_mb_list``...): each taken with torch's meaning,
+    or refused with a message saying what phalanx does instead.
 ``checks.py``
-    At construction: the arguments, then one exchange in which every rank learns whether all
-    ranks hold the same parameters, buffers and settings (:mod:`phalanx.agreement`).
+    At construction: the module and flags, then one exchange in which every rank learns
+    whether all ranks hold the same parameters, buffers and settings
+    (:mod:`phalanx.agreement`). At each forward: the refusal of distributed autograd.
+``devices.py``
+    Where inputs go (``device_ids``), checked once and applied at each forward.
 ``wrapper.py``
     :class:`DistributedDataParallel` itself: broadcasts rank 0's parameters and buffers,
     plans the buckets, installs the reducer; each forward runs before / the module / after.
+``pickling.py``
+    What ``torch.save``/``pickle``/``deepcopy`` keep of a DDP, and what is rebuilt on load.
 ``bucketing.py``
     Pure planning: which parameter's gradient goes where in which flat buffer (no
-    communication; testable alone).
+    communication; testable alone), and each bucket's buffer at run time.
 ``buffer_sync.py``
     Before a forward: rank 0's buffers (BatchNorm statistics...) to every rank.
 ``graph_walk.py``
@@ -18,7 +27,13 @@ The files, in the order data flows through them:
 ``reducer.py``
     During backward: grad-ready hooks copy each gradient into its bucket; a full bucket is
     launched, in bucket order; the end of backward waits, writes ``.grad`` back and raises
-    every rank's unused-parameter report on every rank.
+    every rank's unused-parameter report on every rank (worded by ``problems.py``).
+``unusual.py``
+    The reducer's slow path: gradients with a graph (``create_graph=True``) and sparse
+    gradients of parameters bucketed as dense.
+``sparse.py``
+    Sparse gradients (``nn.Embedding(sparse=True)``...): in no bucket, all-reduced as sparse
+    tensors at the end of the backward.
 ``bucket_comm.py``
     How one bucket is reduced (the :class:`~phalanx.ddp.bucket_comm.BucketComm` protocol):
     all-reduce of the mean, or ZeRO stage 2's reduce to the owner.

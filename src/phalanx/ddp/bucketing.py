@@ -1,7 +1,7 @@
 """Pure planning: which parameter's gradient goes where in which flat buffer.
 
 No communication and no autograd here, so the plan can be tested alone. The reducer turns a
-plan into buffers and hooks.
+plan into buffers (a :class:`Bucket` per :class:`BucketSpec`) and hooks.
 
 The rules (those of torch's DDP, so bucket boundaries match at the same ``bucket_cap_mb``):
 
@@ -12,7 +12,9 @@ The rules (those of torch's DDP, so bucket boundaries match at the same ``bucket
 * a bucket holds one (device, dtype) only; each (device, dtype) fills its own open bucket;
 * a bucket closes once it holds at least its cap; the first bucket of every (device, dtype)
   is capped at ``first_bucket_bytes`` (1 MiB) so the first all-reduce starts early, the
-  rest at ``bucket_bytes``. A single tensor larger than the cap gets a bucket of its own.
+  rest at ``bucket_bytes``; or, with ``caps`` (torch's ``bucket_cap_mb_list``), the n-th
+  bucket of each at ``caps[n]``, the last cap for the rest. A single tensor larger than the
+  cap gets a bucket of its own.
 * buckets are numbered by the position of their first parameter in that reversed order,
   which is the order the reducer launches them in on every rank.
 
@@ -20,12 +22,15 @@ With ``owners`` (ZeRO stage 2: the rank whose optimizer updates each parameter) 
 also holds one owner only: each (device, dtype, owner) fills its own open bucket, so the
 bucket can be reduced to its owner alone. ``None`` is an owner too (parameters averaged on
 every rank).
+
+Parameters named in ``skip`` (those whose gradients come sparse: :mod:`phalanx.ddp.sparse`
+reduces them) are in no bucket.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 
@@ -72,6 +77,8 @@ class BucketSpec:
 
     @property
     def numel(self) -> int:
+        if not self.slots:  # a bucket that only carries the reducer's control tail
+            return 0
         last = self.slots[-1]
         return last.offset + last.numel
 
@@ -85,6 +92,9 @@ def plan_buckets(
     bucket_bytes: int = DEFAULT_BUCKET_CAP_MB * MIB,
     first_bucket_bytes: int = FIRST_BUCKET_BYTES,
     owners: Sequence[int | None] | None = None,
+    *,
+    caps: Sequence[int] | None = None,
+    skip: Collection[int] = (),
 ) -> list[BucketSpec]:
     """Group ``named_params`` (registration order) into buckets, in launch order.
 
@@ -96,21 +106,24 @@ def plan_buckets(
         owners: the owner rank (or ``None``) of each entry of ``named_params``; buckets then
             never mix owners, and each owner's first bucket gets ``first_bucket_bytes``.
             Default ``None``: no owners.
+        caps: the cap of the n-th bucket of each (device, dtype[, owner]) is
+            ``caps[min(n, len(caps) - 1)]``; given, it replaces the two caps above (torch's
+            ``bucket_cap_mb_list``). Default ``None``.
+        skip: positions in ``named_params`` to leave out of every bucket (with every other
+            name of the same tensor). Default: none.
 
     Returns:
         The buckets in launch order; :attr:`Slot.index` points back into ``named_params``.
         Empty when nothing requires a gradient.
     """
-    if bucket_bytes <= 0 or first_bucket_bytes <= 0:
-        raise ValueError(
-            f"bucket sizes must be positive, got bucket_bytes={bucket_bytes}, "
-            f"first_bucket_bytes={first_bucket_bytes}"
-        )
+    caps = tuple(caps) if caps is not None else (first_bucket_bytes, bucket_bytes)
+    if not caps or min(caps) <= 0:
+        raise ValueError(f"bucket sizes must be positive, got caps of {list(caps)} bytes")
     if owners is not None and len(owners) != len(named_params):
         raise ValueError(
             f"owners must give one owner per parameter: {len(named_params)} parameters, got {len(owners)} owners"
         )
-    seen: set[int] = set()
+    seen = {id(named_params[i][1]) for i in skip}
     open_buckets: dict[tuple, list[int]] = {}  # (device, dtype, owner) -> indices in the open bucket
     open_bytes: dict[tuple, int] = {}
     closed_count: dict[tuple, int] = {}
@@ -121,7 +134,7 @@ def plan_buckets(
         members = open_buckets.setdefault(key, [])
         members.append(index)
         open_bytes[key] = open_bytes.get(key, 0) + tensor.numel() * tensor.element_size()
-        cap = first_bucket_bytes if closed_count.get(key, 0) == 0 else bucket_bytes
+        cap = caps[min(closed_count.get(key, 0), len(caps) - 1)]
         if open_bytes[key] >= cap:
             done.append(members)
             closed_count[key] = closed_count.get(key, 0) + 1
@@ -163,3 +176,36 @@ def describe(plan: Sequence[BucketSpec]) -> str:
         owner = "" if bucket.owner is None else f" for rank {bucket.owner}"
         lines.append(f"bucket {i}{owner}: {bucket.nbytes / MIB:.2f} MiB {bucket.dtype} on {bucket.device}: {names}")
     return "\n".join(lines)
+
+
+class Bucket:
+    """Runtime state of one :class:`BucketSpec`: its buffer, its slot views, what is pending.
+
+    A kept bucket's buffer lives as long as the reducer; a bucket this rank does not keep
+    gets one at its first gradient of a backward (:meth:`allocate`), dropped at the end.
+    """
+
+    def __init__(self, spec: BucketSpec, first: int, tail: int, keep: bool) -> None:
+        self.spec = spec
+        self.first = first  # position (launch order) of its first parameter
+        self.keep = keep
+        self._tail_numel = tail
+        self.buffer: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+        self.tail: torch.Tensor | None = None
+        if keep:
+            self.allocate(torch.zeros)
+        self.pending = len(spec.slots)
+
+    def allocate(self, factory: Any = torch.empty) -> None:
+        spec = self.spec
+        self.buffer = factory(spec.numel + self._tail_numel, dtype=spec.dtype, device=spec.device)
+        self.views = [self.buffer[s.offset : s.offset + s.numel].view(s.shape) for s in spec.slots]
+        self.tail = self.buffer[spec.numel :]
+
+    def release(self) -> None:
+        self.buffer, self.views, self.tail = None, [], None
+
+    @property
+    def positions(self) -> range:
+        return range(self.first, self.first + len(self.spec.slots))

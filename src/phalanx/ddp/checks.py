@@ -1,14 +1,15 @@
-"""DistributedDataParallel's argument checks, its cross-rank agreement check, and what
-``shard_gradients`` needs of an optimizer.
+"""DistributedDataParallel's checks of the module and flags, its cross-rank agreement check,
+what ``shard_gradients`` needs of an optimizer, and the refusal of distributed autograd at
+each forward.
 
 Arguments are checked on every rank and the verdicts exchanged in the same collective as the
 parameter descriptions (:func:`phalanx.agreement.agree`), so one rank's bad argument is
-raised on every rank and none waits.
+raised on every rank and none waits (:mod:`phalanx.ddp.options` resolves torch's other
+arguments the same way).
 """
 
 from __future__ import annotations
 
-from numbers import Real
 from typing import Any, Iterable, Protocol
 
 import torch
@@ -16,8 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..agreement import agree
-from ..errors import NotInitializedError
-from .bucketing import MIB
+from ..errors import NotInitializedError, UsageError
 
 
 class GradientOwners(Protocol):
@@ -39,54 +39,30 @@ def check_group(group: Any) -> None:
         )
 
 
-def check_arguments(module: Any, bucket_cap_mb: Any, flags: dict[str, Any]) -> None:
+def check_module(module: Any) -> None:
+    """A module DDP can average: trainable parameters, all initialised (torch raises
+    ``RuntimeError`` for both: :class:`~phalanx.errors.UsageError` is one too)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    if bucket_cap_mb is not None:
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, Real):
-            raise TypeError(f"bucket_cap_mb must be a number of MiB or None, got {type(bucket_cap_mb).__name__}")
-        if not bucket_cap_mb * MIB >= 1:  # a bucket of at least one byte; also refuses NaN
-            raise ValueError(f"bucket_cap_mb must be positive (MiB per bucket), got {bucket_cap_mb}")
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
+    lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise UsageError(
+            f"DistributedDataParallel needs initialised parameters; {lazy} are not (a lazy module): "
+            "run one forward pass through the module before wrapping it"
+        )
     if not any(p.requires_grad for p in module.parameters()):
-        raise ValueError(
+        raise UsageError(
             "DistributedDataParallel needs a module with at least one parameter that requires a "
             "gradient; this one has none (nothing to average)"
         )
 
 
-def input_device(module: nn.Module, device_ids: Any, output_device: Any) -> torch.device | None:
-    """Where inputs must go: ``device_ids[0]``, or ``None`` to leave them where they are."""
-    if not device_ids:
-        if output_device is not None:
-            raise ValueError(f"output_device={output_device!r} needs device_ids; got device_ids={device_ids!r}")
-        return None
-    if not isinstance(device_ids, (list, tuple)):
-        raise TypeError(f"device_ids must be a list such as [local_rank], got {type(device_ids).__name__}")
-    if len(device_ids) != 1:
-        raise ValueError(f"device_ids must name exactly one device (this process's), got {list(device_ids)}")
-    want = _as_cuda_device(device_ids[0])
-    have = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
-    if have != {want}:
-        found = ", ".join(sorted(str(d) for d in have))
-        raise ValueError(
-            f"device_ids={list(device_ids)} is for a module on {want}, but the module's tensors are on "
-            f"{found}. For a CPU module (or one spread over devices) leave device_ids=None; otherwise "
-            f"move the module there first (module.to({str(want)!r}))"
-        )
-    if output_device is not None and _as_cuda_device(output_device) != want:
-        raise ValueError(f"output_device must be None or device_ids[0] ({want}), got {output_device!r}")
-    return want
-
-
-def _as_cuda_device(device: Any) -> torch.device:
-    if isinstance(device, int) and not isinstance(device, bool):
-        return torch.device("cuda", device)
-    if isinstance(device, (str, torch.device)):
-        return torch.device(device)
-    raise TypeError(f"a device id must be an int or a torch.device, got {type(device).__name__}")
+def check_flags(flags: dict[str, Any], dim: Any) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int (the batch dimension), got {dim!r}")
 
 
 def verdict(problem: Exception | None) -> tuple[str, str]:
@@ -94,13 +70,12 @@ def verdict(problem: Exception | None) -> tuple[str, str]:
     return ("arguments", "accepted" if problem is None else f"refused: {problem}")
 
 
-def agree_on_replicas(module, problem, bucket_cap_mb, flags, group) -> None:
+def agree_on_replicas(module, problem, settings: dict[str, Any], group) -> None:
     """One exchange: every rank's argument problem, settings, parameters and buffers agree,
     or every rank raises (the first difference, or the problem all ranks share)."""
     items: list[tuple[str, Any]] = [verdict(problem)]
     if problem is None:
-        settings = ", ".join(f"{k}={v}" for k, v in {"bucket_cap_mb": bucket_cap_mb, **flags}.items())
-        items.append(("settings", settings))
+        items.append(("settings", ", ".join(f"{k}={v}" for k, v in settings.items())))
         items += [(n, _describe(p) + ("" if p.requires_grad else " frozen")) for n, p in module.named_parameters()]
         items += [(f"buffer {n}", _describe(b)) for n, b in module.named_buffers()]
     agree("DistributedDataParallel parameters, buffers and settings", group, items=items, problem=problem)
@@ -138,3 +113,48 @@ def gradient_owners(module: nn.Module, group: dist.ProcessGroup | None, mid_iter
             f"{len(owners)} parameters of this DistributedDataParallel's module"
         )
     return owners
+
+
+def agree_on_owners(module: nn.Module, group: dist.ProcessGroup | None, mid_iteration: bool,
+                    optimizer: Any) -> list[int | None]:
+    """:func:`gradient_owners`, the same on every rank (or every rank raises)."""
+    problem, owners = None, None
+    try:
+        owners = gradient_owners(module, group, mid_iteration, optimizer)
+    except (TypeError, ValueError, RuntimeError) as e:
+        problem = e
+    items = [verdict(problem)]
+    if owners is not None:
+        items += [(f"owner of {name}", owner) for (name, _), owner in zip(module.named_parameters(), owners)]
+    agree("shard_gradients() owners", group, items=items, problem=problem)
+    return owners  # type: ignore[return-value]  # not None: agree raised otherwise
+
+
+if dist.rpc.is_available():  # whether this process has started RPC (distributed autograd needs it)
+    from torch.distributed.rpc.api import _is_current_rpc_agent_set as _rpc_agent_set
+else:
+    def _rpc_agent_set() -> bool:
+        return False
+
+
+def refuse_distributed_autograd() -> None:
+    """Raise if this forward runs in a ``torch.distributed.autograd`` context.
+
+    Gradients of ``torch.distributed.autograd.backward()`` go to the context, not ``.grad``,
+    and the autograd hooks phalanx averages with do not run for them: they would stay this
+    rank's own, silently. The test costs a fraction of a microsecond without RPC.
+    """
+    if not _rpc_agent_set():
+        return
+    import torch.distributed.autograd as dist_autograd
+
+    try:
+        dist_autograd._current_context()
+    except RuntimeError:
+        return  # RPC, but no distributed autograd context: plain autograd
+    raise UsageError(
+        "phalanx's DistributedDataParallel does not average gradients computed by "
+        "torch.distributed.autograd.backward(): this forward runs in a distributed autograd "
+        "context. Use loss.backward() (phalanx averages .grad), or torch's "
+        "DistributedDataParallel for the DDP + RPC recipe"
+    )

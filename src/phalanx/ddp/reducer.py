@@ -33,6 +33,12 @@ backward is what lets its tail count every late one. The cost: the last bucket's
 longer overlaps the backward work left after the last parameter's gradient (input gradients;
 nothing in most models).
 
+Sparse gradients (``nn.Embedding(sparse=True)``...) are in no bucket: their all-reduces
+(sparse, one per parameter) start in ``_finalize``, after every bucket but the last, whose
+tail also says which ranks had them (:mod:`phalanx.ddp.sparse`). A gradient that has a graph
+(``backward(create_graph=True)``), or that comes sparse for a parameter bucketed as dense, is
+refused by the fused copy and handled in its ``except`` (:mod:`phalanx.ddp.unusual`).
+
 A backward that fails midway (an exception in the engine) never reaches ``_finalize``; the
 next ``prepare()`` waits for the collectives it launched before their buffers are reused.
 
@@ -57,41 +63,11 @@ import torch.distributed as dist
 from .. import comm
 from ..errors import UnusedParametersError
 from .bucket_comm import BucketComm
-from .bucketing import BucketSpec
+from .bucketing import Bucket, BucketSpec
 from .graph_walk import reachable_params
-
-
-class _Bucket:
-    """Runtime state of one :class:`BucketSpec`: its buffer, its slot views, what is pending.
-
-    A kept bucket's buffer lives as long as the reducer; a bucket this rank does not keep
-    gets one at its first gradient of a backward (:meth:`allocate`), dropped at the end.
-    """
-
-    def __init__(self, spec: BucketSpec, first: int, tail: int, keep: bool) -> None:
-        self.spec = spec
-        self.first = first  # position (launch order) of its first parameter
-        self.keep = keep
-        self._tail_numel = tail
-        self.buffer: torch.Tensor | None = None
-        self.views: list[torch.Tensor] = []
-        self.tail: torch.Tensor | None = None
-        if keep:
-            self.allocate(torch.zeros)
-        self.pending = len(spec.slots)
-
-    def allocate(self, factory: Any = torch.empty) -> None:
-        spec = self.spec
-        self.buffer = factory(spec.numel + self._tail_numel, dtype=spec.dtype, device=spec.device)
-        self.views = [self.buffer[s.offset : s.offset + s.numel].view(s.shape) for s in spec.slots]
-        self.tail = self.buffer[spec.numel :]
-
-    def release(self) -> None:
-        self.buffer, self.views, self.tail = None, [], None
-
-    @property
-    def positions(self) -> range:
-        return range(self.first, self.first + len(self.spec.slots))
+from .problems import problem_message
+from .sparse import SparseGradients
+from .unusual import averaged_with_graph, copy_unusual
 
 
 class Reducer:
@@ -109,6 +85,8 @@ class Reducer:
             cannot get a gradient, and let parameters go without one. Default ``False``.
         static_graph: let parameters go without a gradient, and learn which ones from the
             first backward instead of walking the graph each iteration. Default ``False``.
+        sparse_params: ``(name, parameter)`` pairs of the parameters whose gradients come
+            sparse, in no bucket of ``plan`` (:mod:`phalanx.ddp.sparse`). Default: none.
     """
 
     def __init__(
@@ -119,6 +97,7 @@ class Reducer:
         gradient_as_bucket_view: bool = False,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
+        sparse_params: Sequence[tuple[str, torch.Tensor]] = (),
     ) -> None:
         self.bucket_comm = bucket_comm
         self.as_view = gradient_as_bucket_view
@@ -129,18 +108,22 @@ class Reducer:
         # Parameter k (launch order) is params[k], in bucket _bucket_of[k] (slot k - its first).
         self.names = [slot.name for slot in slots]
         self.params = [named_params[slot.index][1] for slot in slots]
-        tail = 1 + (len(slots) if self.allow_unused else 0)
-        self._buckets: list[_Bucket] = []
+        self._sparse = SparseGradients(sparse_params, bucket_comm.group, bucket_comm.divisor)
+        tail = 1 + (len(slots) + len(sparse_params) if self.allow_unused else 0)
+        self._buckets: list[Bucket] = []
         self._bucket_of: list[int] = []
         for b, spec in enumerate(plan):
             last = b == len(plan) - 1
-            self._buckets.append(_Bucket(spec, len(self._bucket_of), tail if last else 0, bucket_comm.keeps(b)))
+            self._buckets.append(Bucket(spec, len(self._bucket_of), tail if last else 0, bucket_comm.keeps(b)))
             self._bucket_of += [b] * len(spec.slots)
         self._index = {id(p): k for k, p in enumerate(self.params)}
         # The hooks hold the reducer weakly: a discarded DDP leaves nothing acting on the model.
         me = weakref.ref(self)
         self._hooks = [
             p.register_post_accumulate_grad_hook(functools.partial(_hook, me, k)) for k, p in enumerate(self.params)
+        ] + [
+            p.register_post_accumulate_grad_hook(functools.partial(_sparse_hook, me, j))
+            for j, p in enumerate(self._sparse.params)
         ]
         self._remove_hooks = weakref.finalize(self, _remove_all, list(self._hooks))
         # Hooks act: a synchronising forward ran and its backward has not ended.
@@ -148,6 +131,7 @@ class Reducer:
         self._reached: set[int] | None = None  # find_unused: reachable from the outputs
         self._known_unused: set[int] | None = None  # static_graph: learned in the first backward
         self._works: list[dist.Work] = []
+        self._sparse_works: list[dist.Work] = []
         self._last = comm.LastWorks()  # the last backward's, until the next one's
         self._reset()
 
@@ -157,7 +141,7 @@ class Reducer:
 
     def _reset(self) -> None:
         """Ready for the next backward, once the last one's collectives are done."""
-        for work in self._works:
+        for work in self._works + self._sparse_works:
             # Normally all done already; after a failed backward some may still be writing
             # into bucket buffers the next backward reuses. That backward raised already:
             # an error of its collectives (e.g. a peer that never joined) changes nothing.
@@ -165,14 +149,17 @@ class Reducer:
                 work.wait()
             except Exception:
                 pass
-        self._last.hold(*self._works)
+        self._last.hold(*self._works, *self._sparse_works)
         self._started = False
         self._ready = [False] * len(self.params)
         self._assumed_unused: list[int] = []
         self._late: list[int] = []
         self._had_grad = [False] * len(self.params)  # a contribution that was a gradient
+        self._graphs: dict[int, torch.Tensor] = {}  # create_graph: gradients with a graph
+        self._sparse.reset()
         self._next = 0
         self._works = []
+        self._sparse_works = []
         for bucket in self._buckets:
             bucket.pending = len(bucket.spec.slots)
             if not bucket.keep:
@@ -208,6 +195,12 @@ class Reducer:
         self._mark_ready(k, param.grad)
         self._launch_ready()
 
+    def _on_sparse_grad(self, j: int) -> None:
+        if self.awaiting_backward:
+            if not self._started:
+                self._start_backward()
+            self._sparse.on_grad(j)
+
     def _start_backward(self) -> None:
         self._started = True
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
@@ -241,9 +234,13 @@ class Reducer:
         elif grad is view:
             view.div_(self.bucket_comm.divisor)
         else:
-            if grad.layout != torch.strided:  # sparse gradients are averaged densely
-                grad = grad.to_dense()
-            torch.div(grad, self.bucket_comm.divisor, out=view)
+            try:
+                torch.div(grad, self.bucket_comm.divisor, out=view)
+            except RuntimeError as refused:  # a graph (create_graph=True), or sparse
+                graph = copy_unusual(grad, self.bucket_comm.divisor, view, refused)
+                if graph is not None:  # kept out of .grad, which the write-back copies into
+                    self._graphs[k] = graph
+                    self.params[k].grad = None
             if not bucket.keep:
                 self.params[k].grad = None
             elif self.as_view:
@@ -268,10 +265,13 @@ class Reducer:
             self._next += 1
 
     def _write_tail(self, tail: torch.Tensor) -> None:
-        problems = len(self._late) + (0 if self.allow_unused else len(self._assumed_unused))
+        sparse = self._sparse
+        problems = len(self._late) + len(sparse.late)
+        if not self.allow_unused:
+            problems += len(self._assumed_unused) + len(sparse.missing())
         tail[0] = float(problems)
         if self.allow_unused:
-            tail[1:].copy_(torch.tensor(self._had_grad, dtype=tail.dtype))
+            tail[1:].copy_(torch.tensor(self._had_grad + sparse.had_grad, dtype=tail.dtype))
 
     def _finalize(self) -> None:
         """End of backward: settle what is left, wait, write back, report problems everywhere."""
@@ -279,21 +279,25 @@ class Reducer:
             left = [k for k, ready in enumerate(self._ready) if not ready]
             for k in left:
                 self._assume_unused(k)
+            self._launch_ready()  # every bucket but the last, before the sparse all-reduces
+            self._sparse_works = self._sparse.launch()
             self._launch_ready(final=True)
             last = len(self._buckets) - 1
             for b, work in enumerate(self._works):
                 work.wait()
                 if b < last and not self.allow_unused:
                     self._write_back(b, None)
+            for work in self._sparse_works:
+                work.wait()
             tail = self._buckets[last].tail
             if tail[0].item() > 0:
                 self._raise_problems()  # every rank sees the sum: all raise, none hangs
-            if self.allow_unused:
-                used = (tail[1:] > 0).tolist()
-                for b in range(len(self._buckets)):
-                    self._write_back(b, used)
-            else:
-                self._write_back(last, None)
+            used = (tail[1:] > 0).tolist() if self.allow_unused else None
+            for b in range(len(self._buckets)) if self.allow_unused else [last]:
+                self._write_back(b, used)
+            self._sparse.write_back(None if used is None else used[len(self.params):])
+            if self._graphs:
+                self._attach_graphs(used)
             if self.static_graph and self._known_unused is None:
                 self._known_unused = set(left)
         finally:
@@ -319,17 +323,27 @@ class Reducer:
             else:
                 grad.copy_(view)
 
+    def _attach_graphs(self, used: list[bool] | None) -> None:
+        """create_graph: give each averaged ``.grad`` a graph back to this rank's gradient."""
+        for k, local in self._graphs.items():
+            bucket = self._buckets[self._bucket_of[k]]
+            if bucket.keep and (used is None or used[k]):
+                view = bucket.views[k - bucket.first]
+                self.params[k].grad = averaged_with_graph(local, view, self.bucket_comm.divisor)
+
     def buffers(self) -> list[torch.Tensor]:
         """The bucket buffers allocated now (outside a backward: the kept ones)."""
         return [bucket.buffer for bucket in self._buckets if bucket.buffer is not None]
 
     def _describe(self) -> dict[str, list[str]]:
-        missing = [] if self.allow_unused else self._assumed_unused
-        return {"missing": [self.names[k] for k in missing], "late": [self.names[k] for k in self._late]}
+        sparse = self._sparse
+        missing = [] if self.allow_unused else [self.names[k] for k in self._assumed_unused] + sparse.missing()
+        late = [self.names[k] for k in self._late] + [sparse.names[j] for j in sparse.late]
+        return {"missing": missing, "late": late}
 
     def _raise_problems(self) -> None:
         everyone = comm.all_gather_object(self._describe(), self.bucket_comm.group)
-        raise UnusedParametersError(_problem_message(dict(enumerate(everyone)), self.static_graph))
+        raise UnusedParametersError(problem_message(dict(enumerate(everyone)), self.static_graph))
 
 
 def _hook(reducer: weakref.ref, k: int, param: torch.Tensor) -> None:
@@ -338,31 +352,23 @@ def _hook(reducer: weakref.ref, k: int, param: torch.Tensor) -> None:
         alive._on_grad(k, param)
 
 
+def _sparse_hook(reducer: weakref.ref, j: int, param: torch.Tensor) -> None:
+    alive = reducer()
+    if alive is not None:
+        alive._on_sparse_grad(j)
+
+
 def _remove_all(handles: list) -> None:
     for handle in handles:
         handle.remove()
 
 
-def _problem_message(by_rank: dict[int, dict[str, list[str]]], static_graph: bool) -> str:
-    """The error text for the ranks' ``{"missing": names, "late": names}`` reports."""
-    parts = []
-    missing = {r: d["missing"] for r, d in by_rank.items() if d["missing"]}
-    if missing:
-        where = "; ".join(f"rank {r}: {', '.join(map(repr, names))}" for r, names in missing.items())
-        parts.append(
-            "Parameters received no gradient in this backward pass while "
-            f"find_unused_parameters=False ({where}). Pass find_unused_parameters=True to "
-            "DistributedDataParallel, or make every parameter take part in the loss "
-            "(or freeze it with requires_grad=False)"
-        )
-    late = {r: d["late"] for r, d in by_rank.items() if d["late"]}
-    if late:
-        where = "; ".join(f"rank {r}: {', '.join(map(repr, names))}" for r, names in late.items())
-        cause = (
-            "static_graph=True assumed them unused, as in the first iteration, but the graph changed"
-            if static_graph
-            else "they were not reachable from the forward's outputs, or got a gradient twice "
-            "(e.g. reentrant checkpointing or a forward outside the DDP wrapper)"
-        )
-        parts.append(f"Gradients arrived for parameters after their bucket was settled ({where}): {cause}")
-    return ". ".join(parts)
+def tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of memory ``tensors`` hold, each storage counted once (sparse: indices and values)."""
+    storages = {}
+    for t in tensors:
+        if t.layout == torch.strided:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        else:
+            storages[id(t)] = t._indices().nbytes + t._values().nbytes
+    return sum(storages.values())

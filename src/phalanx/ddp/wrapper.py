@@ -1,20 +1,12 @@
 """DistributedDataParallel: one replica per process, gradients averaged during backward.
 
-The wrapper is thin; the work is done by three objects it composes:
-
-* :func:`phalanx.ddp.bucketing.plan_buckets` decides which gradient goes into which flat bucket;
-* :class:`phalanx.ddp.reducer.Reducer` fills the buckets from grad-ready hooks and all-reduces each
-  one as soon as it is complete, overlapping communication with the rest of the backward (or,
-  after :meth:`DistributedDataParallel.shard_gradients`, reduces it to the rank that owns it:
-  :mod:`phalanx.ddp.bucket_comm`);
-* :class:`phalanx.ddp.buffer_sync.BufferSync` broadcasts rank 0's buffers (BatchNorm running
-  statistics...) before a forward.
-
-Argument checks, the ranks' agreement check and what ``shard_gradients`` needs of an optimizer
-live in :mod:`phalanx.ddp.checks`.
-
-A forward runs in three phases: before (move inputs to ``device_ids[0]``, broadcast buffers),
-the module's own forward, after (arm the reducer for the backward that follows).
+The wrapper is thin: :func:`~phalanx.ddp.bucketing.plan_buckets` plans the buckets, a
+:class:`~phalanx.ddp.reducer.Reducer` fills and reduces them during the backward (all-reduce,
+or after :meth:`DistributedDataParallel.shard_gradients` a reduce to each bucket's owner), a
+:class:`~phalanx.ddp.buffer_sync.BufferSync` broadcasts rank 0's buffers before a forward.
+Arguments are resolved by :mod:`phalanx.ddp.options` and :mod:`phalanx.ddp.checks`, pickling
+by :mod:`phalanx.ddp.pickling`. A forward runs in three phases: before (inputs to
+``device_ids[0]``, buffers broadcast), the module's own, after (arm the reducer).
 """
 
 from __future__ import annotations
@@ -29,27 +21,27 @@ from torch import nn
 
 from .. import comm
 from .._logging import get_logger
-from ..agreement import agree
 from .bucket_comm import AllReduceMean, ReduceToOwner
-from .bucketing import (
-    DEFAULT_BUCKET_CAP_MB,
-    FIRST_BUCKET_BYTES,
-    MIB,
-    BucketSpec,
-    describe,
-    plan_buckets,
-)
+from .bucketing import BucketSpec, describe, plan_buckets
 from .buffer_sync import BufferSync
 from .checks import (
     GradientOwners,
+    agree_on_owners,
     agree_on_replicas,
-    check_arguments,
     check_group,
-    gradient_owners,
-    input_device,
-    verdict,
+    refuse_distributed_autograd,
 )
-from .reducer import Reducer
+from .devices import to_device
+from .options import (
+    NOTHING_IGNORED,
+    TORCH_ONLY_ATTRIBUTES,
+    resolve_arguments,
+    resolve_group,
+    warn_check_reduction,
+)
+from .pickling import picklable_state, unpickled_state
+from .reducer import Reducer, tensor_bytes
+from .sparse import sparse_positions
 
 _log0 = get_logger(__package__, rank_zero_only=True)
 
@@ -57,15 +49,16 @@ _log0 = get_logger(__package__, rank_zero_only=True)
 class DistributedDataParallel(nn.Module):
     """Data parallelism: a replica of ``module`` per process, gradients averaged in backward.
 
-    A drop-in for :class:`torch.nn.parallel.DistributedDataParallel` (same arguments, same
-    ``module.``-prefixed ``state_dict`` keys), written on c10d collectives. At construction
+    A drop-in for :class:`torch.nn.parallel.DistributedDataParallel` (torch 2.13's arguments,
+    same ``module.``-prefixed ``state_dict`` keys), written on c10d collectives. At construction
     every rank checks that all ranks hold the same parameters and buffers (names, shapes,
     dtypes, count) and the same settings, then takes rank 0's values. During ``backward()``
     gradients are copied into flat buckets (reverse registration order, about
     ``bucket_cap_mb`` each); each bucket's asynchronous all-reduce starts as soon as its last
     gradient is ready (the last bucket's when the backward is done: it also carries the
     ranks' error reports), buckets start in the same order on every rank, and ``backward()``
-    returns only when every ``.grad`` holds the average over ranks.
+    returns only when every ``.grad`` holds the average over ranks. docs/torch_surface_ddp.md
+    lists what of torch's DDP is supported, different, refused or coming.
 
     .. note::
         Gradient accumulation: inside :meth:`no_sync`, or with the public attribute
@@ -79,12 +72,19 @@ class DistributedDataParallel(nn.Module):
         (torch raises when only such a later forward reaches a parameter).
 
     .. note::
-        ``broadcast_buffers=True`` sends rank 0's buffers to every rank at the first forward
-        and at the first forward after each synchronising forward (torch's schedule). Two
-        forwards before one backward work: while a forward's graph waits for its backward,
-        the received buffers are installed as new tensors instead of being copied into the
-        old ones, which that graph may have saved (torch fails there with "modified by an
+        Buffers: rank 0's go to every rank at construction and at the first forward and the
+        first forward after each synchronising forward (torch's schedule). Two forwards
+        before one backward work: while a forward's graph waits for its backward, the
+        received buffers are installed as new tensors instead of being copied into the old
+        ones, which that graph may have saved (torch fails there with "modified by an
         inplace operation").
+
+    .. note::
+        As in torch: sparse gradients (``nn.Embedding(sparse=True)``...) are averaged as
+        sparse tensors and stay sparse (:mod:`phalanx.ddp.sparse`); ``create_graph=True``
+        averages the first-order gradients, with a warning (:mod:`phalanx.ddp.unusual`);
+        ``torch.save``/``pickle``/``deepcopy`` work, loading into the default group of the
+        loading process, without a collective (:mod:`phalanx.ddp.pickling`).
 
     .. note::
         ZeRO stage 2: with a :class:`~phalanx.ZeroRedundancyOptimizer` over this model,
@@ -103,8 +103,14 @@ class DistributedDataParallel(nn.Module):
             there. A CPU module given ``device_ids`` raises ``ValueError``. Default ``None``.
         output_device (int or torch.device, optional): accepted for torch compatibility;
             must be ``None`` or ``device_ids[0]``. Outputs stay where the module puts them.
-        broadcast_buffers (bool): broadcast rank 0's buffers before forwards (see note).
-            Default ``True``.
+        dim (int): torch's dimension to scatter inputs along: unused, as inputs are never
+            split with one device per process (in torch 2.13 either). Default ``0``.
+        broadcast_buffers (bool, optional): ``False`` keeps buffers out of the construction
+            broadcast and the forwards'. Deprecated by torch 2.13 for
+            ``forward_sync_buffers`` (phalanx does not warn). Default ``None`` (``True``).
+        init_sync (bool): ``False``: no collective at construction, neither the agreement
+            check nor the broadcast (the replicas must be equal already; argument errors
+            raise on their rank only). The same on every rank. Default ``True``.
         process_group (ProcessGroup, optional): the group to average over. Default ``None``
             (the world).
         bucket_cap_mb (float, optional): bucket size in MiB. Default ``None``: 25 MiB with a
@@ -114,6 +120,7 @@ class DistributedDataParallel(nn.Module):
             outputs (any nesting of tuples, lists, dicts, dataclasses); parameters it does
             not reach are settled at the start of backward so nothing waits for them, and
             parameters that get no gradient anywhere keep ``.grad`` untouched. Default ``False``.
+        check_reduction: deprecated by torch; ignored, with torch's ``FutureWarning`` if true.
         gradient_as_bucket_view (bool): make ``.grad`` a view into the bucket: no copy back,
             less memory. Works with ``zero_grad(set_to_none=True)``. Default ``False``.
         static_graph (bool): promise that the same parameters are used every iteration.
@@ -122,9 +129,23 @@ class DistributedDataParallel(nn.Module):
             after every forward; from the second backward on their buckets no longer wait
             for them. A parameter learned unused that later gets a gradient raises
             ``UnusedParametersError``. Default ``False``.
+        delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision: refused
+            with ``ValueError`` unless ``None`` (:mod:`phalanx.ddp.options` says why).
+        device_mesh (DeviceMesh, optional): a 1-D mesh to average over, instead of
+            ``process_group``. Default ``None``.
+        skip_all_reduce_unused_params (bool): accepted; buckets are reduced anyway (the
+            results are the same). Default ``False``.
+        bucket_cap_mb_list (list of float, optional): each bucket's cap in MiB, in launch
+            order, the last for the rest; overrides ``bucket_cap_mb``. Default ``None``.
+        batched_grad_copy (bool): accepted; no effect (each gradient already takes one
+            fused divide-and-copy). Default ``False``.
+        forward_sync_buffers (bool, optional): broadcast rank 0's buffers before forwards
+            (see the note), not at construction. Default ``None``: ``broadcast_buffers``.
 
     Raises:
         TypeError, ValueError: bad arguments (say which, and what was given).
+        UsageError: what torch raises ``RuntimeError`` for (no trainable parameter, a lazy
+            module, ``process_group`` with ``device_mesh``...); a ``ValueError`` too.
         RankMismatchError: the ranks' parameters, buffers or settings differ (raised on
             every rank, naming the first difference).
         UnusedParametersError: from ``backward()``, on every rank, when a parameter got no
@@ -146,6 +167,11 @@ class DistributedDataParallel(nn.Module):
         it on NCCL (communicators used in different orders can deadlock) and ``new_group``
         would make construction a collective of the whole world, also for a subgroup.
 
+    .. warning::
+        torch's DDP + RPC recipe (``torch.distributed.autograd.backward()``) is refused: a
+        forward in a distributed autograd context raises ``UsageError`` (its gradients would
+        bypass the averaging: :func:`~phalanx.ddp.checks.refuse_distributed_autograd`).
+
     Example::
 
         >>> phalanx.init_process_group()
@@ -162,56 +188,87 @@ class DistributedDataParallel(nn.Module):
         module: nn.Module,
         device_ids: Sequence[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
-        broadcast_buffers: bool = True,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
+        check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Sequence[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
     ) -> None:
         super().__init__()
-        check_group(process_group)
-        flags = dict(broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters,
-                     gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
-        problem: Exception | None = None
+        group = resolve_group(process_group, device_mesh)
+        check_group(group)
+        warn_check_reduction(check_reduction)
+        flags = dict(find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view,
+                     static_graph=static_graph, init_sync=init_sync,
+                     skip_all_reduce_unused_params=skip_all_reduce_unused_params, batched_grad_copy=batched_grad_copy)
+        torch_only = dict(delay_all_reduce_named_params=delay_all_reduce_named_params, device_mesh=device_mesh,
+                          param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision)
+        problem, args = None, None
         try:
-            check_arguments(module, bucket_cap_mb, flags)
-            self._device = input_device(module, device_ids, output_device)
+            args = resolve_arguments(module, device_ids, output_device, dim, flags, (broadcast_buffers,
+                                     forward_sync_buffers), bucket_cap_mb, bucket_cap_mb_list, torch_only)
         except (TypeError, ValueError) as e:
             problem = e
-        # every rank learns of every rank's problem: none is left waiting
-        agree_on_replicas(module, problem, bucket_cap_mb, flags, process_group)
-        world = dist.get_world_size(process_group)
+        if init_sync is not False:
+            # every rank learns of every rank's problem: none is left waiting
+            agree_on_replicas(module, problem, {} if args is None else args.settings, group)
+        if problem is not None:  # init_sync=False: no exchange, this rank raises alone
+            raise problem
+        self._device, self._caps = args.device, args.caps
         self.module = module
         self.device_ids = list(device_ids) if device_ids else None
         self.output_device = output_device
-        self.process_group = process_group
+        self.dim = dim
+        self.process_group = group
+        self.device_mesh = device_mesh
         self.bucket_cap_mb = bucket_cap_mb
+        self.bucket_cap_mb_list = bucket_cap_mb_list
+        self.forward_sync_buffers = args.forward_sync_buffers
+        self.mixed_precision = None
         for name, value in flags.items():
             setattr(self, name, value)
         self.require_backward_grad_sync = True
+        self._set_up()
+        if self._reducer is not None and init_sync:
+            self._broadcast_state(args.init_sync_buffers)
+
+    def _set_up(self) -> None:
+        """Hooks, buckets and buffer sync (none with one process); no collective."""
         self._sync_buffers_next = True  # torch's schedule: the first forward broadcasts
         self._reducer: Reducer | None = None
         self._buffer_sync: BufferSync | None = None
         self.bucket_plan: list[BucketSpec] = []
-        if world > 1:
-            self._set_up_replicas(module, process_group, broadcast_buffers)
-
-    def _set_up_replicas(self, module, group, broadcast_buffers) -> None:
-        src = 0 if group is None else dist.get_global_rank(group, 0)
-        with torch.no_grad():
-            comm.broadcast_tensors(list(module.parameters()) + list(module.buffers()), src=src, group=group)
+        group = self.process_group
+        if dist.get_world_size(group) == 1:
+            return
         self._build_reducer(None)
-        if broadcast_buffers and any(b.numel() for b in module.buffers()):
-            self._buffer_sync = BufferSync(module, group, src)
+        if any(b.numel() for b in self.module.buffers()):
+            self._buffer_sync = BufferSync(self.module, group, _rank_zero(group))
+
+    def _broadcast_state(self, with_buffers: bool) -> None:
+        tensors = list(self.module.parameters()) + (list(self.module.buffers()) if with_buffers else [])
+        with torch.no_grad():
+            comm.broadcast_tensors(tensors, src=_rank_zero(self.process_group), group=self.process_group)
 
     def _build_reducer(self, owners: list[int | None] | None) -> None:
         """Plan the buckets (per owner, with ``owners``) and install a reducer for them."""
         named = list(self.module.named_parameters())
-        caps = (DEFAULT_BUCKET_CAP_MB * MIB, FIRST_BUCKET_BYTES)
-        if self.bucket_cap_mb is not None:
-            caps = (int(self.bucket_cap_mb * MIB),) * 2
-        self.bucket_plan = plan_buckets(named, *caps, owners=owners)
+        sparse = sparse_positions(self.module, named)
+        self.bucket_plan = plan_buckets(named, owners=owners, caps=self._caps, skip=sparse)
+        if not self.bucket_plan:  # only sparse parameters: a bucket for the control tail alone
+            self.bucket_plan = [BucketSpec(named[sparse[0]][1].device, torch.float32, ())]
         if _log0.isEnabledFor(logging.DEBUG):
             _log0.debug("bucket plan, in launch order:\n%s", describe(self.bucket_plan))
         group = self.process_group
@@ -225,20 +282,53 @@ class DistributedDataParallel(nn.Module):
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
+            sparse_params=[named[i] for i in sparse],
         )
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._device is not None:
-            inputs, kwargs = _to_device(inputs, self._device), _to_device(kwargs, self._device)
+            inputs, kwargs = to_device(inputs, self._device), to_device(kwargs, self._device)
         if self._reducer is None:
             return self.module(*inputs, **kwargs)
-        if self._buffer_sync is not None and self._sync_buffers_next:
+        refuse_distributed_autograd()
+        if self._sync_buffers_next and self.forward_sync_buffers and self._buffer_sync is not None:
             self._buffer_sync.sync(fresh=self._reducer.awaiting_backward)
         output = self.module(*inputs, **kwargs)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self._sync_buffers_next = sync
         self._reducer.prepare(sync, output)
         return output
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch 2.13's deprecated name of :attr:`forward_sync_buffers`."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether synchronising forwards broadcast rank 0's buffers (torch's meaning: with
+        ``forward_sync_buffers`` and a module that has buffers)."""
+        return bool(self.forward_sync_buffers) and any(True for _ in self.module.buffers())
+
+    def __getstate__(self) -> dict[str, Any]:
+        return picklable_state(self.__dict__, self.process_group, self.device_mesh)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(unpickled_state(state))
+        check_group(self.process_group)
+        self._set_up()  # without shard_gradients' owners: its optimizer is not in the pickle
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in TORCH_ONLY_ATTRIBUTES:
+                raise AttributeError(f"phalanx's DistributedDataParallel has no {name!r}: "
+                                     f"{TORCH_ONLY_ATTRIBUTES[name]}") from None
+            raise
 
     def shard_gradients(self, optimizer: GradientOwners) -> None:
         """ZeRO stage 2: each rank keeps only the averaged gradients its optimizer shard uses.
@@ -284,17 +374,8 @@ class DistributedDataParallel(nn.Module):
             >>> opt.clip_grad_norm_(1.0)         # the norm of the whole averaged gradient
             >>> opt.step()                       # owners step and broadcast the parameters
         """
-        problem, owners = None, None
-        try:
-            mid_iteration = self._reducer is not None and self._reducer.awaiting_backward
-            owners = gradient_owners(self.module, self.process_group, mid_iteration, optimizer)
-        except (TypeError, ValueError, RuntimeError) as e:
-            problem = e
-        items = [verdict(problem)]
-        if owners is not None:
-            items += [(f"owner of {name}", owner) for (name, _), owner
-                      in zip(self.module.named_parameters(), owners)]
-        agree("shard_gradients() owners", self.process_group, items=items, problem=problem)
+        mid_iteration = self._reducer is not None and self._reducer.awaiting_backward
+        owners = agree_on_owners(self.module, self.process_group, mid_iteration, optimizer)
         if self._reducer is not None:
             self._build_reducer(owners)
 
@@ -304,15 +385,12 @@ class DistributedDataParallel(nn.Module):
         Memory shared between them (``gradient_as_bucket_view=True``) is counted once.
         """
         tensors = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if self._reducer is not None:
-            tensors += self._reducer.buffers()
-        storages = {}
-        for t in tensors:
-            if t.layout == torch.strided:
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            else:  # sparse: its dense size (averaged densely anyway)
-                storages[id(t)] = t.numel() * t.element_size()
-        return sum(storages.values())
+        return tensor_bytes(tensors + (self._reducer.buffers() if self._reducer is not None else []))
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
+        """torch's way to keep parameters and buffers out of DDP: refused (``ValueError``)."""
+        raise ValueError(f"_set_params_and_buffers_to_ignore_for_model is torch's: {NOTHING_IGNORED}")
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -333,14 +411,6 @@ class DistributedDataParallel(nn.Module):
             self.require_backward_grad_sync = previous
 
 
-def _to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with its tensors moved to ``device`` (tuples, lists, dicts, namedtuples)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_device(v, device) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, device) for v in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
-    return obj
+def _rank_zero(group: dist.ProcessGroup | None) -> int:
+    """The global rank of ``group``'s rank 0, whose parameters and buffers everyone takes."""
+    return 0 if group is None else dist.get_global_rank(group, 0)

@@ -1,0 +1,240 @@
+"""torch 2.13's DistributedDataParallel surface on phalanx's (issue 15): every constructor
+argument accepted with torch's meaning (compared with torch's DDP in the same ranks) or
+refused with a message; exception classes a torch script catches; distributed autograd
+refused; torch attributes phalanx does not have explained."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import phalanx
+from phalanx.ddp.options import (
+    BOTH_BUFFER_FLAGS_WARNING,
+    CHECK_REDUCTION_WARNING,
+    NOTHING_IGNORED,
+    TORCH_ONLY_ATTRIBUTES,
+)
+from tests.harness import error_of, free_port, run_ranks
+
+DDP = phalanx.DistributedDataParallel
+
+
+class Net(nn.Module):
+    """A BatchNorm (running statistics), a rank-dependent buffer, and an unused head."""
+
+    def __init__(self, rank=0):
+        super().__init__()
+        torch.manual_seed(rank)
+        self.lin, self.bn, self.out = nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2)
+        self.unused = nn.Linear(2, 2)
+        self.register_buffer("mark", torch.full((3,), float(rank)))
+
+    def forward(self, x):
+        return self.out(self.bn(self.lin(x)))
+
+
+def _step(model, rank, step=0):
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * step + rank)) * (rank + 1)
+    model(x).pow(2).sum().backward()
+
+
+def _grad_diff(ours, theirs):
+    return max((p.grad - q.grad).abs().max().item() for p, q in zip(ours.parameters(), theirs.parameters())
+               if q.grad is not None)
+
+
+def _classes(fn, *args, **kwargs):
+    """The built-in classes (ValueError, TypeError, RuntimeError) what ``fn`` raised belongs to."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:
+        return {c.__name__ for c in (ValueError, TypeError, RuntimeError) if isinstance(e, c)}
+    return None
+
+
+def _both(rank, **kwargs):
+    """phalanx's and torch's DDP over equal nets built with this rank's seed."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's broadcast_buffers deprecation
+        return DDP(Net(rank), **kwargs), TorchDDP(Net(rank), **kwargs)
+
+
+def _buffer_flags(rank):
+    out = {}
+    cases = {"broadcast_buffers=False": dict(broadcast_buffers=False),
+             "forward_sync_buffers=False": dict(forward_sync_buffers=False),
+             "default": {}}
+    for name, kwargs in cases.items():
+        ours, theirs = _both(rank, find_unused_parameters=True, **kwargs)
+        at_init = (ours.module.mark.tolist(), theirs.module.mark.tolist())
+        _step(ours, rank), _step(theirs, rank)
+        _step(ours, rank, 1), _step(theirs, rank, 1)  # the second forward broadcasts (or not)
+        out[name] = {"at_init": at_init, "stats": (ours.module.bn.running_mean - theirs.module.bn.running_mean)
+                     .abs().max().item(), "own_stats": ours.module.bn.running_mean.tolist(),
+                     "flags": (ours.broadcast_buffers, ours.will_sync_module_buffers()),
+                     "torch_flags": (theirs.broadcast_buffers, theirs.will_sync_module_buffers())}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        both = DDP(Net(rank), broadcast_buffers=True, forward_sync_buffers=False)
+    out["both"] = (both.forward_sync_buffers, [(w.category.__name__, str(w.message)) for w in caught])
+    return out
+
+
+def _accepted(rank, world_size):
+    out = {"buffers": _buffer_flags(rank)}
+    # init_sync=False: no collective at construction (only rank 0 builds one: none waits),
+    # and the replicas keep their own values, as with torch's
+    if rank == 0:
+        DDP(Net(5), init_sync=False, find_unused_parameters=True)
+    dist.barrier()
+    ours, theirs = _both(rank, init_sync=False, find_unused_parameters=True)
+    out["no_init_sync"] = ((ours.module.lin.weight - theirs.module.lin.weight).abs().max().item(),
+                           ours.module.lin.weight[0, 0].item(), ours.module.mark.tolist())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DDP(Net(), check_reduction=True, find_unused_parameters=True)
+        TorchDDP(Net(), check_reduction=True, find_unused_parameters=True)
+    out["check_reduction"] = [(w.category.__name__, str(w.message)) for w in caught if "check_reduction" in str(w.message)]
+    # dim, skip_all_reduce_unused_params, batched_grad_copy, bucket_cap_mb_list: torch's results
+    kwargs = dict(dim=1, find_unused_parameters=True, skip_all_reduce_unused_params=True, batched_grad_copy=True,
+                  bucket_cap_mb_list=[0.0001, 1])
+    ours, theirs = _both(0, **kwargs)
+    _step(ours, rank), _step(theirs, rank)
+    out["extras"] = (_grad_diff(ours, theirs), ours.dim, ours.module.unused.weight.grad,
+                     [[s.name for s in b.slots] for b in ours.bucket_plan])
+    mesh = init_device_mesh("cpu", (world_size,))
+    ours, theirs = DDP(Net(rank), device_mesh=mesh, find_unused_parameters=True), TorchDDP(
+        Net(rank), device_mesh=mesh, find_unused_parameters=True)
+    _step(ours, rank), _step(theirs, rank)
+    out["mesh"] = (_grad_diff(ours, theirs), ours.device_mesh is mesh)
+    return out
+
+
+def test_accepted_arguments_mean_what_they_mean_in_torch():
+    results = run_ranks(_accepted, 2)
+    for rank, out in enumerate(results):
+        buffers = out["buffers"]
+        # broadcast_buffers=False: the rank's own buffer, at construction too; otherwise rank 0's
+        assert buffers["broadcast_buffers=False"]["at_init"] == ([float(rank)] * 3,) * 2
+        assert buffers["forward_sync_buffers=False"]["at_init"] == ([0.0] * 3,) * 2
+        assert buffers["default"]["at_init"] == ([0.0] * 3,) * 2
+        for name in ("broadcast_buffers=False", "forward_sync_buffers=False", "default"):
+            res = buffers[name]
+            assert res["stats"] < 1e-6 and res["flags"] == res["torch_flags"], (name, res)
+        assert buffers["default"]["flags"] == (True, True) and buffers["broadcast_buffers=False"]["flags"] == (False, False)
+        assert buffers["both"] == (False, [("FutureWarning", BOTH_BUFFER_FLAGS_WARNING)])
+        diff, _, mark = out["no_init_sync"]
+        assert diff == 0 and mark == [float(rank)] * 3
+        ours, torch_warning = out["check_reduction"]
+        assert ours == torch_warning == ("FutureWarning", CHECK_REDUCTION_WARNING)
+        diff, dim, unused_grad, plan = out["extras"]
+        assert diff < 1e-6 and dim == 1 and unused_grad is None
+        assert plan == [["unused.bias", "unused.weight", "out.bias", "out.weight", "bn.bias"],  # 104 bytes:
+                        ["bn.weight", "lin.bias", "lin.weight"]]  # 0.0001 MiB closes it; then 1 MiB
+        assert out["mesh"][0] < 1e-6 and out["mesh"][1]
+    # replicas not synchronised at construction keep their own weights
+    assert results[0]["no_init_sync"][1] != results[1]["no_init_sync"][1]
+    # per-rank statistics without forward sync, rank 0's with it
+    fwd = [r["buffers"]["forward_sync_buffers=False"]["own_stats"] for r in results]
+    assert fwd[0] != fwd[1]
+
+
+class Lazy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.LazyLinear(2)
+
+
+def _refused(rank, world_size):
+    out = {}
+    frozen = Net().requires_grad_(False)
+    mesh2d = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("tp", "dp"))
+    mesh = mesh2d["dp"]
+    # where torch raises RuntimeError, phalanx's UsageError is one too (and a ValueError)
+    for name, kwargs in {"frozen": dict(module=frozen), "lazy": dict(module=Lazy()),
+                         "group and mesh": dict(module=Net(), process_group=dist.group.WORLD, device_mesh=mesh),
+                         "2-D mesh": dict(module=Net(), device_mesh=mesh2d)}.items():
+        out[name] = (_classes(DDP, **kwargs), _classes(TorchDDP, **kwargs), error_of(DDP, **kwargs))
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    tensor_parallel = nn.Linear(2, 2)
+    tensor_parallel.weight = nn.Parameter(distribute_tensor(torch.ones(2, 2), mesh, [Replicate()]))
+    marked = Net()
+    marked._ddp_params_and_buffers_to_ignore = ["unused.weight"]
+    for name, kwargs in {"delay": dict(delay_all_reduce_named_params=[("w", nn.Parameter(torch.ones(1)))],
+                                       param_to_hook_all_reduce=nn.Parameter(torch.ones(1))),
+                         "mixed_precision": dict(mixed_precision=object()),
+                         "dtensor": dict(module=tensor_parallel, device_mesh=mesh),
+                         "ignore": dict(module=marked), "dim": dict(dim="0")}.items():
+        out[name] = error_of(DDP, **{"module": Net(), **kwargs})
+    out["ignore_static"] = error_of(DDP._set_params_and_buffers_to_ignore_for_model, Net(), ["lin.weight"])
+    ddp = DDP(Net(), find_unused_parameters=True)
+    out["attributes"] = {name: error_of(getattr, ddp, name) for name in TORCH_ONLY_ATTRIBUTES}
+    out["plain_missing"] = error_of(getattr, ddp, "no_such_thing")
+    return out
+
+
+def test_refused_arguments_and_exception_classes():
+    for out in run_ranks(_refused, 2):
+        for name in ("frozen", "lazy", "group and mesh", "2-D mesh"):
+            ours, theirs, (kind, _) = out[name]
+            assert theirs == {"RuntimeError"} and ours == {"ValueError", "RuntimeError"}, name
+            assert kind == "UsageError", name
+        assert "at least one parameter that requires a gradient" in out["frozen"][2][1]
+        assert out["lazy"][2][1] == ("DistributedDataParallel needs initialised parameters; ['lin.weight', "
+                                     "'lin.bias'] are not (a lazy module): run one forward pass through the "
+                                     "module before wrapping it")
+        assert out["group and mesh"][2][1].startswith("DistributedDataParallel takes process_group or device_mesh, not both")
+        assert "takes a 1-D device_mesh" in out["2-D mesh"][2][1] and "got a 2-D mesh" in out["2-D mesh"][2][1]
+        assert out["delay"] == ("ValueError", (
+            "delay_all_reduce_named_params and param_to_hook_all_reduce are torch's (all-reduce some "
+            "parameters in one go once another one's gradient is ready); phalanx's DistributedDataParallel "
+            "does not hold parameters back: it averages every trainable parameter in its buckets during "
+            "the backward. Leave both None"))
+        kind, message = out["mixed_precision"]
+        assert kind == "ValueError" and "mixed_precision=<object" in message and "Use torch.autocast" in message
+        kind, message = out["dtensor"]
+        assert kind == "ValueError" and message.startswith("parameters ['weight'] are DTensors")
+        assert out["ignore"] == ("ValueError", (
+            "the module names parameters and buffers for DDP to ignore (['unused.weight'], set by "
+            f"_set_params_and_buffers_to_ignore_for_model): {NOTHING_IGNORED}"))
+        assert out["ignore_static"] == ("ValueError", "_set_params_and_buffers_to_ignore_for_model is torch's: "
+                                        + NOTHING_IGNORED)
+        assert out["dim"] == ("TypeError", "dim must be an int (the batch dimension), got '0'")
+        for name, (kind, message) in out["attributes"].items():
+            assert kind == "AttributeError", name
+            assert message == f"phalanx's DistributedDataParallel has no {name!r}: {TORCH_ONLY_ATTRIBUTES[name]}"
+        assert out["plain_missing"][0] == "AttributeError" and "no_such_thing" in out["plain_missing"][1]
+
+
+def _distributed_autograd(rank, world_size, port):
+    import torch.distributed.autograd as dist_autograd
+    import torch.distributed.rpc as rpc
+
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
+    try:
+        ddp, oracle = _both(0, find_unused_parameters=True)
+        _step(ddp, rank), _step(oracle, rank)  # RPC running, plain autograd: averaged as usual
+        out = {"plain": _grad_diff(ddp, oracle)}
+        with dist_autograd.context():
+            out["context"] = _classes(_step, ddp, rank), error_of(_step, ddp, rank)
+        return out
+    finally:
+        rpc.shutdown()
+
+
+def test_distributed_autograd_is_refused_at_the_forward():
+    for out in run_ranks(_distributed_autograd, 2, free_port()):
+        assert out["plain"] < 1e-6
+        classes, (kind, message) = out["context"]
+        assert kind == "UsageError" and classes == {"ValueError", "RuntimeError"}
+        assert message.startswith("phalanx's DistributedDataParallel does not average gradients computed by "
+                                  "torch.distributed.autograd.backward()")
+
