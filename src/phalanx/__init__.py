@@ -49,6 +49,7 @@ _LAZY = {
     "is_initialized": "process_group",
     "DistributedSampler": "sampler",
     "SyncBatchNorm": "sync_batchnorm",
+    "straggler_report": "diagnostics",
     "ZeroRedundancyOptimizer": "zero",
 }
 
@@ -67,6 +68,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         is_initialized,
     )
     from .sampler import DistributedSampler
+    from .diagnostics import straggler_report
     from .sync_batchnorm import SyncBatchNorm
     from .zero import ZeroRedundancyOptimizer
 
@@ -133,4 +135,5 @@ __all__ = [
     "get_world_size",
     "init_process_group",
     "is_initialized",
+    "straggler_report",
 ]

@@ -27,6 +27,7 @@ from . import env as _env
 from .diagnostics import monitor
 from .diagnostics.log import call_site
 from .diagnostics.monitor import Diagnostics
+from .diagnostics.straggler import DEFAULT_EVERY
 from .errors import AlreadyInitializedError, NotInitializedError, RendezvousError
 
 # torch's backend names; anything else is refused before c10d sees it.
@@ -143,6 +144,9 @@ def init_process_group(
     group_name: str = "",
     pg_options: Any | None = None,
     device_id: torch.device | int | None = None,
+    *,
+    diagnostics: bool = True,
+    straggler_every: int = DEFAULT_EVERY,
 ) -> _env.DistEnv:
     """Join the job: create the default process group and pin this process's device.
 
@@ -166,6 +170,10 @@ def init_process_group(
         store: a ready c10d store to meet in (then ``init_method`` must be ``None``).
         group_name, pg_options, device_id: passed to torch unchanged; ``device_id`` defaults
             to ``cuda:LOCAL_RANK`` with NCCL.
+        diagnostics (bool, keyword-only): check that the ranks issue the same collectives,
+            report hangs and stragglers (:mod:`phalanx.diagnostics`). Default ``True``.
+        straggler_every (int, keyword-only): synchronising DDP steps between straggler
+            reports; ``0`` for none. Default ``200``.
 
     Returns:
         The :class:`~phalanx.env.DistEnv` this process joined with.
@@ -224,18 +232,20 @@ def init_process_group(
         pg_options=pg_options,
         device_id=device_id,
     )
-    _start_diagnostics(backend, timeout, store)
+    if diagnostics:
+        _start_diagnostics(backend, timeout, store, straggler_every)
     return found
 
 
-def _start_diagnostics(backend: str, timeout: timedelta, store: dist.Store | None) -> None:
+def _start_diagnostics(backend: str, timeout: timedelta, store: dist.Store | None,
+                       straggler_every: int) -> None:
     if dist.get_world_size() == 1:
         return
     if store is None:  # torch made it from init_method
         store = dist.distributed_c10d._get_default_store()
     check_group = dist.new_group(backend="gloo") if "nccl" in backend else None
     monitor.install(Diagnostics(store, timeout.total_seconds(), _env.diagnosis_file(),
-                                check_group=check_group))
+                                check_group=check_group, straggler_every=straggler_every))
 
 
 diagnostics = monitor.current

@@ -112,3 +112,69 @@ def test_a_rank_that_exits_mid_training_is_named():
         assert kind == "RankExitedError" and culprits == [2], message
         assert took < WATCHDOG_S, took
         assert "Rank(s) 2 did not answer: gone" in message
+
+
+def _uneven(rank, world_size):
+    torch.manual_seed(0)
+    model = phalanx.DistributedDataParallel(torch.nn.Linear(4, 2))
+    out = {}
+    try:
+        for _ in range(3 + 2 * rank):  # rank 0 runs out of batches first
+            model(torch.randn(8, 4)).sum().backward()  # ddp step
+        phalanx.all_reduce(torch.ones(1))  # evaluation
+    except phalanx.CollectiveMismatchError as e:
+        out["error"] = str(e)
+    # named before Gloo saw a bucket of the wrong size: the ranks can still talk
+    out["after"] = phalanx.all_reduce(torch.ones(1)) or True
+    return out
+
+
+def test_a_rank_that_runs_out_of_batches_is_named_on_every_rank():
+    for out in run_ranks(_uneven, 2):
+        assert out["error"] == (
+            "The ranks are at different collectives: rank 0 is at all_reduce float32[1] "
+            f"({_line('evaluation')}); rank 1 is at DistributedDataParallel forward "
+            f"({_line('ddp step')}). A rank that runs out of batches before the others stops "
+            "joining DDP's steps: give every rank as many batches (DistributedSampler, "
+            "drop_last) or wrap the loop in `with model.join():`")
+        assert out["after"]
+
+
+def _straggling(rank, world_size, slow_rank):
+    import logging
+
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logging.getLogger("phalanx.diagnostics").addHandler(Keep())
+    phalanx.init_process_group(backend="gloo", straggler_every=10)
+    try:
+        torch.manual_seed(0)
+        model = phalanx.DistributedDataParallel(torch.nn.Linear(16, 16))
+        for _ in range(31):
+            if rank == slow_rank:
+                time.sleep(0.5)  # slow data loading on one rank
+            model(torch.randn(32, 16)).sum().backward()
+        return seen, phalanx.straggler_report()
+    finally:
+        phalanx.destroy_process_group()
+
+
+@pytest.mark.parametrize("slow_rank", [1, None])
+def test_a_slow_rank_is_named_although_every_step_takes_as_long(slow_rank):
+    results = run_ranks(_straggling, 3 if slow_rank is None else 2, slow_rank, init=False)
+    (lines, report), others = results[0], results[1:]
+    assert report["steps"] == 30 and sorted(report["ranks"]) == list(range(len(results)))
+    if slow_rank is None:
+        assert report["slow"] == [] and lines == []
+        return
+    assert report["slow"] == [1]
+    between = report["ranks"][1]["between"]
+    assert 0.5 <= between < 0.7 and report["ranks"][0]["wait"] > 0.3, report
+    assert len(lines) == 3  # one line per report: after 10, 20 and 30 steps
+    assert lines[-1].startswith("straggler: rank 1 is ") and "slower than the median of the " \
+        "other ranks, in time between steps (data, optimizer, logging): 0.5" in lines[-1]
+    assert all(seen == [] for seen, _ in others)  # rank 0 logs; the others keep quiet

@@ -4,12 +4,12 @@ from phalanx.diagnostics.straggler import StepClock, assess
 
 
 def _steps(clock, compute, between, wait, n, start=0.0):
-    t = start
+    t, waited = start, 0.0
     for _ in range(n):
-        clock.forward(t)
-        clock.waited(wait)
+        clock.forward(waited, t)
+        waited += wait
         t += compute + wait
-        clock.backward_done(t)
+        clock.backward_done(waited, t)
         t += between
     return t
 

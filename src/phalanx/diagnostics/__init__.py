@@ -19,3 +19,26 @@ The files, in the order a collective goes through them:
     Per step and rank: compute, waiting in collectives, time between steps; rank 0 names a
     rank that is consistently slower than the others.
 """
+
+from __future__ import annotations
+
+from .monitor import current
+
+
+def straggler_report() -> dict | None:
+    """The last straggler report of this process's DDP steps, or ``None`` before the first
+    (every ``straggler_every`` synchronising steps, see ``init_process_group``).
+
+    Returns:
+        ``{"steps": N, "ranks": {rank: {"compute": s, "wait": s, "between": s}}, "slow":
+        [ranks], "lines": [sentences]}``: per rank, the median seconds per step of the last
+        window in forward+backward, waiting in collectives, and between steps.
+
+    Example::
+
+        >>> report = phalanx.straggler_report()
+        >>> if report and report["slow"]:
+        ...     print(report["lines"])
+    """
+    diag = current()
+    return None if diag is None else diag.straggler

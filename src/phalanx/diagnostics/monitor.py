@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 import zlib
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from .._logging import get_logger
 from ..errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -34,6 +36,9 @@ from ..errors import (
 )
 from .hang import Watchdog, assemble, snapshot
 from .log import CollectiveLog, Record, call_site, describe_tensors
+from .straggler import DEFAULT_EVERY, assess
+
+_log = get_logger("phalanx.diagnostics")
 
 # Signal that interrupts a rank's main thread (a late rank outside any collective) to raise
 # the final hang report: a real-time signal, which nothing in torch or the launcher uses
@@ -77,10 +82,13 @@ class Diagnostics:
         report_file: where to write the final report for ``phalanx run`` (``None``: nowhere).
         check_group: a Gloo group over the world for sync points when the world is on NCCL
             (CPU tensors never synchronise the GPU). Default ``None``: the world itself.
+        straggler_every: synchronising DDP steps per straggler report; ``0``: none. Default
+            :data:`~phalanx.diagnostics.straggler.DEFAULT_EVERY`.
     """
 
     def __init__(self, store: Any, timeout_s: float, report_file: str | None = None,
-                 check_group: dist.ProcessGroup | None = None) -> None:
+                 check_group: dist.ProcessGroup | None = None,
+                 straggler_every: int = DEFAULT_EVERY) -> None:
         self.rank = dist.get_rank()
         self.enabled = True  # False: every collective goes unchecked and unrecorded
         self.timeout_s = timeout_s
@@ -89,6 +97,9 @@ class Diagnostics:
         self.logs: dict[str, CollectiveLog] = {}
         self._names: dict[int, str] = {}
         self.failing = False
+        self.waited_s = 0.0  # seconds this process has spent waiting for collectives to end
+        self.straggler_every = straggler_every
+        self.straggler: dict | None = None  # the last straggler report (straggler.assess)
         self._pending: _Check | None = None  # a sync point started, not yet waited for
         self._last_work: Any = None
         self._interrupt: BaseException | None = None
@@ -175,15 +186,41 @@ class Diagnostics:
         check, self._pending = self._pending, None
         if check is None:
             return []
-        try:
-            check.work.wait()
-        except RuntimeError as e:
-            raise self.fail(check.record, e) from e
-        self.end(check.record)
+        self.wait(check.work, check.record)
         self._last_work = check.work  # see phalanx.comm.LastWorks: kept by the main thread
         if check.payload[0].item() != -check.payload[1].item():
             self._mismatch(check)
         return check.payload[2:].tolist()
+
+    def wait(self, work: Any, record: Record | None) -> None:
+        """Wait for ``work`` (the collective ``record`` describes, if recorded), count the time
+        in :attr:`waited_s`, and raise the hang report if it fails."""
+        start = time.monotonic()
+        try:
+            work.wait()
+        except RuntimeError as e:
+            if record is None:
+                raise
+            raise self.fail(record, e) from e
+        finally:
+            self.waited_s += time.monotonic() - start
+        if record is not None:
+            self.end(record)
+
+    def exchange_step_times(self, medians: list[float], steps: int,
+                            group: dist.ProcessGroup | None) -> dict:
+        """Every rank's straggler medians (a collective of the DDP's group); rank 0 logs the
+        slow ones. Returns, and keeps as :attr:`straggler`, the report."""
+        mine = torch.tensor(medians, dtype=torch.float64)
+        everyone = torch.empty(dist.get_world_size(group) * len(medians), dtype=torch.float64)
+        with self.collective("straggler report", (mine,), group):
+            dist.all_gather_into_tensor(everyone, mine, group=group)
+        report = assess(everyone.view(-1, len(medians)).tolist(), steps)
+        if dist.get_rank() == 0:
+            for line in report["lines"]:
+                _log.warning("straggler: %s", line)
+        self.straggler = report
+        return report
 
     def _mismatch(self, check: _Check) -> None:
         mine = {"rank": dist.get_rank(), "at": f"{check.what} ({check.site})", "since": check.since}

@@ -50,9 +50,10 @@ class StepTimes:
 class StepClock:
     """Times this rank's synchronising DDP steps (see the module notes).
 
-    The DDP wrapper calls :meth:`forward` when a synchronising forward starts, :meth:`waited`
-    for every wait in a collective of the step, and :meth:`backward_done` when the backward's
-    gradients are averaged. :meth:`due` says when the window is full.
+    The DDP wrapper calls :meth:`forward` when a synchronising forward starts and
+    :meth:`backward_done` when the backward's gradients are averaged, each with the seconds
+    this process has waited in collectives so far (:attr:`Diagnostics.waited_s`).
+    :meth:`due` says when the window is full.
 
     Args:
         every: steps per window; ``0`` switches the report off. Default :data:`DEFAULT_EVERY`.
@@ -64,23 +65,21 @@ class StepClock:
         self.steps = 0
         self._start: float | None = None
         self._last_end: float | None = None
-        self._waited = 0.0
+        self._waited_before = 0.0
 
-    def forward(self, now: float | None = None) -> None:
+    def forward(self, waited_s: float, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         if self._last_end is not None and self._start is None:
             self.window.between.append(now - self._last_end)
-        self._start, self._waited = now, 0.0
+        self._start, self._waited_before = now, waited_s
 
-    def waited(self, seconds: float) -> None:
-        self._waited += seconds
-
-    def backward_done(self, now: float | None = None) -> None:
+    def backward_done(self, waited_s: float, now: float | None = None) -> None:
         if self._start is None:  # a backward without a timed forward (no_sync() first)
             return
         now = time.monotonic() if now is None else now
-        self.window.compute.append(max(0.0, now - self._start - self._waited))
-        self.window.wait.append(self._waited)
+        waited = waited_s - self._waited_before
+        self.window.compute.append(max(0.0, now - self._start - waited))
+        self.window.wait.append(waited)
         self._start, self._last_end = None, now
         self.steps += 1
 
