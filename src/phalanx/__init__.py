@@ -56,6 +56,7 @@ _LAZY = {
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from .checkpoint import Checkpointer, PreemptionHandler, TrainingState
     from .ddp import DistributedDataParallel
+    from .diagnostics import straggler_report
     from .process_group import (
         barrier,
         destroy_process_group,
@@ -68,7 +69,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         is_initialized,
     )
     from .sampler import DistributedSampler
-    from .diagnostics import straggler_report
     from .sync_batchnorm import SyncBatchNorm
     from .zero import ZeroRedundancyOptimizer
 
