@@ -56,7 +56,8 @@ class DistEnv:
         restart_count: how many times the launcher restarted the group. Default ``0``.
         use_agent_store: the launcher hosts the store (torchrun's ``TORCHELASTIC_USE_AGENT_STORE``),
             so rank 0 connects to it instead of listening itself. Default ``False``.
-        source: ``"launcher"``, ``"slurm"`` or ``"single"``.
+        source: ``"launcher"``, ``"slurm"``, ``"single"``, or ``"arguments"`` (rank and world
+            size given to ``init_process_group`` with no launcher's variables set).
     """
 
     rank: int = 0
@@ -174,6 +175,37 @@ def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
         return _from_slurm(environ)
     return DistEnv()
+
+
+def for_arguments(rank: int, world_size: int, environ: Mapping[str, str] | None = None) -> DistEnv:
+    """What ``init_process_group(rank=..., world_size=...)`` joins with, read as torch's
+    ``env://`` reads it: an argument left at ``-1`` comes from the environment, and the master
+    from ``MASTER_ADDR``/``MASTER_PORT`` even when no launcher set the other variables (torch's
+    ``mp.spawn`` tutorial sets only those two). ``None`` for an address or port not set.
+
+    Raises:
+        EnvironmentConfigError: one of rank and world size is given and the other is neither
+            given nor in the environment, or a variable is malformed.
+    """
+    environ = os.environ if environ is None else environ
+    found = detect(environ)
+    if rank == -1 and world_size == -1:
+        return found
+    if found.source == "single" and -1 in (rank, world_size):
+        given, missing = ("rank", "world_size") if world_size == -1 else ("world_size", "rank")
+        raise EnvironmentConfigError(
+            f"init_process_group() got {given}= but no {missing}=, and {missing.upper()} is not "
+            f"set in the environment; pass both rank= and world_size="
+        )
+    fields = dict(found.__dict__)
+    fields["rank"] = found.rank if rank == -1 else rank
+    fields["world_size"] = found.world_size if world_size == -1 else world_size
+    if found.source == "single":
+        port = environ.get("MASTER_PORT")
+        fields.update(master_addr=environ.get("MASTER_ADDR") or None,
+                      master_port=_int(environ, "MASTER_PORT") if port else None,
+                      source="arguments")
+    return DistEnv(**fields)
 
 
 def first_host(nodelist: str) -> str:
