@@ -237,12 +237,14 @@ def tasks_on_node(tasks_per_node: str, node: int) -> int:
 
 
 def launcher_environ(
-    env: DistEnv, *, group_world_size: int, max_restarts: int, run_id: str, error_file: str
+    env: DistEnv, *, group_world_size: int, max_restarts: int, run_id: str, error_file: str,
+    role: str = _TORCHRUN_ROLE,
 ) -> dict[str, str]:
     """The variables a launcher sets for one worker, named as torchrun names them.
 
     The inverse of :func:`detect`: ``detect(launcher_environ(e, ...)) == e`` for any
-    launcher-made ``e``. ``group_world_size`` is the number of nodes.
+    launcher-made ``e``. ``group_world_size`` is the number of nodes; ``role`` is torchrun's
+    ``--role`` (every worker has the one role, so role rank and size are rank and world size).
     """
     return {
         "RANK": str(env.rank),
@@ -251,7 +253,7 @@ def launcher_environ(
         "LOCAL_WORLD_SIZE": str(env.local_world_size),
         "GROUP_RANK": str(env.node_rank),
         "GROUP_WORLD_SIZE": str(group_world_size),
-        "ROLE_NAME": _TORCHRUN_ROLE,
+        "ROLE_NAME": role,
         "ROLE_RANK": str(env.rank),
         "ROLE_WORLD_SIZE": str(env.world_size),
         "MASTER_ADDR": str(env.master_addr),
