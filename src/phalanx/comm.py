@@ -170,10 +170,14 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[
 
 def all_reduce_any(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
     """True on every rank if ``flag`` is true on any rank (one small all-reduce)."""
-    device = collective_device(group)
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    return all_reduce_max(1 if flag else 0, group) > 0
+
+
+def all_reduce_max(value: int, group: dist.ProcessGroup | None = None) -> int:
+    """The largest of every rank's ``value`` (a small integer), on every rank."""
+    t = torch.tensor([float(value)], device=collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item() > 0)
+    return int(t.item())
 
 
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:
