@@ -54,6 +54,16 @@ def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return flat
 
 
+def pack_as_views(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """:func:`pack` ``tensors`` (one device), then point each one's ``.data`` at its slot of
+    the buffer, so the buffer *is* their storage: one collective on it moves all of them."""
+    flat = pack(tensors)
+    offsets, _ = _packed_offsets(tensors)
+    for t, offset in zip(tensors, offsets):
+        t.data = _slot(flat, offset, t)
+    return flat
+
+
 def unpack_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """Copy what :func:`pack` put in ``flat`` back into ``tensors``, in place."""
     offsets, _ = _packed_offsets(tensors)
