@@ -417,6 +417,7 @@ def _error_checks(rank, world_size):
         model.parameters(), torch.optim.Adam, parameters_as_bucket_view="yes"), TypeError)
     _expect(errors, "join", zero.join_hook, NotImplementedError)
     _expect(errors, "join_device", lambda: zero.join_device, NotImplementedError)
+    _expect(errors, "join_group", lambda: zero.join_process_group, NotImplementedError)
     _backward_averaged(model, 0, rank, world_size)
     zero.step()
     zero.consolidate_state_dict(to=0)
@@ -425,8 +426,16 @@ def _error_checks(rank, world_size):
     _load_errors(errors, zero, good[0])
     zero.step()
     _expect(errors, "stale", zero.state_dict, RuntimeError)
+    hooks = []  # torch.optim.Optimizer's state-dict hooks run, as with torch's ZeRO
+    zero.register_load_state_dict_pre_hook(lambda opt, sd: hooks.append("load pre"))
+    zero.register_load_state_dict_post_hook(lambda opt: hooks.append("load post"))
     zero.load_state_dict(good[0])  # what fits loads, after all those failures
     errors["reloaded"] = optimizer_state_bytes(zero) > 0
+    zero.register_state_dict_pre_hook(lambda opt: hooks.append("pre"))
+    zero.register_state_dict_post_hook(lambda opt, sd: {**sd, "tag": "post"})
+    zero.consolidate_state_dict(to=0)
+    tag = zero.state_dict()["tag"] if rank == 0 else None
+    errors["hooks"] = (list(hooks), tag)
     # a plain optimizer's state dict loads too: each rank takes its parameters' entries
     twin = copy.deepcopy(model)
     plain = torch.optim.Adam(_groups(twin), lr=0.02)
@@ -465,7 +474,7 @@ def test_errors_name_what_is_wrong():
             "inside a torch DDP communication hook, and phalanx's DDP has none.")
         assert "call ddp.shard_gradients(zero) on every rank" in errors["overlap"]
         assert errors["flag"] == "TypeError: parameters_as_bucket_view must be a bool, got str 'yes'"
-        assert errors["join"] == errors["join_device"] == (
+        assert errors["join"] == errors["join_device"] == errors["join_group"] == (
             "NotImplementedError: ZeroRedundancyOptimizer does not support torch's Join (uneven "
             "inputs across ranks), as phalanx's DDP does not: give every rank the same number of "
             "batches, e.g. with phalanx.DistributedSampler (padding, or drop_last=True)")
@@ -484,6 +493,8 @@ def test_errors_name_what_is_wrong():
             "ValueError: state_dict does not fit: it has state for parameter ids [99] that none "
             "of its parameter groups lists")
         assert errors["unchanged"] and errors["reloaded"]
+        assert errors["hooks"] == ((["load pre", "load post", "pre"], "post") if rank == 0 else
+                                   (["load pre", "load post"], None))
     owned = [errors["from_plain"][0] for errors in results]
     assert sum(owned) == 6 and all(n > 0 for n in owned)
     assert all(errors["from_plain"][1:] == (0.02, True) for errors in results)

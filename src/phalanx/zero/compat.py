@@ -1,9 +1,13 @@
-"""torch's ``ZeroRedundancyOptimizer`` arguments and methods that phalanx refuses, with what
-to do instead (``docs/torch_surface.md`` lists the whole surface)."""
+"""What ``ZeroRedundancyOptimizer`` keeps of torch's surface beyond its own methods: the
+arguments and methods it refuses, with what to do instead, and ``torch.optim.Optimizer``'s
+state-dict hooks, which its own ``state_dict``/``load_state_dict`` run as torch's do
+(``docs/torch_surface.md`` lists the whole surface)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
+
+from torch.optim import Optimizer
 
 NO_JOIN = (
     "ZeroRedundancyOptimizer does not support torch's Join (uneven inputs across ranks), as "
@@ -26,3 +30,28 @@ def check_flags(parameters_as_bucket_view: Any, overlap_with_ddp: Any) -> None:
             "to also cut gradient memory, call ddp.shard_gradients(zero) on every rank (ZeRO "
             "stage 2: each rank receives only the averaged gradients of the parameters it owns)"
         )
+
+
+def with_state_dict_hooks(optimizer: Optimizer, build: Callable[[], dict]) -> dict:
+    """``build()`` between the hooks of ``register_state_dict_pre_hook``/``_post_hook``."""
+    for hook in getattr(optimizer, "_optimizer_state_dict_pre_hooks", {}).values():
+        hook(optimizer)
+    state_dict = build()
+    for hook in getattr(optimizer, "_optimizer_state_dict_post_hooks", {}).values():
+        result = hook(optimizer, state_dict)
+        state_dict = state_dict if result is None else result
+    return state_dict
+
+
+def run_load_pre_hooks(optimizer: Optimizer, state_dict: dict) -> dict:
+    """The ``register_load_state_dict_pre_hook`` hooks; each may return a new state dict."""
+    for hook in getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", {}).values():
+        result = hook(optimizer, state_dict)
+        state_dict = state_dict if result is None else result
+    return state_dict
+
+
+def run_load_post_hooks(optimizer: Optimizer) -> None:
+    """The ``register_load_state_dict_post_hook`` hooks."""
+    for hook in getattr(optimizer, "_optimizer_load_state_dict_post_hooks", {}).values():
+        hook(optimizer)

@@ -26,7 +26,13 @@ from ..agreement import agree
 from ..errors import NotInitializedError
 from . import clip as _clip
 from . import state as _state
-from .compat import NO_JOIN, check_flags
+from .compat import (
+    NO_JOIN,
+    check_flags,
+    run_load_post_hooks,
+    run_load_pre_hooks,
+    with_state_dict_hooks,
+)
 from .partition import partition_by_size
 
 
@@ -309,9 +315,9 @@ class ZeroRedundancyOptimizer(Optimizer):
                 f"consolidate_state_dict(to={self._rank}) on every rank after the last step() "
                 "(state is consolidated to one rank only, and a step() makes it stale)"
             )
-        return _state.pack(
+        return with_state_dict_hooks(self, lambda: _state.pack(
             self.param_groups, self._consolidated, self._params, len(self._global_ranks)
-        )
+        ))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved by :meth:`state_dict` at any world size, or by the plain
@@ -324,11 +330,13 @@ class ZeroRedundancyOptimizer(Optimizer):
             ValueError: it does not fit these parameters: group count, group sizes,
                 parameter names or shapes differ (the message names the first difference).
         """
+        state_dict = run_load_pre_hooks(self, state_dict)
         local = _state.localize(state_dict, self.param_groups, self._params, self._local_index)
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update(_hyperparameters(saved))
         self.optim.load_state_dict(local)
         self._consolidated = None
+        run_load_post_hooks(self)
 
     def _build_buckets(self) -> None:
         """With ``parameters_as_bucket_view``: each owner's parameters, per device, become
