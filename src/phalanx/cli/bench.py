@@ -18,18 +18,14 @@ import sys
 import threading
 from pathlib import Path
 
-from .text import plain
+from .text import add_manual_parser
 
 # How often the load average is read while the benchmark runs (seconds).
 _LOAD_EVERY_S = 1.0
 
 
 def add_bench(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "bench", help="phalanx DDP vs torch DDP vs one process, side by side",
-        description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
+    parser = add_manual_parser(commands, "bench", "phalanx DDP vs torch DDP vs one process, side by side", __doc__)
     add = parser.add_argument
     add("--model", nargs="+", default=["mlp"], choices=("cnn", "mlp"),
         help="mlp: 10.5M parameters; cnn: 0.29M with BatchNorm (default mlp)")

@@ -91,17 +91,13 @@ from ..launcher.config import (
     DEFAULT_SHUTDOWN_TIMEOUT,
 )
 from . import torchrun
-from .text import plain
+from .text import add_manual_parser
 
 USAGE = "phalanx run [options] script.py [script args...]"
 
 
 def add_run(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "run", help="start a script on several processes (torchrun-compatible)",
-        description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
+    parser = add_manual_parser(commands, "run", "start a script on several processes (torchrun-compatible)", __doc__)
     add = parser.add_argument
     add("--nproc-per-node", "--nproc_per_node", "--nproc", default="1", metavar="N|auto|cpu|gpu",
         help="workers on this node (default 1)")

@@ -1,7 +1,9 @@
-"""Manual pages for a terminal: the reStructuredText markup of docstrings taken out."""
+"""Manual pages for a terminal: a subcommand's parser whose description is its module's
+docstring, with the reStructuredText markup taken out."""
 
 from __future__ import annotations
 
+import argparse
 import re
 
 # :class:`~phalanx.x.Name`, :func:`name` ... -> Name / name (the last dotted part after "~")
@@ -22,3 +24,12 @@ def plain(text: str) -> str:
     text = re.sub(r"\*\*(.+?)\*\*", r"\1", text, flags=re.S)
     text = re.sub(r"\s::$", "", text, flags=re.M)  # "text ::" introduces a block silently
     return re.sub(r"::$", ":", text, flags=re.M)
+
+
+def add_manual_parser(commands: argparse._SubParsersAction, name: str, summary: str,
+                      manual: str) -> argparse.ArgumentParser:
+    """A subcommand ``name`` whose ``-h`` shows ``manual`` (a docstring) as plain text."""
+    return commands.add_parser(
+        name, help=summary, description=plain(manual),
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+    )
