@@ -15,17 +15,14 @@ import argparse
 import json
 import os
 import sys
-import threading
 from pathlib import Path
 
 from .text import add_manual_parser
 
-# How often the load average is read while the benchmark runs (seconds).
-_LOAD_EVERY_S = 1.0
-
 
 def add_bench(commands: argparse._SubParsersAction) -> None:
-    parser = add_manual_parser(commands, "bench", "phalanx DDP vs torch DDP vs one process, side by side", __doc__)
+    parser = add_manual_parser(
+        commands, "bench", "phalanx DDP vs torch DDP vs one process, side by side", __doc__)
     add = parser.add_argument
     add("--model", nargs="+", default=["mlp"], choices=("cnn", "mlp"),
         help="mlp: 10.5M parameters; cnn: 0.29M with BatchNorm (default mlp)")
@@ -41,26 +38,6 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
     add("--out", default="runs/bench", help="bench.png and bench.json go here (default runs/bench)")
     add("--no-plot", action="store_true", help="skip the PNG chart (no matplotlib needed)")
     parser.set_defaults(handler=_bench)
-
-
-class _LoadWatch:
-    """The highest 1-minute load average seen while the ``with`` block runs."""
-
-    def __enter__(self) -> "_LoadWatch":
-        self.peak = os.getloadavg()[0]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-        return self
-
-    def _watch(self) -> None:
-        while not self._stop.wait(_LOAD_EVERY_S):
-            self.peak = max(self.peak, os.getloadavg()[0])
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, os.getloadavg()[0])
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -82,19 +59,22 @@ def _bench(args: argparse.Namespace) -> int:
     if args.bucket_mb is not None:
         common += ["--bucket-cap-mb", str(args.bucket_mb)]
     results = {}
-    with _LoadWatch() as load:
-        for name, n, impls in (("alone", 1, ("bare", "phalanx")), ("ddp", nproc, ("phalanx", "torch"))):
-            print(f"phalanx bench: {'/'.join(impls)} on {n} process(es)...", file=sys.stderr, flush=True)
-            try:
-                results[name] = launch_ranks("phalanx.bench", n, (*common, "--impls", *impls), module=True)
-            except RanksFailed as e:
-                print(f"phalanx bench: the {name} run failed (exit status {e.status})", file=sys.stderr)
-                return e.status
+    # the 1-minute load average at the end of each run (no sampling thread: the launcher
+    # forks its guardian and workers, which wants a process without threads)
+    loads = [os.getloadavg()[0]]
+    for name, n, impls in (("alone", 1, ("bare", "phalanx")), ("ddp", nproc, ("phalanx", "torch"))):
+        print(f"phalanx bench: {'/'.join(impls)} on {n} process(es)...", file=sys.stderr, flush=True)
+        try:
+            results[name] = launch_ranks("phalanx.bench", n, (*common, "--impls", *impls), module=True)
+        except RanksFailed as e:
+            print(f"phalanx bench: the {name} run failed (exit status {e.status})", file=sys.stderr)
+            return e.status
+        loads.append(os.getloadavg()[0])
     rows = bench_report.ddp_rows(results["alone"], results["ddp"])
-    busy = bench_report.busy_warning(load.peak, usable_cpus())
+    busy = bench_report.busy_warning(max(loads), usable_cpus())
     settings = {k: v for k, v in vars(args).items() if k != "handler"}
     (out / "bench.json").write_text(json.dumps(
-        {"rows": rows, "settings": settings, "peak_load": load.peak}, indent=2))
+        {"rows": rows, "settings": settings, "peak_load": max(loads)}, indent=2))
     print(f"\n{nproc} processes, Gloo, {args.threads} thread(s) and batch {args.batch_size} "
           f"per process, bucket cap {args.bucket_mb or 'default'}\n")
     print(bench_report.format_table(rows))

@@ -97,7 +97,8 @@ USAGE = "phalanx run [options] script.py [script args...]"
 
 
 def add_run(commands: argparse._SubParsersAction) -> None:
-    parser = add_manual_parser(commands, "run", "start a script on several processes (torchrun-compatible)", __doc__)
+    parser = add_manual_parser(
+        commands, "run", "start a script on several processes (torchrun-compatible)", __doc__)
     add = parser.add_argument
     add("--nproc-per-node", "--nproc_per_node", "--nproc", default="1", metavar="N|auto|cpu|gpu",
         help="workers on this node (default 1)")
