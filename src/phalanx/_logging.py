@@ -5,8 +5,9 @@ rank, and which follow the program's own logging set-up.
   logger, so a program's ``logging.basicConfig(...)``/``dictConfig`` handlers format and
   filter phalanx's records like any other. Each record carries ``rank`` (``%(rank)s``).
 * **Level.** INFO and above by default. Set it the usual way, e.g.
-  ``logging.getLogger("phalanx").setLevel(logging.WARNING)``. Until a level is set there,
-  a program that has configured the root logger gets the root's level for phalanx too.
+  ``logging.getLogger("phalanx").setLevel(logging.WARNING)``. Until a level or a handler is
+  set there, a program that has configured the root logger gets the root's level for phalanx
+  too.
 * A program that configured no handler at all still sees phalanx's messages: a handler on
   the ``phalanx`` logger writes them to stderr as ``[rankN] phalanx.ddp: message`` (without
   ``[rankN]`` under ``phalanx run``, which prefixes every line itself), and stands aside as
@@ -60,13 +61,18 @@ class _AddRank(logging.Filter):
         return True
 
 
+def _configured_by_program(base: logging.Logger) -> bool:
+    """Whether the program has set up ``phalanx``'s logger itself: a handler of its own."""
+    return any(not isinstance(h, _Fallback) for h in base.handlers)
+
+
 class _FollowRootLevel(logging.Filter):
-    """While ``phalanx`` has its default level and the program has configured the root logger,
-    the root's level decides."""
+    """While ``phalanx`` has its default level and no handler of the program's, and the
+    program has configured the root logger, the root's level decides."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        root = logging.getLogger()
-        if logging.getLogger("phalanx").level == _DEFAULT_LEVEL and root.handlers:
+        root, base = logging.getLogger(), logging.getLogger("phalanx")
+        if base.level == _DEFAULT_LEVEL and root.handlers and not _configured_by_program(base):
             return record.levelno >= root.getEffectiveLevel()
         return True
 
@@ -89,8 +95,7 @@ class _Fallback(logging.StreamHandler):
         self.setFormatter(logging.Formatter(_FORMAT_PREFIXED if prefixed else _FORMAT))
 
     def filter(self, record: logging.LogRecord) -> bool:
-        base = logging.getLogger("phalanx")
-        if logging.getLogger().handlers or any(h is not self for h in base.handlers):
+        if logging.getLogger().handlers or _configured_by_program(logging.getLogger("phalanx")):
             return False  # the program's handlers have it
         return super().filter(record)
 

@@ -38,6 +38,12 @@ def _run(setup: str, **env: str | None) -> tuple[str, str]:
      " logging.getLogger('phalanx').setLevel(logging.DEBUG)",
      "DEBUG:phalanx.demo:debug line\nINFO:phalanx.demo:info line\n"
      "WARNING:phalanx.demo:warning line\n", ""),
+    # a handler on "phalanx" itself: phalanx's level (INFO), whatever the root's, and the
+    # records propagate to the root's handlers as any logger's with a level of its own
+    ("logging.basicConfig(stream=sys.stdout, level=logging.WARNING);"
+     " logging.getLogger('phalanx').addHandler(logging.StreamHandler(sys.stderr))",
+     "INFO:phalanx.demo:info line\nWARNING:phalanx.demo:warning line\n",
+     "info line\nwarning line\n"),
     # a handler on "phalanx" itself, not propagating: only the program's handler writes
     ("h = logging.StreamHandler(sys.stdout); logging.getLogger('phalanx').addHandler(h);"
      " logging.getLogger('phalanx').propagate = False",
