@@ -9,7 +9,7 @@ Run book::
 
 Run it again and it resumes from its newest checkpoint in ``--out`` (``--fresh`` deletes
 them and starts over; a larger ``--epochs`` trains on from where the last run ended, the
-learning rate's cosine stretched over the new total from the step reached). A SIGTERM (e.g.
+learning rate's cosine stretched over the new total from the step reached, see ``stretch``). A SIGTERM (e.g.
 from ``phalanx run`` being stopped) or a Ctrl-C makes every rank save one checkpoint at the
 same step and exit (75 "preempted", 130 after Ctrl-C); the next run continues from there,
 mid-epoch, at any number of processes.
@@ -100,14 +100,19 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tupl
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
 
-def cosine(total_steps: int):
-    """The learning rate's factor at a step: a cosine from 1 down to 0 over ``total_steps``.
+def stretch(scheduler, total_steps: int) -> None:
+    """Make a loaded ``CosineAnnealingLR`` span ``total_steps`` from the step it reached.
 
-    A function of the step alone, so a run resumed with a larger ``--epochs`` continues on
-    the curve stretched over the new total from the step it reached (the schedule saved in
-    the checkpoint holds only its step and base rate).
+    The checkpoint holds the schedule of the run that saved it; with a larger ``--epochs``
+    its cosine would have reached 0 and climb back. Instead the curve is the one a run asked
+    for ``--epochs`` from the start would follow: ``T_max`` becomes the new total, and the
+    learning rate this step's value on it (the scheduler goes on from there).
     """
-    return lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps))
+    step = min(scheduler.last_epoch, total_steps)
+    scheduler.T_max = total_steps
+    for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
+        group["lr"] = scheduler.eta_min + (base - scheduler.eta_min) * 0.5 * (
+            1 + math.cos(math.pi * step / total_steps))
 
 
 def where_resumed(state, sampler, loader, args) -> str:
@@ -178,7 +183,7 @@ def train_epoch(model, loader, optimizer, scheduler, epoch, step, args, preempti
     return loss_sum, seen, step
 
 
-def resume(ckpt, optimizer, scheduler, schedule, sampler, loader, args):
+def resume(ckpt, scheduler, total_steps, sampler, loader, args):
     """Load the newest checkpoint (a collective, so every rank sees rank 0's ``--fresh``
     clean-up): ``(first epoch, step, history)``, or ``None`` if ``--epochs`` are done."""
     state = ckpt.load()
@@ -192,8 +197,7 @@ def resume(ckpt, optimizer, scheduler, schedule, sampler, loader, args):
             print(f"already trained {done} epochs; pass --epochs N to train on or --fresh to "
                   "start over", flush=True)
         return None
-    for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
-        group["lr"] = base * schedule(state.step)  # the current --epochs' curve, from this step
+    stretch(scheduler, total_steps)  # the current --epochs' curve, from this step
     if rank == 0:
         print(where_resumed(state, sampler, loader, args), flush=True)
     return state.epoch, state.step, state.extra.get("history", [])
@@ -233,15 +237,15 @@ def main(argv: list[str] | None = None) -> None:
     # 2. full replica per process; gradients averaged during backward
     model = phalanx.DistributedDataParallel(model.to(device))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    schedule = cosine(args.epochs * len(loader))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    total_steps = args.epochs * len(loader)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
 
     # 5. rank 0 writes, the others wait; rerunning resumes from the newest checkpoint
     out = Path(args.out)
     if args.fresh and rank == 0:
         shutil.rmtree(out, ignore_errors=True)
     ckpt = phalanx.Checkpointer(out, model, optimizer, scheduler=scheduler, sampler=sampler, keep=2)
-    resumed = resume(ckpt, optimizer, scheduler, schedule, sampler, loader, args)
+    resumed = resume(ckpt, scheduler, total_steps, sampler, loader, args)
     if resumed is None:  # trained --epochs already
         phalanx.destroy_process_group()
         return
