@@ -163,10 +163,12 @@ def init_process_group(
         backend: ``"gloo"``, ``"nccl"``, ``"mpi"``, ``"ucc"`` or a device map such as
             ``"cpu:gloo,cuda:nccl"``. Default ``None``: NCCL if this process has a GPU, else Gloo.
         init_method: a torch URL (``"tcp://..."``, ``"file://..."``); default ``None``, which
-            like ``"env://"`` reads the environment.
+            like ``"env://"`` reads the environment: the launcher's variables, or with
+            ``rank``/``world_size`` given, ``MASTER_ADDR`` and ``MASTER_PORT`` alone.
         timeout: how long to wait for the other ranks and for collectives. Default: torch's,
             10 minutes for NCCL and 30 for the rest.
-        world_size, rank: override the environment's values. Default ``-1`` (use it).
+        world_size, rank: override the environment's values. Default ``-1`` (use it). Given
+            without a launcher, the process is not pinned to a GPU (as with torch).
         store: a ready c10d store to meet in (then ``init_method`` must be ``None``).
         group_name, pg_options, device_id: passed to torch unchanged; ``device_id`` defaults
             to ``cuda:LOCAL_RANK`` with NCCL.
@@ -197,19 +199,13 @@ def init_process_group(
             f"init_process_group() was called twice: this process is already rank "
             f"{dist.get_rank()} of {dist.get_world_size()}. Call destroy_process_group() first"
         )
-    found = _env.detect()
-    if world_size != -1 or rank != -1:
-        found = _env.DistEnv(
-            **{
-                **found.__dict__,
-                "world_size": found.world_size if world_size == -1 else world_size,
-                "rank": found.rank if rank == -1 else rank,
-            }
-        )
+    found = _env.for_arguments(rank, world_size)
     backend = _resolve_backend(backend, found)
     if timeout is None:
         timeout = DEFAULT_TIMEOUT
-    if _uses_cuda(backend) and torch.cuda.is_available():
+    # Without a launcher there is no local rank to pin: a script passing rank= itself picks its
+    # device itself (torch's mp.spawn tutorial calls torch.cuda.set_device(rank)), as with torch.
+    if _uses_cuda(backend) and torch.cuda.is_available() and found.source != "arguments":
         torch.cuda.set_device(found.local_rank)
         if device_id is None:
             device_id = torch.device("cuda", found.local_rank)

@@ -31,9 +31,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .diagnostics.monitor import watched
 
-# BatchNorm classes convert_sync_batchnorm replaces (torch's own SyncBatchNorm included, so a
-# script already converted with torch's switches by changing its import).
-_CONVERTIBLE = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+# What convert_sync_batchnorm replaces: every BatchNorm, as torch's does (BatchNorm1d/2d/3d,
+# their subclasses, and torch's own SyncBatchNorm, so a script already converted with torch's
+# switches by changing its import).
+_CONVERTIBLE = _BatchNorm
 
 
 def _reduce_dims(x: torch.Tensor) -> list[int]:
@@ -270,12 +271,13 @@ class SyncBatchNorm(_BatchNorm):
     def convert_sync_batchnorm(
         cls, module: nn.Module, process_group: dist.ProcessGroup | None = None
     ) -> nn.Module:
-        """Replace every ``BatchNorm1d/2d/3d`` (and torch ``SyncBatchNorm``) in ``module``.
+        """Replace every BatchNorm in ``module`` (``BatchNorm1d/2d/3d``, their subclasses,
+        torch's ``SyncBatchNorm``: any ``_BatchNorm``, as torch converts).
 
         The new layers share the old ones' parameter and buffer tensors (so values,
         ``requires_grad``, device, dtype, and an optimizer built beforehand all carry over) and
-        keep their training mode. Returns the converted module (``module`` itself, modified in
-        place, unless ``module`` is a BatchNorm).
+        keep their training mode and ``qconfig``. Returns the converted module (``module``
+        itself, modified in place, unless ``module`` is a BatchNorm).
 
         Example::
 
@@ -301,4 +303,6 @@ def _converted(cls, bn: _BatchNorm, process_group) -> SyncBatchNorm:
     for name in list(sync._buffers):
         setattr(sync, name, bn._buffers.get(name))
     sync.train(bn.training)
+    if hasattr(bn, "qconfig"):  # as torch's convert_sync_batchnorm carries it over
+        sync.qconfig = bn.qconfig
     return sync

@@ -79,6 +79,8 @@ def worker_environ(
     error_file: str,
     base: Mapping[str, str] | None = None,
     cpus: int | None = None,
+    role: str = "default",
+    rank_prefix: bool = True,
 ) -> dict[str, str]:
     """A worker's whole environment: ``base`` (default: this process's), the launcher
     variables of :func:`launcher_environ`, and defaults for what the user left unset.
@@ -90,7 +92,8 @@ def worker_environ(
     * ``PYTHONUNBUFFERED=1``: workers write into pipes read by the launcher, where Python
       would otherwise hold ``print`` output back in 8 KiB blocks.
 
-    And always ``PHALANX_RANK_PREFIX=1`` (see :func:`launcher_prefixes_output`).
+    And ``PHALANX_RANK_PREFIX=1`` when the launcher prefixes console lines with the rank
+    (``rank_prefix``; see :func:`~phalanx.env.launcher_prefixes_output`).
     """
     base = os.environ if base is None else base
     out = dict(base)
@@ -105,10 +108,13 @@ def worker_environ(
     out.update(
         launcher_environ(
             env, group_world_size=group_world_size, max_restarts=max_restarts,
-            run_id=run_id, error_file=error_file,
+            run_id=run_id, error_file=error_file, role=role,
         )
     )
-    out[RANK_PREFIX_VAR] = "1"
+    if rank_prefix:
+        out[RANK_PREFIX_VAR] = "1"
+    else:
+        out.pop(RANK_PREFIX_VAR, None)
     return out
 
 
