@@ -202,7 +202,8 @@ def init_process_group(
     found = _env.for_arguments(rank, world_size)
     backend = _resolve_backend(backend, found)
     if timeout is None:
-        timeout = DEFAULT_TIMEOUT
+        seconds = _env.watchdog_seconds()
+        timeout = DEFAULT_TIMEOUT if seconds is None else timedelta(seconds=seconds)
     # Without a launcher there is no local rank to pin: a script passing rank= itself picks its
     # device itself (torch's mp.spawn tutorial calls torch.cuda.set_device(rank)), as with torch.
     if _uses_cuda(backend) and torch.cuda.is_available() and found.source != "arguments":

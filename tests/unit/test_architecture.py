@@ -26,7 +26,7 @@ ALLOWED = {
     "sampler": {"process_group"},
     "sync_batchnorm": {"diagnostics"},
     "ddp": {"comm", "agreement", "errors", "_logging", "diagnostics"},
-    "zero": {"comm", "agreement", "errors"},
+    "zero": {"comm", "agreement", "errors", "diagnostics"},
     "checkpoint": {"comm", "agreement", "process_group", "errors", "_logging", "ddp",
                    "diagnostics"},
     "launcher": {"env", "errors", "_logging"},
