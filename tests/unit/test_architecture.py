@@ -30,7 +30,7 @@ ALLOWED = {
     "checkpoint": {"comm", "agreement", "process_group", "errors", "_logging", "ddp",
                    "diagnostics"},
     "launcher": {"env", "errors", "_logging"},
-    "bench": {"ddp", "process_group", "launcher"},
+    "bench": {"ddp", "process_group", "launcher", "diagnostics"},
     "cli": {"launcher", "errors", "bench"},
     "__main__": {"cli"},
 }
