@@ -15,9 +15,12 @@ from .env import DistEnv
 from .errors import (
     AlreadyInitializedError,
     CheckpointError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
     EnvironmentConfigError,
     NotInitializedError,
     PhalanxError,
+    RankExitedError,
     RankMismatchError,
     RendezvousError,
     UnusedParametersError,
@@ -46,12 +49,14 @@ _LAZY = {
     "is_initialized": "process_group",
     "DistributedSampler": "sampler",
     "SyncBatchNorm": "sync_batchnorm",
+    "straggler_report": "diagnostics",
     "ZeroRedundancyOptimizer": "zero",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from .checkpoint import Checkpointer, PreemptionHandler, TrainingState
     from .ddp import DistributedDataParallel
+    from .diagnostics import straggler_report
     from .process_group import (
         barrier,
         destroy_process_group,
@@ -70,7 +75,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
 
 # torch.distributed's own collectives and types, reachable as phalanx.X so that
 # `import phalanx as dist` replaces `import torch.distributed as dist` in a script: phalanx
-# writes no collective of its own, every one of these *is* torch's.
+# writes no collective of its own, every one of these is torch's; the group collectives are
+# checked across ranks and recorded first (phalanx.diagnostics.collectives).
 _FROM_TORCH_DISTRIBUTED = frozenset({
     "Backend", "GroupMember", "P2POp", "ProcessGroup", "ReduceOp", "Work",
     "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
@@ -85,6 +91,9 @@ _FROM_TORCH_DISTRIBUTED = frozenset({
 
 def __getattr__(name: str):
     if name in _FROM_TORCH_DISTRIBUTED:
+        collectives = import_module(".diagnostics.collectives", __name__)
+        if name in collectives.CHECKED:  # checked and recorded first (phalanx.diagnostics)
+            return collectives.checked(name)
         return getattr(import_module("torch.distributed"), name)
     module = _LAZY.get(name)
     if module is None:
@@ -100,6 +109,8 @@ __all__ = [
     "AlreadyInitializedError",
     "CheckpointError",
     "Checkpointer",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "DistEnv",
     "DistributedDataParallel",
     "DistributedSampler",
@@ -107,6 +118,7 @@ __all__ = [
     "NotInitializedError",
     "PhalanxError",
     "PreemptionHandler",
+    "RankExitedError",
     "RankMismatchError",
     "RendezvousError",
     "SyncBatchNorm",
@@ -123,4 +135,5 @@ __all__ = [
     "get_world_size",
     "init_process_group",
     "is_initialized",
+    "straggler_report",
 ]

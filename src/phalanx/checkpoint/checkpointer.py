@@ -51,6 +51,7 @@ import torch.distributed as dist
 from .. import comm, process_group
 from .._logging import get_logger
 from ..agreement import agree
+from ..diagnostics.monitor import watched
 from ..errors import CheckpointError, RankMismatchError
 from .file import (
     checkpoint_name,
@@ -225,17 +226,18 @@ class Checkpointer:
         _check_count("step", step)
         if extra is not None and not isinstance(extra, Mapping):
             raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
-        if hasattr(self.optimizer, "consolidate_state_dict"):
-            self.optimizer.consolidate_state_dict(to=0)
-        gathered = gather_to_writer((epoch, step, capture_rng_state()), self.group)
-        path = self.directory / checkpoint_name(step)
-        error = None
-        if gathered is not None:
-            try:
-                self._write(path, gathered, consumed, dict(extra or {}))
-            except Exception as e:
-                error = as_shared(e, f"Saving checkpoint {path} failed on rank 0: ", SAVE_ERRORS)
-        agree(f"Saving checkpoint {path}", self.group, problem=error, decided_by=0, keep=self._last)
+        with watched("Checkpointer.save", group=self.group, check=True):
+            if hasattr(self.optimizer, "consolidate_state_dict"):
+                self.optimizer.consolidate_state_dict(to=0)
+            gathered = gather_to_writer((epoch, step, capture_rng_state()), self.group)
+            path = self.directory / checkpoint_name(step)
+            error = None
+            if gathered is not None:
+                try:
+                    self._write(path, gathered, consumed, dict(extra or {}))
+                except Exception as e:
+                    error = as_shared(e, f"Saving checkpoint {path} failed on rank 0: ", SAVE_ERRORS)
+            agree(f"Saving checkpoint {path}", self.group, problem=error, decided_by=0, keep=self._last)
         return path
 
     def _write(self, path: Path, gathered: list, consumed: int | None, extra: dict) -> None:
@@ -299,13 +301,14 @@ class Checkpointer:
         mine = None
         if is_writer(self.group):
             mine = [str(p) for p in reversed(self.checkpoints())] if auto else [os.fspath(resume)]
-        candidates = broadcast_from_writer(mine, self.group)
-        if not candidates:
-            _log0.info("no checkpoint in %s: starting fresh", self.directory)
-            return None
-        state, path = self._read_first_usable([Path(c) for c in candidates], auto)
-        _, problem = attempt(self._apply, state, path)
-        agree(f"Loading {path}", self.group, problem=problem)
+        with watched("Checkpointer.load", group=self.group, check=True):
+            candidates = broadcast_from_writer(mine, self.group)
+            if not candidates:
+                _log0.info("no checkpoint in %s: starting fresh", self.directory)
+                return None
+            state, path = self._read_first_usable([Path(c) for c in candidates], auto)
+            _, problem = attempt(self._apply, state, path)
+            agree(f"Loading {path}", self.group, problem=problem)
         return TrainingState(epoch=state["epoch"], step=state["step"], path=path,
                              world_size=state["world_size"], extra=state["extra"])
 

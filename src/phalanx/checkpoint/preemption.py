@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .. import comm
 from .._logging import get_logger
+from ..diagnostics import monitor
 from ..errors import PREEMPTED_EXIT_CODE
 
 _log = get_logger("phalanx.preemption")
@@ -168,7 +169,12 @@ class PreemptionHandler:
         if self._calls % self.check_every:
             return False
         if self._distributed:
-            self._stop = comm.all_reduce_max(self._report(), group=self._flag_group)
+            diag = monitor.current()
+            if diag is not None:  # the check and the flag in one all-reduce (MAX)
+                [self._stop] = diag.sync_point("PreemptionHandler.should_stop", self._flag_group,
+                                               extra=[self._report()])
+            else:
+                self._stop = comm.all_reduce_max(self._report(), group=self._flag_group)
         else:
             self._stop = self._report()
         return bool(self._stop)

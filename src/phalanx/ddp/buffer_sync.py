@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..diagnostics.monitor import watched
 
 
 class BufferSync:
@@ -30,8 +31,9 @@ class BufferSync:
         self._last = comm.LastWorks()
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        pending = comm.broadcast_async(tensors, src=self.src, group=self.group)
-        pending.wait()
+        with watched("DDP buffer broadcast", tensors, self.group):
+            pending = comm.broadcast_async(tensors, src=self.src, group=self.group)
+            pending.wait()
         self._last.hold(pending)
 
     def sync(self, fresh: bool) -> None:

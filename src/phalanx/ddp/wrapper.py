@@ -24,6 +24,7 @@ from .._logging import get_logger
 from .bucket_comm import AllReduceMean, ReduceToOwner
 from .bucketing import BucketSpec, describe, plan_buckets
 from .buffer_sync import BufferSync
+from .checkin import StepCheck
 from .checks import (
     GradientOwners,
     agree_on_owners,
@@ -251,6 +252,7 @@ class DistributedDataParallel(nn.Module):
         self._buffer_sync: BufferSync | None = None
         self.bucket_plan: list[BucketSpec] = []
         group = self.process_group
+        self._check = StepCheck(group)
         if dist.get_world_size(group) == 1:
             return
         self._build_reducer(None)
@@ -284,6 +286,7 @@ class DistributedDataParallel(nn.Module):
             static_graph=self.static_graph,
             sparse_params=[named[i] for i in sparse],
         )
+        self._reducer.on_backward_done = self._check.backward_done
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._device is not None:
@@ -291,10 +294,12 @@ class DistributedDataParallel(nn.Module):
         if self._reducer is None:
             return self.module(*inputs, **kwargs)
         refuse_distributed_autograd()
-        if self._sync_buffers_next and self.forward_sync_buffers and self._buffer_sync is not None:
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        broadcasts = self._sync_buffers_next and self.forward_sync_buffers and self._buffer_sync is not None
+        self._check.forward(sync, broadcasts)
+        if broadcasts:
             self._buffer_sync.sync(fresh=self._reducer.awaiting_backward)
         output = self.module(*inputs, **kwargs)
-        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self._sync_buffers_next = sync
         self._reducer.prepare(sync, output)
         return output

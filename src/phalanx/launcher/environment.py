@@ -13,7 +13,7 @@ import os
 import re
 from typing import Mapping
 
-from ..env import RANK_PREFIX_VAR, DistEnv, launcher_environ
+from ..env import RANK_PREFIX_VAR, WATCHDOG_VAR, DistEnv, launcher_environ
 from ..errors import LaunchConfigError
 from .events import STOP_SIGNALS
 
@@ -81,6 +81,7 @@ def worker_environ(
     cpus: int | None = None,
     role: str = "default",
     rank_prefix: bool = True,
+    watchdog: float | None = None,
 ) -> dict[str, str]:
     """A worker's whole environment: ``base`` (default: this process's), the launcher
     variables of :func:`launcher_environ`, and defaults for what the user left unset.
@@ -93,7 +94,9 @@ def worker_environ(
       would otherwise hold ``print`` output back in 8 KiB blocks.
 
     And ``PHALANX_RANK_PREFIX=1`` when the launcher prefixes console lines with the rank
-    (``rank_prefix``; see :func:`~phalanx.env.launcher_prefixes_output`).
+    (``rank_prefix``; see :func:`~phalanx.env.launcher_prefixes_output`), and
+    ``PHALANX_WATCHDOG`` when ``watchdog`` seconds are given (``phalanx run --watchdog``: the
+    default of ``init_process_group(timeout=...)``, see :func:`~phalanx.env.watchdog_seconds`).
     """
     base = os.environ if base is None else base
     out = dict(base)
@@ -111,6 +114,8 @@ def worker_environ(
             run_id=run_id, error_file=error_file, role=role,
         )
     )
+    if watchdog is not None:
+        out[WATCHDOG_VAR] = f"{watchdog:g}"
     if rank_prefix:
         out[RANK_PREFIX_VAR] = "1"
     else:

@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..agreement import agree
+from ..diagnostics.monitor import watched
 from ..errors import NotInitializedError
 from . import clip as _clip
 from . import state as _state
@@ -254,14 +255,15 @@ class ZeroRedundancyOptimizer(Optimizer):
         else:
             loss = self.optim.step(closure, **kwargs)
         # every owner's broadcasts in flight at once, then wait for all
-        if self._buckets:
-            broadcasts = [dist.broadcast(flat, src, self.process_group, async_op=True)
-                          for flat, src in self._buckets]
-        else:
-            broadcasts = [comm.broadcast_async(owned, src, self.process_group)
-                          for owned, src in zip(self._by_owner, self._global_ranks)]
-        for broadcast in broadcasts:
-            broadcast.wait()
+        with watched("ZeroRedundancyOptimizer.step", group=self.process_group, check=True):
+            if self._buckets:
+                broadcasts = [dist.broadcast(flat, src, self.process_group, async_op=True)
+                              for flat, src in self._buckets]
+            else:
+                broadcasts = [comm.broadcast_async(owned, src, self.process_group)
+                              for owned, src in zip(self._by_owner, self._global_ranks)]
+            for broadcast in broadcasts:
+                broadcast.wait()
         self._last.hold(*broadcasts)
         return loss
 
