@@ -17,6 +17,7 @@ from .errors import (
     CheckpointError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    EarlyTerminationError,
     EnvironmentConfigError,
     NotInitializedError,
     PhalanxError,
@@ -49,6 +50,9 @@ _LAZY = {
     "is_initialized": "process_group",
     "DistributedSampler": "sampler",
     "SyncBatchNorm": "sync_batchnorm",
+    "Join": "uneven",
+    "join": "uneven",
+    "MetricSum": "metrics",
     "straggler_report": "diagnostics",
     "ZeroRedundancyOptimizer": "zero",
 }
@@ -57,6 +61,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .checkpoint import Checkpointer, PreemptionHandler, TrainingState
     from .ddp import DistributedDataParallel
     from .diagnostics import straggler_report
+    from .metrics import MetricSum
     from .process_group import (
         barrier,
         destroy_process_group,
@@ -70,6 +75,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     )
     from .sampler import DistributedSampler
     from .sync_batchnorm import SyncBatchNorm
+    from .uneven import Join, join
     from .zero import ZeroRedundancyOptimizer
 
 
@@ -112,8 +118,11 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "DistEnv",
+    "Join",
+    "MetricSum",
     "DistributedDataParallel",
     "DistributedSampler",
+    "EarlyTerminationError",
     "EnvironmentConfigError",
     "NotInitializedError",
     "PhalanxError",
@@ -135,5 +144,6 @@ __all__ = [
     "get_world_size",
     "init_process_group",
     "is_initialized",
+    "join",
     "straggler_report",
 ]

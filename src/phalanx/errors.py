@@ -82,6 +82,11 @@ class RankExitedError(CollectiveTimeoutError):
     with it; ``culprits`` are the ranks that left."""
 
 
+class EarlyTerminationError(PhalanxError, RuntimeError):
+    """A rank ran out of inputs inside ``join(throw_on_early_termination=True)``: raised on
+    every rank, naming the ranks that had joined (torch raises a ``RuntimeError`` there)."""
+
+
 class CheckpointError(PhalanxError, RuntimeError):
     """A checkpoint is missing, damaged, unsafe or does not fit the objects it is loaded into."""
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import env as _env
-from .diagnostics import monitor
+from .diagnostics import monitor, syncpoint
 from .diagnostics.log import call_site
 from .diagnostics.monitor import Diagnostics
 from .diagnostics.straggler import DEFAULT_EVERY
@@ -316,6 +316,6 @@ def barrier(
     if diag is None or dist.get_world_size(group) == 1:
         return dist.barrier(group, async_op=async_op, device_ids=device_ids)
     site = call_site(2)
-    diag.sync_point("barrier", group, site=site)
-    with diag.collective("barrier", (), group, site):
+    diag.sync_point("barrier", group, site=site, announce=(syncpoint.BARRIER,))
+    with diag.collective("barrier", (), group, site, announced=True):
         return dist.barrier(group, async_op=async_op, device_ids=device_ids)

@@ -61,11 +61,12 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..diagnostics import monitor
+from ..diagnostics import monitor, syncpoint
 from ..diagnostics.log import Record, call_site
 from ..errors import UnusedParametersError
 from .bucket_comm import BucketComm
 from .bucketing import Bucket, BucketSpec
+from .checkin import BUCKET, SPARSE
 from .graph_walk import reachable_params
 from .problems import problem_message
 from .sparse import SparseGradients
@@ -138,6 +139,7 @@ class Reducer:
         self._site = ""
         # Called at the end of each synchronising backward that succeeded (DDP's step clock).
         self.on_backward_done: Any = None
+        self.join_index: int | None = None  # this DDP's place in a running phalanx.join
         self._last = comm.LastWorks()  # the last backward's, until the next one's
         self._reset()
 
@@ -270,15 +272,23 @@ class Reducer:
                 if not final:
                     return
                 self._write_tail(bucket.tail)
-            self._records.append(self._record(f"DDP bucket {self._next}", bucket.buffer))
+            self._records.append(self._record(f"DDP bucket {self._next}", bucket.buffer, BUCKET, self._next))
             self._works.append(self.bucket_comm.launch(self._next, bucket.buffer))
             self._next += 1
 
-    def _record(self, op: str, tensor: torch.Tensor | None) -> Record | None:
+    def _record(self, op: str, tensor: torch.Tensor | None, *shadow: int) -> Record | None:
+        """Record a collective (:mod:`phalanx.diagnostics`); ``shadow``: the action and
+        arguments a joined rank shadows it with (:mod:`phalanx.uneven`)."""
         diag = self._diag
         if diag is None:
             return None
-        return diag.begin(op, () if tensor is None else (tensor,), self.bucket_comm.group, self._site)
+        announce = None if self.join_index is None else (syncpoint.JOINABLE, self.join_index, *shadow)
+        return diag.begin(op, () if tensor is None else (tensor,), self.bucket_comm.group,
+                          self._site, shadow=announce)
+
+    def set_divisor(self, divisor: int) -> None:
+        """Average over ``divisor`` ranks from the next gradient on (a join: the active ones)."""
+        self.bucket_comm.divisor = self._sparse.divisor = divisor
 
     def _wait(self, work: dist.Work, record: Record | None) -> None:
         if self._diag is None:
@@ -302,7 +312,7 @@ class Reducer:
             for k in left:
                 self._assume_unused(k)
             self._launch_ready()  # every bucket but the last, before the sparse all-reduces
-            sparse = self._record("DDP sparse gradients", None) if self._sparse.params else None
+            sparse = self._record("DDP sparse gradients", None, SPARSE) if self._sparse.params else None
             self._sparse_works = self._sparse.launch()
             self._launch_ready(final=True)
             last = len(self._buckets) - 1

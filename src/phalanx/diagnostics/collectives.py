@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from . import syncpoint
 from .log import call_site, describe_tensors
 from .monitor import current
 
@@ -75,9 +76,32 @@ def checked(name: str) -> Callable[..., Any]:
         if group is not None and group is not dist.group.WORLD:
             what += f" on {diag.group_name(group)}"
         site = call_site(2)
-        diag.sync_point(what, group, site=site)
+        diag.sync_point(what, group, site=site, announce=_shadow(name, bound.arguments))
         op = name + (" (async)" if bound.arguments.get("async_op") else "")
-        with diag.collective(op, tensors, group, site):
+        with diag.collective(op, tensors, group, site, announced=True):
             return fn(*args, **kwargs)
 
     return collective
+
+
+def _shadow(name: str, arguments: dict[str, Any]) -> tuple[int, ...]:
+    """How a rank that has joined (phalanx.join) takes part in this collective."""
+    a = arguments
+    if name == "all_reduce":
+        op = _value(a["op"])
+        if op not in syncpoint.REDUCE_OPS:
+            return (syncpoint.UNSHADOWABLE,)
+        return syncpoint.tensor_shadow(syncpoint.ALL_REDUCE, a["tensor"], syncpoint.REDUCE_OPS.index(op))
+    if name == "broadcast":
+        return syncpoint.tensor_shadow(syncpoint.BROADCAST, a["tensor"], a["src"])
+    if name == "all_gather_into_tensor":
+        return syncpoint.tensor_shadow(syncpoint.ALL_GATHER_INTO_TENSOR, a["input_tensor"])
+    if name == "all_gather_object":
+        return (syncpoint.ALL_GATHER_OBJECT,)
+    if name == "broadcast_object_list":
+        return (syncpoint.BROADCAST_OBJECT, a["src"], len(a["object_list"]))
+    if name == "gather_object":
+        return (syncpoint.GATHER_OBJECT, a["dst"])
+    if name == "monitored_barrier":
+        return (syncpoint.BARRIER,)
+    return (syncpoint.UNSHADOWABLE,)

@@ -3,10 +3,10 @@
 :class:`Diagnostics` is made by :func:`phalanx.init_process_group` and found with
 :func:`phalanx.process_group.diagnostics`. Everything that issues a collective tells it:
 ``begin`` before, ``end`` after (``fail`` when a wait raised). A *sync point* is where the
-ranks check that they agree: one tiny all-reduce (MAX over ``[h, -h]``, ``h`` a CRC-32 of
-the point and of every collective since the previous point: equal everywhere iff MAX == MIN),
-issued before a script's own collectives (``phalanx.all_reduce`` and the others), before each
-synchronising DDP forward, a checkpoint, a preemption check and ``destroy_process_group``.
+ranks check that they agree: one tiny all-reduce (:mod:`~phalanx.diagnostics.syncpoint`: a
+CRC of the point and of every collective since the previous point, equal on every rank or
+not), issued before a script's own collectives (``phalanx.all_reduce`` and the others),
+before each synchronising DDP forward, a checkpoint, a preemption check and a ZeRO step.
 When the ranks disagree, every rank learns every rank's collectives since the last point and
 raises :class:`~phalanx.errors.CollectiveMismatchError` naming the first one that differs and
 where each rank issued it, before any payload of the wrong size can reach Gloo (which would
@@ -20,7 +20,6 @@ import json
 import signal
 import threading
 import time
-import zlib
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -34,7 +33,9 @@ from ..errors import (
     CollectiveTimeoutError,
     PhalanxError,
     RankExitedError,
+    UsageError,
 )
+from . import syncpoint
 from .hang import Watchdog, assemble, snapshot
 from .log import CollectiveLog, Record, call_site, describe_tensors
 from .straggler import DEFAULT_EVERY, assess
@@ -72,6 +73,7 @@ class _Check:
     work: Any
     record: Record
     group: Any
+    world: int
 
 
 class Diagnostics:
@@ -102,6 +104,7 @@ class Diagnostics:
         self.straggler_every = straggler_every
         self.straggler: dict | None = None  # the last straggler report (straggler.assess)
         self._pending: _Check | None = None  # a sync point started, not yet waited for
+        self.join: Any = None  # while ranks have joined: the phalanx.join state
         self._last_work: Any = None
         self._interrupt: BaseException | None = None
         self._main = threading.main_thread().ident
@@ -112,6 +115,13 @@ class Diagnostics:
                                   lambda: snapshot(self.rank, self.logs), self._deliver)
 
     # ---- the log ------------------------------------------------------------------------
+    def joinable(self, obj: Any, action: int, *args: int) -> tuple[int, ...] | None:
+        """While ranks have joined: the announcement that ``obj`` (a joinable of the running
+        :mod:`phalanx.uneven`) shadows ``action``; else (or for an object not in the join)
+        ``None``."""
+        index = None if self.join is None else self.join.index(obj)
+        return None if index is None else (syncpoint.JOINABLE, index, action, *args)
+
     def group_name(self, group: dist.ProcessGroup | None) -> str:
         if group is None or group is dist.group.WORLD:
             return "world"
@@ -129,13 +139,24 @@ class Diagnostics:
         return log
 
     def begin(self, op: str, tensors: Sequence[Any], group: dist.ProcessGroup | None,
-              site: str | None = None) -> Record:
+              site: str | None = None, shadow: tuple[int, ...] | None = None,
+              announced: bool = False) -> Record:
         """Record a collective about to be issued; a sync point still pending is settled first
-        (nothing goes out before the ranks are known to agree)."""
+        (nothing goes out before the ranks are known to agree). While ranks have joined
+        (:mod:`phalanx.uneven`), it is announced first, with ``shadow``: how a joined rank
+        takes part in it (:data:`~phalanx.diagnostics.syncpoint.UNSHADOWABLE` if not given);
+        ``announced``: the caller's own sync point announced it."""
         if self._pending is not None:
             self.settle()
+        site = site or call_site(3)
         dtype, shape = describe_tensors(tensors)
-        return self.log(group).begin(op, dtype, shape, self.group_name(group), site or call_site(3))
+        if self.join is not None and not announced:
+            if self.group_name(group) != "world":
+                raise UsageError(f"{op} on {self.group_name(group)} inside phalanx.join: a join "
+                                 "announces collectives of the whole world only")
+            self.sync_point(f"{op} {dtype}{list(shape)}", group, site=site,
+                            announce=shadow or (syncpoint.UNSHADOWABLE,))
+        return self.log(group).begin(op, dtype, shape, self.group_name(group), site)
 
     @staticmethod
     def end(record: Record) -> None:
@@ -143,9 +164,10 @@ class Diagnostics:
 
     @contextmanager
     def collective(self, op: str, tensors: Sequence[Any], group: dist.ProcessGroup | None,
-                   site: str | None = None) -> Iterator[Record]:
+                   site: str | None = None, shadow: tuple[int, ...] | None = None,
+                   announced: bool = False) -> Iterator[Record]:
         """Record the collective issued inside; a failure of it raises the hang report."""
-        record = self.begin(op, tensors, group, site or call_site(3))
+        record = self.begin(op, tensors, group, site or call_site(3), shadow, announced)
         try:
             yield record
         except RuntimeError as e:
@@ -156,42 +178,69 @@ class Diagnostics:
 
     # ---- sync points ----------------------------------------------------------------------
     def sync_point(self, what: str, group: dist.ProcessGroup | None = None,
-                   extra: Sequence[int] = (), site: str | None = None,
-                   wait: bool = True) -> list[int] | None:
+                   flags: Sequence[int] = (), site: str | None = None, wait: bool = True,
+                   announce: tuple[int, ...] = ()) -> syncpoint.Verdict | None:
         """Every rank of ``group`` checks here that it agrees with the others on ``what`` and
-        on the collectives since the last point; returns ``extra`` reduced with MAX.
+        on the collectives since the last point (:mod:`~phalanx.diagnostics.syncpoint`).
 
-        With ``wait=False`` the check is only started: the next collective recorded (or
-        :meth:`settle`) waits for it, so its latency hides behind the work in between (a
-        forward's, for DDP); ``None`` is returned.
+        Args:
+            flags: this rank's flags; the verdict says which some rank raised.
+            wait: ``False`` only starts the check: the next collective recorded (or
+                :meth:`settle`) waits for it, so its latency hides behind the work in
+                between (a forward's, for DDP); ``None`` is returned. While ranks have
+                joined, every check is waited for.
+            announce: for ranks that have joined: how they take part in what follows.
+
+        Returns:
+            The :class:`~phalanx.diagnostics.syncpoint.Verdict` (with ``wait``).
 
         Raises:
             CollectiveMismatchError: on every rank, naming what each rank is at.
         """
         site = site or call_site(2)
         log = self.log(group)
-        h = zlib.crc32(what.encode(), log.fingerprint)
-        payload = torch.tensor([h, -h, *extra], dtype=torch.int64)
+        h = syncpoint.fingerprint(f"{what} {announce}", log.fingerprint)
+        return self._meet(h, what, site, group, flags, announce, wait or self.join is not None)
+
+    def probe(self, group: dist.ProcessGroup | None, flags: Sequence[int] = ()) -> syncpoint.Verdict:
+        """A rank that has joined takes part in the next sync point of the others (zeros, but
+        its ``flags``) and learns what they announce (:mod:`phalanx.uneven`)."""
+        return self._meet(None, "joined: out of inputs", "", group, flags, (), True)
+
+    def _meet(self, h: int | None, what: str, site: str, group: Any, flags: Sequence[int],
+              announce: tuple[int, ...], wait: bool) -> syncpoint.Verdict | None:
+        log = self.log(group)
         on = self._check_group if self._check_group is not None and group is None else group
-        record = self.begin(f"check before {what}", (), group, site)
+        world = dist.get_world_size(on)
+        payload = syncpoint.payload(h, announce, tuple(flags), dist.get_rank(on), world)
+        record = self.begin(f"check before {what}", (), group, site, announced=True)
         try:
-            work = dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=on, async_op=True)
+            work = dist.all_reduce(payload, group=on, async_op=True)
         except RuntimeError as e:
             raise self.fail(record, e) from e
         self._last_work = work  # see phalanx.comm.LastWorks: dropped by the main thread
-        self._pending = _Check(what, site, log.since_check[:-1], payload, work, record, on)
+        self._pending = _Check(what, site, log.since_check[:-1], payload, work, record, on, world)
         log.checked()  # the next fingerprint starts here, whatever the verdict
         return self.settle() if wait else None
 
-    def settle(self) -> list[int]:
-        """Wait for the pending sync point; raise on a mismatch; return its reduced extras."""
+    def settle(self) -> syncpoint.Verdict | None:
+        """Wait for the pending sync point; raise on a mismatch; return its verdict."""
         check, self._pending = self._pending, None
         if check is None:
-            return []
+            return None
         self.wait(check.work, check.record)
-        if check.payload[0].item() != -check.payload[1].item():
+        verdict = syncpoint.read(check.payload, check.world)
+        if not verdict.agree:
             self._mismatch(check)
-        return check.payload[2:].tolist()
+        if self.join is not None:
+            self.join.seen(verdict)  # who is still active; raises for throw_on_early_termination
+        return verdict
+
+    def _mismatch(self, check: _Check) -> None:
+        mine = {"rank": dist.get_rank(), "at": f"{check.what} ({check.site})", "since": check.since}
+        everyone: list[Any] = [None] * dist.get_world_size(check.group)
+        dist.all_gather_object(everyone, mine, group=check.group)
+        raise CollectiveMismatchError(syncpoint.mismatch_message(everyone))
 
     def wait(self, work: Any, record: Record | None) -> None:
         """Wait for ``work`` (the collective ``record`` describes, if recorded), count the time
@@ -214,7 +263,8 @@ class Diagnostics:
         slow ones. Returns, and keeps as :attr:`straggler`, the report."""
         mine = torch.tensor(medians, dtype=torch.float64)
         everyone = torch.empty(dist.get_world_size(group) * len(medians), dtype=torch.float64)
-        with self.collective("straggler report", (mine,), group):
+        shadow = syncpoint.tensor_shadow(syncpoint.ALL_GATHER_INTO_TENSOR, mine)
+        with self.collective("straggler report", (mine,), group, shadow=shadow):
             dist.all_gather_into_tensor(everyone, mine, group=group)
         report = assess(everyone.view(-1, len(medians)).tolist(), steps)
         if dist.get_rank() == 0:
@@ -222,12 +272,6 @@ class Diagnostics:
                 _log.warning("straggler: %s", line)
         self.straggler = report
         return report
-
-    def _mismatch(self, check: _Check) -> None:
-        mine = {"rank": dist.get_rank(), "at": f"{check.what} ({check.site})", "since": check.since}
-        everyone: list[Any] = [None] * dist.get_world_size(check.group)
-        dist.all_gather_object(everyone, mine, group=check.group)
-        raise CollectiveMismatchError(mismatch_message(everyone))
 
     # ---- failures -------------------------------------------------------------------------
     def fail(self, record: Record, error: RuntimeError) -> RuntimeError:
@@ -293,33 +337,6 @@ class Diagnostics:
             self._previous_handler = None
 
 
-def mismatch_message(everyone: list[dict[str, Any]]) -> str:
-    """Name the first collective that differs between ranks, and where each rank issued it;
-    or, if their collectives agree, the points the ranks are at."""
-    signatures = [[entry.split(" (")[0] for entry in info["since"]] for info in everyone]
-    longest = max(len(s) for s in signatures)
-    index = next((i for i in range(longest)
-                  if len({tuple(s[i:i + 1]) for s in signatures}) > 1), None)
-    if index is None:
-        where = {info["rank"]: info["at"] for info in everyone}
-        subject = "The ranks are at different collectives"
-    else:
-        where = {info["rank"]: (info["since"][index] if index < len(info["since"])
-                                else f"nothing more before {info['at']}") for info in everyone}
-        subject = "The ranks' collectives differ"
-    by_place: dict[str, list[int]] = {}
-    for rank, place in where.items():
-        by_place.setdefault(place, []).append(rank)
-    parts = [f"{'ranks' if len(r) > 1 else 'rank'} {', '.join(map(str, r))} "
-             f"{'are' if len(r) > 1 else 'is'} at {place}" for place, r in by_place.items()]
-    hint = ""
-    if any("DistributedDataParallel" in place for place in by_place) and len(by_place) > 1:
-        hint = (". A rank that runs out of batches before the others stops joining DDP's "
-                "steps: give every rank as many batches (DistributedSampler, drop_last) or "
-                "wrap the loop in `with model.join():`")
-    return f"{subject}: " + "; ".join(parts) + hint
-
-
 # This process's diagnostics, or None. Like torch's default group, which it watches, it is
 # process-wide: every collective of the process reports to it. Set by init_process_group.
 _current: Diagnostics | None = None
@@ -345,17 +362,18 @@ def uninstall() -> None:
 
 
 def watched(op: str, tensors: Sequence[Any] = (), group: dist.ProcessGroup | None = None,
-            check: bool = False) -> Any:
+            check: bool = False, shadow: tuple[int, ...] | None = None) -> Any:
     """A context manager around a collective (or a few) that phalanx issues: recorded as
-    ``op``, a hang inside it reported; with ``check``, a sync point first. Does nothing
-    without diagnostics."""
+    ``op``, a hang inside it reported; with ``check``, a sync point first. ``shadow`` says how
+    a rank that has joined takes part (:mod:`phalanx.uneven`). Does nothing without
+    diagnostics."""
     diag = current()
     if diag is None:
         return nullcontext()
     site = call_site(2)
     if check:
-        diag.sync_point(op, group, site=site)
-    return diag.collective(op, tensors, group, site)
+        diag.sync_point(op, group, site=site, announce=shadow or (syncpoint.UNSHADOWABLE,))
+    return diag.collective(op, tensors, group, site, shadow, announced=check)
 
 
 def current() -> Diagnostics | None:
