@@ -85,7 +85,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
 # checked across ranks and recorded first (phalanx.diagnostics.collectives).
 _FROM_TORCH_DISTRIBUTED = frozenset({
     "Backend", "GroupMember", "P2POp", "ProcessGroup", "ReduceOp", "Work",
-    "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
+    "all_gather", "all_gather_into_tensor", "all_gather_object", "all_gather_single", "all_reduce", "all_to_all",
     "all_to_all_single", "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather",
     "gather_object", "get_backend", "get_global_rank", "get_group_rank",
     "get_process_group_ranks", "irecv", "is_available", "is_gloo_available",

@@ -35,6 +35,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from .comm import all_gather_tensor
 from .diagnostics import monitor, syncpoint
 from .errors import EarlyTerminationError, UsageError
 
@@ -197,7 +198,7 @@ def _shadow(kind: int, args: list[int], verdict: Any) -> None:
         dist.broadcast(torch.empty(args[1], dtype=syncpoint.DTYPES[args[0]]), src=args[2])
     elif kind == syncpoint.ALL_GATHER_INTO_TENSOR:
         mine = torch.zeros(args[1], dtype=syncpoint.DTYPES[args[0]])
-        dist.all_gather_into_tensor(mine.new_empty(args[1] * dist.get_world_size()), mine)
+        all_gather_tensor(mine.new_empty(args[1] * dist.get_world_size()), mine)
     elif kind == syncpoint.ALL_GATHER_OBJECT:
         dist.all_gather_object([None] * dist.get_world_size(), None)
     elif kind == syncpoint.BROADCAST_OBJECT:

@@ -33,6 +33,7 @@ _SPEC: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "reduce": (("tensor",), ("dst", "op")),
     "all_gather": (("tensor",), ()),
     "all_gather_into_tensor": (("input_tensor",), ()),
+    "all_gather_single": (("input_tensor",), ()),
     "reduce_scatter": (("output",), ("op",)),
     "reduce_scatter_tensor": (("output",), ("op",)),
     "all_to_all_single": ((), ()),
@@ -94,7 +95,7 @@ def _shadow(name: str, arguments: dict[str, Any]) -> tuple[int, ...]:
         return syncpoint.tensor_shadow(syncpoint.ALL_REDUCE, a["tensor"], syncpoint.REDUCE_OPS.index(op))
     if name == "broadcast":
         return syncpoint.tensor_shadow(syncpoint.BROADCAST, a["tensor"], a["src"])
-    if name == "all_gather_into_tensor":
+    if name in ("all_gather_into_tensor", "all_gather_single"):
         return syncpoint.tensor_shadow(syncpoint.ALL_GATHER_INTO_TENSOR, a["input_tensor"])
     if name == "all_gather_object":
         return (syncpoint.ALL_GATHER_OBJECT,)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .._logging import get_logger
+from ..comm import all_gather_tensor
 from ..errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -265,7 +266,7 @@ class Diagnostics:
         everyone = torch.empty(dist.get_world_size(group) * len(medians), dtype=torch.float64)
         shadow = syncpoint.tensor_shadow(syncpoint.ALL_GATHER_INTO_TENSOR, mine)
         with self.collective("straggler report", (mine,), group, shadow=shadow):
-            dist.all_gather_into_tensor(everyone, mine, group=group)
+            all_gather_tensor(everyone, mine, group=group)
         report = assess(everyone.view(-1, len(medians)).tolist(), steps)
         if dist.get_rank() == 0:
             for line in report["lines"]:
