@@ -13,7 +13,7 @@ import sys
 
 from phalanx.cli import main
 
-README_SETTINGS = ["bench", "--model", "mlp", "cnn", "--nproc", "2", "--repeats", "5",
+README_SETTINGS = ["bench", "--model", "mlp", "cnn", "--nproc-per-node", "2", "--repeats", "5",
                    "--steps", "10", "--warmup", "3", "--batch-size", "64", "--out", "runs/bench-ddp"]
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ Run book::
     python examples/train_digits.py                            # one process
 
 Run it again and it resumes from its newest checkpoint in ``--out`` (``--fresh`` deletes
-them and starts over; a larger ``--epochs`` trains on from where the last run ended).
-A SIGTERM (e.g. from ``phalanx run`` being stopped) makes every rank save one checkpoint at
-the same step and exit with the "preempted" code; the next run continues from there.
+them and starts over; a larger ``--epochs`` trains on from where the last run ended, the
+learning rate's cosine stretched over the new total from the step reached, see ``stretch``). A SIGTERM (e.g.
+from ``phalanx run`` being stopped) or a Ctrl-C makes every rank save one checkpoint at the
+same step and exit (75 "preempted", 130 after Ctrl-C); the next run continues from there,
+mid-epoch, at any number of processes.
 
 The steps, in order:
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -81,20 +84,46 @@ def cnn() -> nn.Module:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tuple[float, float]:
-    """Loss and accuracy over the whole test set: each rank sums its own, then all-reduce."""
+    """Loss and accuracy over the whole test set, each sample counted once: every rank sums its
+    own shard (uneven, maybe empty: pad=False), then one all-reduce adds the sums."""
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        logits = model(x)
-        totals += torch.stack([
-            F.cross_entropy(logits, y, reduction="sum").double(),
-            (logits.argmax(1) == y).sum().double(),
-            torch.tensor(float(len(y)), dtype=torch.float64, device=device),
-        ])
-    dist.all_reduce(totals)
+    sums = phalanx.MetricSum("loss", "correct", "samples")
+    with torch.no_grad():
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            logits = model(x)
+            sums.add(loss=F.cross_entropy(logits, y, reduction="sum"),
+                     correct=(logits.argmax(1) == y).sum(), samples=len(y))
+    totals = sums.compute()
     model.train()
-    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+    return totals["loss"] / totals["samples"], totals["correct"] / totals["samples"]
+
+
+def stretch(scheduler, total_steps: int) -> None:
+    """Make a loaded ``CosineAnnealingLR`` span ``total_steps`` from the step it reached.
+
+    The checkpoint holds the schedule of the run that saved it; with a larger ``--epochs``
+    its cosine would have reached 0 and climb back. Instead the curve is the one a run asked
+    for ``--epochs`` from the start would follow: ``T_max`` becomes the new total, and the
+    learning rate this step's value on it (the scheduler goes on from there).
+    """
+    step = min(scheduler.last_epoch, total_steps)
+    scheduler.T_max = total_steps
+    for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
+        group["lr"] = scheduler.eta_min + (base - scheduler.eta_min) * 0.5 * (
+            1 + math.cos(math.pi * step / total_steps))
+
+
+def where_resumed(state, sampler, loader, args) -> str:
+    """What a resumed run says: at an epoch's end, or mid-epoch (after a preemption)."""
+    saved = sampler.state_dict()
+    if saved["epoch"] == state.epoch and 0 < saved["position"] < len(sampler.dataset):
+        per_epoch = math.ceil(sampler.num_samples / args.batch_size)
+        done = per_epoch - len(loader)  # the loader now serves the rest of the epoch only
+        return (f"resumed from {state.path.name} in epoch {state.epoch + 1} of {args.epochs}, "
+                f"after {done} of {per_epoch} batches (step {state.step})")
+    return (f"resumed from {state.path.name}: {state.epoch} of {args.epochs} epochs done "
+            f"(step {state.step})")
 
 
 def progress(total: int, desc: str, enabled: bool):
@@ -147,17 +176,52 @@ def train_epoch(model, loader, optimizer, scheduler, epoch, step, args, preempti
             bar.update()
         if preemption.should_stop():  # agreed by all ranks at this step boundary
             ckpt.save(epoch, step, consumed=(i + 1) * args.batch_size, extra={"history": history})
-            preemption.exit()  # exit status 75: preempted, resumable
+            preemption.exit()  # exit status 75: preempted, resumable (130 after Ctrl-C)
     if bar is not None:
         bar.close()
     return loss_sum, seen, step
+
+
+def resume(ckpt, scheduler, total_steps, sampler, loader, args):
+    """Load the newest checkpoint (a collective, so every rank sees rank 0's ``--fresh``
+    clean-up): ``(first epoch, step, history)``, or ``None`` if ``--epochs`` are done."""
+    state = ckpt.load()
+    rank = phalanx.get_rank()
+    if state is None:
+        return 0, 0, []
+    if state.epoch >= args.epochs:
+        if rank == 0:
+            done = (f"{state.epoch} of {args.epochs}" if state.epoch == args.epochs
+                    else f"{state.epoch} (more than --epochs {args.epochs})")
+            print(f"already trained {done} epochs; pass --epochs N to train on or --fresh to "
+                  "start over", flush=True)
+        return None
+    stretch(scheduler, total_steps)  # the current --epochs' curve, from this step
+    if rank == 0:
+        print(where_resumed(state, sampler, loader, args), flush=True)
+    return state.epoch, state.step, state.extra.get("history", [])
+
+
+def report(model: nn.Module, test_loader: DataLoader, history: list[dict], out: Path,
+           n_test: int) -> None:
+    """The final evaluation; rank 0 writes curves.png and metrics.json and says so."""
+    world = phalanx.get_world_size()
+    test_loss, accuracy = evaluate(model, test_loader, phalanx.get_device())
+    if phalanx.get_rank() == 0:
+        plot(history, out / "curves.png")
+        (out / "metrics.json").write_text(json.dumps(
+            {"world_size": world, "test_accuracy": accuracy, "test_loss": test_loss,
+             "history": history}, indent=2))
+        processes = "1 process" if world == 1 else f"{world} processes"
+        print(f"final test accuracy {100 * accuracy:.2f}% on {n_test} samples "
+              f"({processes}); curves in {out / 'curves.png'}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # 1. join the job; the process is pinned to cuda:LOCAL_RANK when it has a GPU
     phalanx.init_process_group()
-    rank, world, device = phalanx.get_rank(), phalanx.get_world_size(), phalanx.get_device()
+    rank, device = phalanx.get_rank(), phalanx.get_device()
     torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP broadcasts rank 0's anyway)
 
     train_set, test_set = digits(args.seed)
@@ -172,22 +236,24 @@ def main(argv: list[str] | None = None) -> None:
     # 2. full replica per process; gradients averaged during backward
     model = phalanx.DistributedDataParallel(model.to(device))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
+    total_steps = args.epochs * len(loader)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
 
     # 5. rank 0 writes, the others wait; rerunning resumes from the newest checkpoint
     out = Path(args.out)
     if args.fresh and rank == 0:
         shutil.rmtree(out, ignore_errors=True)
     ckpt = phalanx.Checkpointer(out, model, optimizer, scheduler=scheduler, sampler=sampler, keep=2)
-    state = ckpt.load()  # a collective, so every rank sees rank 0's --fresh clean-up
-    start_epoch, step = (state.epoch, state.step) if state else (0, 0)
-    history = state.extra.get("history", []) if state else []
-    if state and rank == 0:
-        print(f"resumed from {state.path.name}: epoch {start_epoch}, step {step}", flush=True)
+    resumed = resume(ckpt, scheduler, total_steps, sampler, loader, args)
+    if resumed is None:  # trained --epochs already
+        phalanx.destroy_process_group()
+        return
+    start_epoch, step, history = resumed
 
     with phalanx.PreemptionHandler() as preemption:
         for epoch in range(start_epoch, args.epochs):
             sampler.set_epoch(epoch)  # same shuffle on every rank, new each epoch
+            lr_start = optimizer.param_groups[0]["lr"]
             loss_sum, seen, step = train_epoch(model, loader, optimizer, scheduler, epoch, step,
                                                args, preemption, ckpt, history)
             # 4. exact evaluation on the unwrapped model (ranks may hold different batch counts)
@@ -195,20 +261,14 @@ def main(argv: list[str] | None = None) -> None:
             train_loss = torch.tensor([loss_sum, seen], dtype=torch.float64, device=device)
             dist.all_reduce(train_loss)
             history.append({"epoch": epoch + 1, "train_loss": (train_loss[0] / train_loss[1]).item(),
-                            "test_loss": test_loss, "test_accuracy": accuracy})
+                            "test_loss": test_loss, "test_accuracy": accuracy,
+                            "lr": [lr_start, optimizer.param_groups[0]["lr"]]})
             if rank == 0:
                 print(f"epoch {epoch + 1}: train loss {history[-1]['train_loss']:.4f}  test loss "
                       f"{test_loss:.4f}  test accuracy {100 * accuracy:.2f}%", flush=True)
             ckpt.save(epoch + 1, step, extra={"history": history})
 
-    test_loss, accuracy = evaluate(model.module, test_loader, device)
-    if rank == 0:
-        plot(history, out / "curves.png")
-        (out / "metrics.json").write_text(json.dumps(
-            {"world_size": world, "test_accuracy": accuracy, "test_loss": test_loss,
-             "history": history}, indent=2))
-        print(f"final test accuracy {100 * accuracy:.2f}% on {len(test_set)} samples "
-              f"({world} processes); curves in {out / 'curves.png'}", flush=True)
+    report(model.module, test_loader, history, out, len(test_set))
     phalanx.barrier()
     # 6. leave the job
     phalanx.destroy_process_group()

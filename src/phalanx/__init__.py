@@ -15,9 +15,13 @@ from .env import DistEnv
 from .errors import (
     AlreadyInitializedError,
     CheckpointError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    EarlyTerminationError,
     EnvironmentConfigError,
     NotInitializedError,
     PhalanxError,
+    RankExitedError,
     RankMismatchError,
     RendezvousError,
     UnusedParametersError,
@@ -48,6 +52,10 @@ _LAZY = {
     "is_initialized": "process_group",
     "DistributedSampler": "sampler",
     "SyncBatchNorm": "sync_batchnorm",
+    "Join": "uneven",
+    "join": "uneven",
+    "MetricSum": "metrics",
+    "straggler_report": "diagnostics",
     "ZeroRedundancyOptimizer": "zero",
 }
 
@@ -56,6 +64,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .checkpoint import Checkpointer, PreemptionHandler, TrainingState
     from .comm_hooks import DiLoCo, LocalSGD
     from .ddp import DistributedDataParallel
+    from .diagnostics import straggler_report
+    from .metrics import MetricSum
     from .process_group import (
         barrier,
         destroy_process_group,
@@ -69,15 +79,17 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     )
     from .sampler import DistributedSampler
     from .sync_batchnorm import SyncBatchNorm
+    from .uneven import Join, join
     from .zero import ZeroRedundancyOptimizer
 
 
 # torch.distributed's own collectives and types, reachable as phalanx.X so that
 # `import phalanx as dist` replaces `import torch.distributed as dist` in a script: phalanx
-# writes no collective of its own, every one of these *is* torch's.
+# writes no collective of its own, every one of these is torch's; the group collectives are
+# checked across ranks and recorded first (phalanx.diagnostics.collectives).
 _FROM_TORCH_DISTRIBUTED = frozenset({
     "Backend", "GroupMember", "P2POp", "ProcessGroup", "ReduceOp", "Work",
-    "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
+    "all_gather", "all_gather_into_tensor", "all_gather_object", "all_gather_single", "all_reduce", "all_to_all",
     "all_to_all_single", "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather",
     "gather_object", "get_backend", "get_global_rank", "get_group_rank",
     "get_process_group_ranks", "irecv", "is_available", "is_gloo_available",
@@ -93,6 +105,9 @@ _SUBPACKAGES = frozenset({"comm_hooks"})
 
 def __getattr__(name: str):
     if name in _FROM_TORCH_DISTRIBUTED:
+        collectives = import_module(".diagnostics.collectives", __name__)
+        if name in collectives.CHECKED:  # checked and recorded first (phalanx.diagnostics)
+            return collectives.checked(name)
         return getattr(import_module("torch.distributed"), name)
     if name in _SUBPACKAGES:
         return import_module(f".{name}", __name__)
@@ -110,15 +125,21 @@ __all__ = [
     "AlreadyInitializedError",
     "CheckpointError",
     "Checkpointer",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "DiLoCo",
     "DistEnv",
+    "Join",
+    "MetricSum",
     "DistributedDataParallel",
     "DistributedSampler",
+    "EarlyTerminationError",
     "EnvironmentConfigError",
     "LocalSGD",
     "NotInitializedError",
     "PhalanxError",
     "PreemptionHandler",
+    "RankExitedError",
     "RankMismatchError",
     "RendezvousError",
     "SyncBatchNorm",
@@ -136,4 +157,6 @@ __all__ = [
     "get_world_size",
     "init_process_group",
     "is_initialized",
+    "join",
+    "straggler_report",
 ]

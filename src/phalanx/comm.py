@@ -54,6 +54,16 @@ def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return flat
 
 
+def pack_as_views(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """:func:`pack` ``tensors`` (one device), then point each one's ``.data`` at its slot of
+    the buffer, so the buffer *is* their storage: one collective on it moves all of them."""
+    flat = pack(tensors)
+    offsets, _ = _packed_offsets(tensors)
+    for t, offset in zip(tensors, offsets):
+        t.data = _slot(flat, offset, t)
+    return flat
+
+
 def unpack_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """Copy what :func:`pack` put in ``flat`` back into ``tensors``, in place."""
     offsets, _ = _packed_offsets(tensors)
@@ -170,10 +180,14 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[
 
 def all_reduce_any(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
     """True on every rank if ``flag`` is true on any rank (one small all-reduce)."""
-    device = collective_device(group)
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    return all_reduce_max(1 if flag else 0, group) > 0
+
+
+def all_reduce_max(value: int, group: dist.ProcessGroup | None = None) -> int:
+    """The largest of every rank's ``value`` (a small integer), on every rank."""
+    t = torch.tensor([float(value)], device=collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item() > 0)
+    return int(t.item())
 
 
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -181,3 +195,8 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# torch 2.13 deprecates all_gather_into_tensor (a FutureWarning at every call) for
+# all_gather_single, which torch 2.10, the oldest phalanx supports, does not have.
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

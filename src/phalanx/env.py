@@ -56,7 +56,8 @@ class DistEnv:
         restart_count: how many times the launcher restarted the group. Default ``0``.
         use_agent_store: the launcher hosts the store (torchrun's ``TORCHELASTIC_USE_AGENT_STORE``),
             so rank 0 connects to it instead of listening itself. Default ``False``.
-        source: ``"launcher"``, ``"slurm"`` or ``"single"``.
+        source: ``"launcher"``, ``"slurm"``, ``"single"``, or ``"arguments"`` (rank and world
+            size given to ``init_process_group`` with no launcher's variables set).
     """
 
     rank: int = 0
@@ -176,6 +177,37 @@ def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
     return DistEnv()
 
 
+def for_arguments(rank: int, world_size: int, environ: Mapping[str, str] | None = None) -> DistEnv:
+    """What ``init_process_group(rank=..., world_size=...)`` joins with, read as torch's
+    ``env://`` reads it: an argument left at ``-1`` comes from the environment, and the master
+    from ``MASTER_ADDR``/``MASTER_PORT`` even when no launcher set the other variables (torch's
+    ``mp.spawn`` tutorial sets only those two). ``None`` for an address or port not set.
+
+    Raises:
+        EnvironmentConfigError: one of rank and world size is given and the other is neither
+            given nor in the environment, or a variable is malformed.
+    """
+    environ = os.environ if environ is None else environ
+    found = detect(environ)
+    if rank == -1 and world_size == -1:
+        return found
+    if found.source == "single" and -1 in (rank, world_size):
+        given, missing = ("rank", "world_size") if world_size == -1 else ("world_size", "rank")
+        raise EnvironmentConfigError(
+            f"init_process_group() got {given}= but no {missing}=, and {missing.upper()} is not "
+            f"set in the environment; pass both rank= and world_size="
+        )
+    fields = dict(found.__dict__)
+    fields["rank"] = found.rank if rank == -1 else rank
+    fields["world_size"] = found.world_size if world_size == -1 else world_size
+    if found.source == "single":
+        port = environ.get("MASTER_PORT")
+        fields.update(master_addr=environ.get("MASTER_ADDR") or None,
+                      master_port=_int(environ, "MASTER_PORT") if port else None,
+                      source="arguments")
+    return DistEnv(**fields)
+
+
 def first_host(nodelist: str) -> str:
     """The first host of a Slurm host list: ``"gpu[007-009,012],cpu1"`` -> ``"gpu007"``."""
     match = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?([^,]*)", nodelist.strip())
@@ -205,12 +237,14 @@ def tasks_on_node(tasks_per_node: str, node: int) -> int:
 
 
 def launcher_environ(
-    env: DistEnv, *, group_world_size: int, max_restarts: int, run_id: str, error_file: str
+    env: DistEnv, *, group_world_size: int, max_restarts: int, run_id: str, error_file: str,
+    role: str = _TORCHRUN_ROLE,
 ) -> dict[str, str]:
     """The variables a launcher sets for one worker, named as torchrun names them.
 
     The inverse of :func:`detect`: ``detect(launcher_environ(e, ...)) == e`` for any
-    launcher-made ``e``. ``group_world_size`` is the number of nodes.
+    launcher-made ``e``. ``group_world_size`` is the number of nodes; ``role`` is torchrun's
+    ``--role`` (every worker has the one role, so role rank and size are rank and world size).
     """
     return {
         "RANK": str(env.rank),
@@ -219,7 +253,7 @@ def launcher_environ(
         "LOCAL_WORLD_SIZE": str(env.local_world_size),
         "GROUP_RANK": str(env.node_rank),
         "GROUP_WORLD_SIZE": str(group_world_size),
-        "ROLE_NAME": _TORCHRUN_ROLE,
+        "ROLE_NAME": role,
         "ROLE_RANK": str(env.rank),
         "ROLE_WORLD_SIZE": str(env.world_size),
         "MASTER_ADDR": str(env.master_addr),
@@ -241,3 +275,36 @@ def launcher_prefixes_output(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``phalanx run`` prefixes this process's output lines with its rank."""
     environ = os.environ if environ is None else environ
     return environ.get(RANK_PREFIX_VAR) == "1"
+
+
+# The hang report's file name, beside a worker's TORCHELASTIC_ERROR_FILE.
+DIAGNOSIS_NAME = "diagnosis.json"
+
+
+def diagnosis_file(environ: Mapping[str, str] | None = None) -> str | None:
+    """Where a worker writes a hang report for its launcher: beside torch elastic's error file
+    (``TORCHELASTIC_ERROR_FILE``, which ``phalanx run`` and torchrun set per worker), or
+    ``None`` without a launcher."""
+    environ = os.environ if environ is None else environ
+    error_file = environ.get("TORCHELASTIC_ERROR_FILE")
+    return os.path.join(os.path.dirname(error_file), DIAGNOSIS_NAME) if error_file else None
+
+
+# Set by `phalanx run --watchdog S`: the seconds a collective may wait before the hang report,
+# the default of init_process_group(timeout=...).
+WATCHDOG_VAR = "PHALANX_WATCHDOG"
+
+
+def watchdog_seconds(environ: Mapping[str, str] | None = None) -> float | None:
+    """The watchdog limit ``phalanx run --watchdog`` gave this worker, or ``None``."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(WATCHDOG_VAR)
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise EnvironmentConfigError(f"{WATCHDOG_VAR}={raw!r} must be a number of seconds > 0")
+    return seconds

@@ -24,6 +24,10 @@ import torch
 import torch.distributed as dist
 
 from . import env as _env
+from .diagnostics import monitor, syncpoint
+from .diagnostics.log import call_site
+from .diagnostics.monitor import Diagnostics
+from .diagnostics.straggler import DEFAULT_EVERY
 from .errors import AlreadyInitializedError, NotInitializedError, RendezvousError
 
 # torch's backend names; anything else is refused before c10d sees it.
@@ -62,9 +66,11 @@ def _uses_cuda(backend: str) -> bool:
     return "nccl" in backend or backend == "xccl"
 
 
-def _default_timeout(backend: str) -> timedelta:
-    # torch's own defaults: 10 minutes for NCCL, 30 minutes otherwise.
-    return timedelta(minutes=10) if backend == "nccl" else timedelta(minutes=30)
+# The watchdog limit: how long a collective may wait before every rank reports where it is
+# (phalanx.diagnostics.hang). torch waits 30 minutes (10 with NCCL) before saying anything;
+# 5 minutes is long against any step or checkpoint write a rank may wait for, and short
+# against a job's hours.
+DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 
 def _make_store(env: _env.DistEnv, timeout: timedelta) -> dist.Store:
@@ -138,6 +144,9 @@ def init_process_group(
     group_name: str = "",
     pg_options: Any | None = None,
     device_id: torch.device | int | None = None,
+    *,
+    diagnostics: bool = True,
+    straggler_every: int = DEFAULT_EVERY,
 ) -> _env.DistEnv:
     """Join the job: create the default process group and pin this process's device.
 
@@ -154,13 +163,19 @@ def init_process_group(
         backend: ``"gloo"``, ``"nccl"``, ``"mpi"``, ``"ucc"`` or a device map such as
             ``"cpu:gloo,cuda:nccl"``. Default ``None``: NCCL if this process has a GPU, else Gloo.
         init_method: a torch URL (``"tcp://..."``, ``"file://..."``); default ``None``, which
-            like ``"env://"`` reads the environment.
+            like ``"env://"`` reads the environment: the launcher's variables, or with
+            ``rank``/``world_size`` given, ``MASTER_ADDR`` and ``MASTER_PORT`` alone.
         timeout: how long to wait for the other ranks and for collectives. Default: torch's,
             10 minutes for NCCL and 30 for the rest.
-        world_size, rank: override the environment's values. Default ``-1`` (use it).
+        world_size, rank: override the environment's values. Default ``-1`` (use it). Given
+            without a launcher, the process is not pinned to a GPU (as with torch).
         store: a ready c10d store to meet in (then ``init_method`` must be ``None``).
         group_name, pg_options, device_id: passed to torch unchanged; ``device_id`` defaults
             to ``cuda:LOCAL_RANK`` with NCCL.
+        diagnostics (bool, keyword-only): check that the ranks issue the same collectives,
+            report hangs and stragglers (:mod:`phalanx.diagnostics`). Default ``True``.
+        straggler_every (int, keyword-only): synchronising DDP steps between straggler
+            reports; ``0`` for none. Default ``200``.
 
     Returns:
         The :class:`~phalanx.env.DistEnv` this process joined with.
@@ -184,19 +199,14 @@ def init_process_group(
             f"init_process_group() was called twice: this process is already rank "
             f"{dist.get_rank()} of {dist.get_world_size()}. Call destroy_process_group() first"
         )
-    found = _env.detect()
-    if world_size != -1 or rank != -1:
-        found = _env.DistEnv(
-            **{
-                **found.__dict__,
-                "world_size": found.world_size if world_size == -1 else world_size,
-                "rank": found.rank if rank == -1 else rank,
-            }
-        )
+    found = _env.for_arguments(rank, world_size)
     backend = _resolve_backend(backend, found)
     if timeout is None:
-        timeout = _default_timeout(backend)
-    if _uses_cuda(backend) and torch.cuda.is_available():
+        seconds = _env.watchdog_seconds()
+        timeout = DEFAULT_TIMEOUT if seconds is None else timedelta(seconds=seconds)
+    # Without a launcher there is no local rank to pin: a script passing rank= itself picks its
+    # device itself (torch's mp.spawn tutorial calls torch.cuda.set_device(rank)), as with torch.
+    if _uses_cuda(backend) and torch.cuda.is_available() and found.source != "arguments":
         torch.cuda.set_device(found.local_rank)
         if device_id is None:
             device_id = torch.device("cuda", found.local_rank)
@@ -219,7 +229,23 @@ def init_process_group(
         pg_options=pg_options,
         device_id=device_id,
     )
+    if diagnostics:
+        _start_diagnostics(backend, timeout, store, straggler_every)
     return found
+
+
+def _start_diagnostics(backend: str, timeout: timedelta, store: dist.Store | None,
+                       straggler_every: int) -> None:
+    if dist.get_world_size() == 1:
+        return
+    if store is None:  # torch made it from init_method
+        store = dist.distributed_c10d._get_default_store()
+    check_group = dist.new_group(backend="gloo") if "nccl" in backend else None
+    monitor.install(Diagnostics(store, timeout.total_seconds(), _env.diagnosis_file(),
+                                check_group=check_group, straggler_every=straggler_every))
+
+
+diagnostics = monitor.current
 
 
 # torch 2.13's Gloo threads may still owe a finished collective its clean-up, which takes the
@@ -231,9 +257,12 @@ _GLOO_SETTLE_S = 0.05
 
 def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
     """Leave the job (or destroy ``group``). A no-op when nothing is initialised."""
-    if dist.is_initialized():
-        time.sleep(_GLOO_SETTLE_S)  # releases the GIL: see _GLOO_SETTLE_S
-        dist.destroy_process_group(group)
+    if not dist.is_initialized():
+        return
+    if group is None:
+        monitor.uninstall()
+    time.sleep(_GLOO_SETTLE_S)  # releases the GIL: see _GLOO_SETTLE_S
+    dist.destroy_process_group(group)
 
 
 def is_initialized() -> bool:
@@ -283,4 +312,10 @@ def barrier(
         raise NotInitializedError("barrier() needs init_process_group() to have been called")
     if device_ids is None and dist.get_backend(group) == "nccl":
         device_ids = [torch.cuda.current_device()]
-    return dist.barrier(group, async_op=async_op, device_ids=device_ids)
+    diag = diagnostics()
+    if diag is None or dist.get_world_size(group) == 1:
+        return dist.barrier(group, async_op=async_op, device_ids=device_ids)
+    site = call_site(2)
+    diag.sync_point("barrier", group, site=site, announce=(syncpoint.BARRIER,))
+    with diag.collective("barrier", (), group, site, announced=True):
+        return dist.barrier(group, async_op=async_op, device_ids=device_ids)

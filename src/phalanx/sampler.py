@@ -13,6 +13,7 @@ positions ``rank, rank + R, rank + 2R, ...`` of it (``R`` ranks), exactly as
 from __future__ import annotations
 
 import itertools
+import operator
 from typing import Any, Iterator, Mapping, Sized
 
 import torch
@@ -21,6 +22,16 @@ from torch.utils.data import Sampler
 from . import process_group
 
 _STATE_KEYS = ("epoch", "position", "dataset_length", "seed", "shuffle")
+
+
+def _integer(value: Any) -> int | None:
+    """``value`` as an int when it is one (numpy's integers too, as torch takes them)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 class DistributedSampler(Sampler[int]):
@@ -107,22 +118,23 @@ class DistributedSampler(Sampler[int]):
             num_replicas = process_group.get_world_size()
         if rank is None:
             rank = process_group.get_rank()
-        if not isinstance(num_replicas, int) or num_replicas < 1:
+        replicas = _integer(num_replicas)
+        if replicas is None or replicas < 1:
             raise ValueError(
                 f"Invalid num_replicas {num_replicas!r}, num_replicas should be a positive integer"
             )
-        if not isinstance(rank, int) or not 0 <= rank < num_replicas:
+        index = _integer(rank)
+        if index is None or not 0 <= index < replicas:
             raise ValueError(
-                f"Invalid rank {rank!r}, rank should be in the interval [0, {num_replicas - 1}]"
+                f"Invalid rank {rank!r}, rank should be in the interval [0, {replicas - 1}]"
             )
+        num_replicas, rank = replicas, index
         if not hasattr(dataset, "__len__"):
             raise TypeError(
                 "DistributedSampler needs a data set with a length (a map-style Dataset), "
                 f"got {type(dataset).__name__} without __len__"
             )
-        length = len(dataset)
-        if length == 0:
-            raise ValueError("Invalid dataset: it is empty (len(dataset) == 0), nothing to sample")
+        length = len(dataset)  # may be 0: as with torch, nothing is sampled
         self.dataset = dataset
         self.num_replicas = num_replicas
         self.rank = rank

@@ -187,12 +187,14 @@ def _preempt(rank, world_size, directory, sender, signum, check_every):
 @pytest.mark.parametrize("sender, signum, check_every, stop", [
     (1, signal.SIGTERM, 1, 4),  # every step: the very boundary after the signal
     (0, signal.SIGUSR1, 3, 6),  # every 3rd call: the next check, step 6
+    (2, signal.SIGINT, 1, 4),  # Ctrl-C on one rank: every rank saves, then exits 130
 ])
 def test_preemption_agreed_by_every_rank(tmp_path, sender, signum, check_every, stop):
     directory = str(tmp_path)
     results = run_ranks(_preempt, 3, directory, sender, signum, check_every)
+    expected = 130 if signum == signal.SIGINT else PREEMPTED_EXIT_CODE
     for rank, (stopped_at, code, received, restored) in enumerate(results):
-        assert (stopped_at, code, restored) == (stop, PREEMPTED_EXIT_CODE, True)
+        assert (stopped_at, code, restored) == (stop, expected, True)
         assert received == (signal.Signals(signum).name if rank == sender else None)
     assert os.listdir(directory) == [f"ckpt-{stop:012d}.ckpt"]
 

@@ -23,10 +23,11 @@ def _many_checks(rank, world_size):
                   phalanx.get_local_world_size(), dist.get_backend(), str(phalanx.get_device()))
     phalanx.barrier()
     phalanx.barrier(async_op=True).wait()
-    # `import phalanx as dist` stands in for torch.distributed: its collectives are torch's
+    # `import phalanx as dist` stands in for torch.distributed: its collectives are torch's,
+    # checked across ranks first
     summed = torch.tensor([float(rank + 1)])
     phalanx.all_reduce(summed, op=phalanx.ReduceOp.SUM)
-    out["torch_collectives"] = (summed.item(), phalanx.all_reduce is dist.all_reduce,
+    out["torch_collectives"] = (summed.item(), phalanx.all_reduce.__wrapped__ is dist.all_reduce,
                                 phalanx.get_backend())
     # broadcast_tensors: rank 0's values everywhere, across dtypes and chunk boundaries
     tensors = [torch.full((3, 4), float(rank)), torch.full((5,), rank, dtype=torch.int64),
@@ -169,6 +170,45 @@ def test_explicit_world_size_without_master_is_named():
                                   env={k: None for k in _LAUNCHER_VARS})
     assert kind == "ValueError"
     assert "world_size=2 needs a rendezvous: set MASTER_ADDR and MASTER_PORT" in message
+
+
+def _every_init_method(rank, world_size, ports, tmp):
+    """torch's explicit forms, no launcher variables: rank= and world_size= with the master in
+    os.environ (torch's mp.spawn tutorial), "env://", "tcp://", "file://" and store=."""
+    import os
+
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(ports[0]))
+    forms = {
+        "environ": {},
+        "env://": {"init_method": "env://"},
+        "tcp://": {"init_method": f"tcp://127.0.0.1:{ports[1]}"},
+        "file://": {"init_method": f"file://{tmp}/rendezvous"},
+        "store=": {"store": dist.TCPStore("127.0.0.1", ports[2], world_size, rank == 0,
+                                          timeout=timedelta(seconds=30))},
+    }
+    out = {}
+    for name, kwargs in forms.items():
+        joined = phalanx.init_process_group("gloo", rank=rank, world_size=world_size, **kwargs)
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t)
+        out[name] = (joined.source, joined.rank, dist.get_rank(), dist.get_world_size(), t.item())
+        phalanx.destroy_process_group()
+        if name == "environ":  # a new group on the same port: rank 0's store must be gone
+            os.environ["MASTER_PORT"] = str(ports[3])
+    out["half"] = _init_expecting_error(rank, world_size, world_size=world_size)
+    return out
+
+
+def test_explicit_rank_and_world_size_with_every_init_method(tmp_path):
+    ports = [free_port() for _ in range(4)]
+    results = run_ranks(_every_init_method, 2, ports, str(tmp_path), init=False,
+                        env={k: None for k in _LAUNCHER_VARS})
+    for rank, out in enumerate(results):
+        for name in ("environ", "env://", "tcp://", "file://", "store="):
+            assert out[name] == ("arguments", rank, rank, 2, 3.0), (name, out[name])
+        assert out["half"] == (
+            "EnvironmentConfigError", "init_process_group() got world_size= but no rank=, and "
+            "RANK is not set in the environment; pass both rank= and world_size=")
 
 
 def _slurm_rank(rank, world_size):

@@ -318,6 +318,17 @@ def test_convert_sync_batchnorm_keeps_every_value():
     assert {n: (id(p), p.requires_grad, p.dtype) for n, p in model.named_parameters()} == params
     bare = phalanx.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm1d(4))
     assert type(bare) is phalanx.SyncBatchNorm and bare.num_features == 4
+    # as torch's: any _BatchNorm (a custom one too), and its qconfig carried over
+    custom = _CustomNorm(3)
+    custom.qconfig = "qconfig"
+    converted = phalanx.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(custom, nn.ReLU()))
+    assert type(converted[0]) is phalanx.SyncBatchNorm and converted[0].qconfig == "qconfig"
+    assert converted[0].weight is custom.weight
+
+
+class _CustomNorm(nn.modules.batchnorm._BatchNorm):
+    def _check_input_dim(self, input):
+        pass
 
 
 def test_single_process_is_plain_batchnorm():

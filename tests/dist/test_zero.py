@@ -209,8 +209,85 @@ def _more_ranks_than_params(rank, world_size):
     return {"diff": _max_diff(model, ref), "local": len(zero.state), "state": sorted(state)}
 
 
+class _ScaledSGD(torch.optim.SGD):
+    """SGD whose step() takes a keyword: ZeroRedundancyOptimizer.step passes it on, as torch's."""
+
+    def step(self, closure=None, scale=1.0):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad.mul_(scale)
+        return super().step(closure)
+
+
+def _count_broadcasts(fn):
+    """Run ``fn()``; the number of torch.distributed.broadcast calls it made."""
+    calls, real = [], dist.broadcast
+    dist.broadcast = lambda tensor, *args, **kwargs: calls.append(1) or real(tensor, *args, **kwargs)
+    try:
+        fn()
+    finally:
+        dist.broadcast = real
+    return len(calls)
+
+
+def _bucket_views(rank, world_size):
+    """torch's full signature; parameters_as_bucket_view: one flat buffer per owner (mixed
+    dtypes), one broadcast each, the same updates as plain Adam, through add_param_group."""
+    torch.manual_seed(2)
+    shapes = [(600, 512), (600, 512), (8, 40), (40,), (40, 12), (12,)]  # two 1.2 MiB tables
+    params = [torch.nn.Parameter(torch.randn(*shape)) for shape in shapes]
+    params.append(torch.nn.Parameter(torch.randn(7, dtype=torch.float64)))
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    zero = ZeroRedundancyOptimizer(params, torch.optim.Adam, None, True, False, lr=1e-3)
+    plain = torch.optim.Adam(ref, lr=1e-3)
+    owners = zero.param_owners
+    storages = {o: {p.untyped_storage().data_ptr() for p, w in zip(params, owners) if w == o}
+                for o in set(owners)}
+
+    def steps():
+        for step in range(2):
+            for p, q in zip(params, ref):
+                p.grad = torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(step))
+                q.grad = p.grad.clone()
+            zero.step()
+            plain.step()
+
+    out = {"broadcasts": _count_broadcasts(steps), "owners": owners,
+           "storages": {o: len(ptrs) for o, ptrs in storages.items()},
+           "dtypes": [str(p.dtype) for p in params],
+           "attrs": (zero.world_size, zero.rank, zero.global_rank, zero.initialized,
+                     zero.parameters_as_bucket_view)}
+    extra, twin = (torch.nn.Parameter(torch.full((5,), 3.0)) for _ in range(2))
+    zero.add_param_group({"params": [extra]})
+    plain.add_param_group({"params": [twin]})
+    steps()
+    out["diff"] = max((p - q).abs().max().item() for p, q in zip(params + [extra], ref + [twin]))
+    # under phalanx's DDP (which holds the parameters whose .data now points into buffers)
+    ddp = phalanx.DistributedDataParallel(_model())
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, parameters_as_bucket_view=True,
+                                   lr=0.01)
+    alone = _model()
+    plain = torch.optim.Adam(alone.parameters(), lr=0.01)
+    for step in range(3):
+        _loss(ddp, step, rank, world_size).backward()
+        zero.step()
+        zero.zero_grad()
+        _loss(alone, step).backward()
+        plain.step()
+        plain.zero_grad()
+    out["ddp_diff"] = _max_diff(ddp.module, alone)
+    scaled = torch.nn.Parameter(torch.zeros(3))
+    sgd = ZeroRedundancyOptimizer([scaled], _ScaledSGD, parameters_as_bucket_view=False,
+                                  overlap_with_ddp=False, lr=1.0)
+    scaled.grad = torch.ones(3)
+    sgd.step(scale=0.5)
+    out["scaled"] = scaled.tolist()
+    return out
+
+
 def _train_checks(rank, world_size):
     out = {name: _train_like_plain(rank, world_size, name) for name in OPTIMIZERS}
+    out["buckets"] = _bucket_views(rank, world_size)
     out["memory"] = _memory(rank, world_size)
     out["add_group"] = _add_param_group(rank, world_size)
     if world_size == 3:
@@ -261,6 +338,15 @@ def test_equivalence_memory_and_add_param_group(world_size):
     assert sum(m["local"] for m in mem) == total
     assert all(m["diff"] <= TOL and m["checksum"] == mem[0]["checksum"] for m in mem)
     assert owners.count(owners[0]) == 1  # the big table's owner holds nothing else
+    for rank, out in enumerate(results):
+        buckets = out["buckets"]
+        assert buckets["diff"] <= TOL and buckets["scaled"] == [-0.5] * 3
+        assert buckets["ddp_diff"] <= TOL
+        owners = set(buckets["owners"])
+        assert buckets["storages"] == {o: 1 for o in owners}  # one buffer per owner
+        assert buckets["broadcasts"] == 2 * len(owners)  # one broadcast per owner and step
+        assert buckets["dtypes"] == ["torch.float32"] * 6 + ["torch.float64"]
+        assert buckets["attrs"] == (world_size, rank, rank, True, True)
     for out in results:
         add = out["add_group"]
         assert add["diff"] <= TOL
@@ -325,6 +411,13 @@ def _error_checks(rank, world_size):
     _expect(errors, "to", lambda: zero.consolidate_state_dict(to=world_size), ValueError)
     _expect(errors, "unconsolidated", zero.state_dict, RuntimeError)
     _expect(errors, "setter", lambda: setattr(zero, "state", {}), AttributeError)
+    _expect(errors, "overlap", lambda: ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.1), ValueError)
+    _expect(errors, "flag", lambda: ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.Adam, parameters_as_bucket_view="yes"), TypeError)
+    _expect(errors, "join", zero.join_hook, NotImplementedError)
+    _expect(errors, "join_device", lambda: zero.join_device, NotImplementedError)
+    _expect(errors, "join_group", lambda: zero.join_process_group, NotImplementedError)
     _backward_averaged(model, 0, rank, world_size)
     zero.step()
     zero.consolidate_state_dict(to=0)
@@ -333,8 +426,16 @@ def _error_checks(rank, world_size):
     _load_errors(errors, zero, good[0])
     zero.step()
     _expect(errors, "stale", zero.state_dict, RuntimeError)
+    hooks = []  # torch.optim.Optimizer's state-dict hooks run, as with torch's ZeRO
+    zero.register_load_state_dict_pre_hook(lambda opt, sd: hooks.append("load pre"))
+    zero.register_load_state_dict_post_hook(lambda opt: hooks.append("load post"))
     zero.load_state_dict(good[0])  # what fits loads, after all those failures
     errors["reloaded"] = optimizer_state_bytes(zero) > 0
+    zero.register_state_dict_pre_hook(lambda opt: hooks.append("pre"))
+    zero.register_state_dict_post_hook(lambda opt, sd: {**sd, "tag": "post"})
+    zero.consolidate_state_dict(to=0)
+    tag = zero.state_dict()["tag"] if rank == 0 else None
+    errors["hooks"] = (list(hooks), tag)
     # a plain optimizer's state dict loads too: each rank takes its parameters' entries
     twin = copy.deepcopy(model)
     plain = torch.optim.Adam(_groups(twin), lr=0.02)
@@ -368,6 +469,15 @@ def test_errors_name_what_is_wrong():
             f"RuntimeError: state_dict() on rank {rank}: no consolidated state here")
         assert errors["stale"].startswith(f"RuntimeError: state_dict() on rank {rank}")
         assert "ZeroRedundancyOptimizer.state is this rank's shard" in errors["setter"]
+        assert errors["overlap"].startswith(
+            "ValueError: overlap_with_ddp=True is not supported: it runs the optimizer step "
+            "inside a torch DDP communication hook, and phalanx's DDP has none.")
+        assert "call ddp.shard_gradients(zero) on every rank" in errors["overlap"]
+        assert errors["flag"] == "TypeError: parameters_as_bucket_view must be a bool, got str 'yes'"
+        assert errors["join"] == errors["join_device"] == errors["join_group"] == (
+            "NotImplementedError: ZeroRedundancyOptimizer joins phalanx's join, not torch's Join: "
+            "for uneven inputs use `with phalanx.join(model, optimizer):` "
+            "(phalanx.Join([model, optimizer]))")
         assert errors["not_dict"] == ("TypeError: state_dict must be a dict as returned by "
                                       "ZeroRedundancyOptimizer.state_dict(), got list")
         assert errors["keys"].startswith("ValueError: state_dict lacks ['param_groups']")
@@ -383,6 +493,8 @@ def test_errors_name_what_is_wrong():
             "ValueError: state_dict does not fit: it has state for parameter ids [99] that none "
             "of its parameter groups lists")
         assert errors["unchanged"] and errors["reloaded"]
+        assert errors["hooks"] == ((["load pre", "load post", "pre"], "post") if rank == 0 else
+                                   (["load pre", "load post"], None))
     owned = [errors["from_plain"][0] for errors in results]
     assert sum(owned) == 6 and all(n > 0 for n in owned)
     assert all(errors["from_plain"][1:] == (0.02, True) for errors in results)

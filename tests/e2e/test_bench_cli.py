@@ -7,12 +7,12 @@ import sys
 
 from tests.e2e.launch_helpers import base_env, finish, start
 
-HEADER = ("| model | implementation | processes | step ms | samples/s | scaling efficiency "
-          "| exposed comm ms | phalanx/torch |")
+HEADER = ("| model | implementation | processes | step ms (median) | phalanx/torch (median of "
+          "paired step ratios; lower is better) | samples/s | scaling efficiency | exposed comm ms |")
 
 
 def test_bench_prints_the_table_and_writes_the_chart(tmp_path):
-    cmd = [sys.executable, "-m", "phalanx", "bench", "--model", "cnn", "--nproc", "2", "--steps", "2",
+    cmd = [sys.executable, "-m", "phalanx", "bench", "--model", "cnn", "--nproc-per-node", "2", "--steps", "2",
            "--repeats", "1", "--warmup", "1", "--batch-size", "4", "--out", str(tmp_path)]
     done = finish(start(cmd, env=base_env()), timeout=180)
     assert done.code == 0, done.err[-3000:]
@@ -21,7 +21,8 @@ def test_bench_prints_the_table_and_writes_the_chart(tmp_path):
     body = [line.split(" | ") for line in lines[start_at + 2: start_at + 6]]
     assert [(cells[1], cells[2]) for cells in body] == [
         ("single process", "1"), ("phalanx DDP", "1"), ("phalanx DDP", "2"), ("torch DDP", "2")]
-    assert body[0][5] == "1.000" and float(body[2][7].rstrip(" |")) > 0  # the ratio is a number
+    assert body[0][6] == "1.000" and float(body[2][4]) > 0  # the ratio is a number
+    assert "Lower is better: below 1.000" in done.out
     png = (tmp_path / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
@@ -30,8 +31,8 @@ def test_bench_prints_the_table_and_writes_the_chart(tmp_path):
 
 def test_bench_refuses_bad_input(tmp_path):
     done = finish(start([sys.executable, "-m", "phalanx", "bench", "--nproc", "0", "--out",
-                         str(tmp_path)], env=base_env()), timeout=60)
-    assert done.code == 2 and "--nproc must be at least 1, got 0" in done.err
+                         str(tmp_path)], env=base_env()), timeout=60)  # the old spelling
+    assert done.code == 2 and "--nproc-per-node must be at least 1, got 0" in done.err
     done = finish(start([sys.executable, "-m", "phalanx", "bench", "--model", "resnet"],
                         env=base_env()), timeout=60)
     assert done.code == 2 and "invalid choice: 'resnet'" in done.err

@@ -16,7 +16,9 @@ import pytest
 
 from phalanx import cli
 from phalanx.launcher import LaunchConfig, StreamChoice, rendezvous
-from phalanx.launcher.output import Console, recorded_error, traceback_tail
+from phalanx.launcher import console as console_module
+from phalanx.launcher.console import Console
+from phalanx.launcher.output import recorded_error, traceback_tail
 from phalanx.launcher.workers import Worker, first_failure
 from tests.e2e.launch_helpers import BEHAVE, ROOT, base_env
 from tests.harness import free_port
@@ -44,7 +46,7 @@ def test_dashed_and_underscored_spellings_mean_the_same():
     assert (dashed.nproc_per_node, dashed.nnodes, dashed.node_rank) == (3, 2, 1)
     assert (dashed.master_addr, dashed.master_port, dashed.max_restarts) == ("10.1.2.3", 1234, 2)
     assert (dashed.monitor_interval, dashed.shutdown_timeout, dashed.rdzv_timeout) == (0.5, 7, 9)
-    assert dashed.args == ("a", "--b") and dashed.console == StreamChoice(1)
+    assert dashed.args == ("a", "--b") and dashed.tee == StreamChoice(1)
     assert dashed.command == [sys.executable, BEHAVE, "a", "--b"]
 
 
@@ -52,12 +54,22 @@ def test_defaults_module_mode_and_stream_choices():
     config = _config(BEHAVE)
     assert (config.nproc_per_node, config.master_addr, config.master_port) == (1, "127.0.0.1", 29500)
     assert (config.monitor_interval, config.shutdown_timeout, config.max_restarts) == (0.1, 30, 0)
+    assert (config.nnodes, config.node_rank, config.rdzv_timeout, config.role) == (1, 0, 600, "default")
     assert _config("-m", "json.tool", "x").command == [sys.executable, "-m", "json.tool", "x"]
     assert _config("--nproc-per-node", "cpu", BEHAVE).nproc_per_node >= 1
-    hidden = _config("--log-dir", "/tmp/x", "--redirects", "0:1", BEHAVE).console
-    assert [hidden.for_rank(r) for r in (0, 1)] == [2, 3]  # rank 0's stdout off the console
-    shown = _config("--log-dir", "/tmp/x", "--tee", "0:3,2:2", BEHAVE).console
-    assert [shown.for_rank(r) for r in (0, 1, 2)] == [3, 0, 2]
+    assert _config("--nproc", "3", BEHAVE).nproc_per_node == 3  # phalanx bench's old spelling
+
+    def console(*argv):
+        config = _config("--log-dir", "/tmp/x", *argv, BEHAVE)
+        return [config.console_streams(r) for r in (0, 1, 2)]
+
+    # torchrun's meaning: redirected streams leave the console, teed ones stay on it
+    assert console() == [3, 3, 3]
+    assert console("--redirects", "0:1") == [2, 3, 3]  # rank 0's stdout off the console
+    assert console("-r", "3") == [0, 0, 0]
+    assert console("-r", "3", "-t", "0:1,2:3") == [1, 0, 3]  # tee overrides redirects
+    assert console("--tee", "0:3,2:2") == [3, 3, 3]  # every stream is in the files already
+    assert console("--local-ranks-filter", "0,2", "-r", "2:1") == [3, 0, 2]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -71,17 +83,90 @@ def test_defaults_module_mode_and_stream_choices():
     (["--standalone", "--master-port", "1234", BEHAVE], "--standalone picks a free port"),
     (["--master-port", "70000", BEHAVE], "Invalid --master-port 70000"),
     (["--max-restarts", "-1", BEHAVE], "Invalid --max-restarts -1"),
-    (["--tee", "3", "--redirects", "1", "--log-dir", "d", BEHAVE], "not both"),
-    (["--tee", "1", BEHAVE], "need --log-dir"),
+    (["--tee", "3", BEHAVE], "--tee chooses what goes to the log files, so it needs --log-dir D"),
+    (["-r", "0:1", BEHAVE], "--redirects chooses what goes to the log files, so it needs --log-dir"),
     (["--log-dir", "d", "--tee", "9", BEHAVE], "Invalid --tee '9'"),
-    (["--bogus", BEHAVE], "unrecognized arguments: --bogus"),
-    (["--nnodes", "two", BEHAVE], "argument --nnodes: invalid int value: 'two'"),
-    ([], "the following arguments are required: script"),
+    (["--bogus", BEHAVE], "unrecognized arguments: --bogus; not an option of phalanx's nor of "
+                          "torchrun's (phalanx run -h lists them all)"),
+    (["--nnodes", "two", BEHAVE], "Invalid --nnodes 'two': expected a number of nodes N (or N:N)"),
+    (["--nnodes", "1:2", BEHAVE], "--nnodes 1:2: elastic membership (a range MIN:MAX of nodes) "
+                                  "is not supported yet; it comes in its own issue. Give a fixed "
+                                  "number: --nnodes 2 (or 2:2)"),
+    ([], "phalanx run: error: script is required: phalanx run [options] script.py [script args...]"),
+    (["--nproc-per-node", "2"], "script is required"),
+    (["--no-python", "-m", "json.tool"], "--no-python runs a command, -m a Python module"),
+    (["--no-python", "no-such-program-xyz"], "Command 'no-such-program-xyz' not found"),
+    (["--run-path", "-m", "json.tool"], "--run-path runs a script file, -m a module"),
+    (["--role", " ", BEHAVE], "Invalid --role ''"),
+    (["--local-ranks-filter", "0;1", BEHAVE], "Invalid --local-ranks-filter '0;1': it must be a "
+                                              "comma-separated list of integers"),
 ])
 def test_bad_input_exits_2_with_a_clear_message(capsys, argv, message):
     code, err = _main(capsys, "run", *argv)
     assert code == 2
     assert message in err
+    assert "usage:" not in err and "script_args" not in err  # one line, not a screenful
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "10.1.2.3:1234", "--nnodes", "2",
+      "--node-rank", "1"], {"master_addr": "10.1.2.3", "master_port": 1234, "nnodes": 2, "node_rank": 1}),
+    (["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0"], {"standalone": True}),  # = --standalone
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "node0"], {"master_addr": "node0", "master_port": 29400}),
+    (["--rdzv-endpoint", "[::1]:5", "--rdzv-conf", "join_timeout=900"],
+     {"master_addr": "[::1]", "master_port": 5, "rdzv_timeout": 900}),
+    (["--nnodes", "1:1", "--rdzv-backend", "static"], {"nnodes": 1}),
+    (["--role", "trainer"], {"role": "trainer"}),
+    (["--start-method", "fork", "--run-path"], {"no_python": False}),
+    (["--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1", "--event-log-handler", "null"], {}),
+    (["--no-rank-prefix", "--local-ranks-filter", "1, 3"],
+     {"rank_prefix": False, "local_ranks_filter": (1, 3)}),
+])
+def test_torchruns_options_with_torchruns_meaning(argv, expected):
+    config = _config(*argv, BEHAVE)
+    assert {key: getattr(config, key) for key in expected} == expected
+    assert _config("--no-python", "true", "x").command == ["true", "x"]
+    assert _config("--no-python", "--run-path", BEHAVE).command == [sys.executable, BEHAVE]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rdzv-backend", "etcd-v2"], "--rdzv-backend 'etcd-v2' is not supported: phalanx's "
+                                    "rendezvous is a TCPStore hosted by node 0's launcher"),
+    (["--rdzv-endpoint", "h:1", "--nnodes", "2"], "give each node its --node-rank, 0 on h"),
+    (["--rdzv-endpoint", "h:1", "--master-port", "2"], "--rdzv-endpoint names node 0's address"),
+    (["--rdzv-endpoint", "h"], "--rdzv-endpoint 'h' has no port"),
+    (["--rdzv-conf", "last_call_timeout=5"], "--rdzv-conf last_call_timeout: not supported"),
+    (["--rdzv-conf", "timeout=5", "--rdzv-timeout", "3"], "say the same: give one"),
+    (["--local-addr", "10.0.0.2"], "torchrun's --local-addr is not supported: phalanx needs no "
+                                   "address of the local node"),
+    (["--numa-binding", "node"], "phalanx run --no-python numactl --cpunodebind=0 python train.py"),
+    (["--virtual-local-rank"], "set CUDA_VISIBLE_DEVICES in a wrapper"),
+    (["--logs-specs", "x"], "phalanx's log layout is fixed"),
+    (["--duplicate-stderr-filters", "a"], "every line is in the rank's log files, to grep"),
+    (["--event-log-handler", "console"], "phalanx emits no torch elastic events"),
+    (["--signals-to-handle", "SIGTERM,SIGPIPE"], "phalanx cannot handle SIGPIPE"),
+    (["--start-method", "thread"], "invalid choice: 'thread'"),
+])
+def test_torchruns_other_options_are_refused_saying_what_to_do(capsys, argv, message):
+    code, err = _main(capsys, "run", *argv, BEHAVE)
+    assert code == 2
+    assert message in err and "usage:" not in err
+
+
+def test_version_and_a_help_readable_in_a_terminal(capsys):
+    from phalanx import __version__
+
+    with pytest.raises(SystemExit) as version:
+        cli.build_parser().parse_args(["--version"])
+    assert version.value.code == 0 and capsys.readouterr().out == f"phalanx {__version__}\n"
+    for command in ("run", "bench"):
+        assert cli.main([command, "-h"]) == 0
+        manual = capsys.readouterr().out
+        assert "``" not in manual and "**" not in manual and ":class:" not in manual, manual
+        assert "--nproc-per-node" in manual
+    done = subprocess.run([sys.executable, "-m", "phalanx", "--version"], env=base_env(),
+                          capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (0, f"phalanx {__version__}\n")
 
 
 def test_no_command_prints_help_and_exits_2(capsys):
@@ -128,8 +213,13 @@ def test_the_launcher_starts_without_importing_torch():
     assert done.returncode == 0, "phalanx.cli imports torch: keep phalanx/__init__.py lazy"
 
 
+class _Terminal(io.BytesIO):
+    def isatty(self) -> bool:
+        return True
+
+
 def test_console_prefixes_lines_and_keeps_progress_bars_on_one_line():
-    out, err = io.BytesIO(), io.BytesIO()
+    out, err = _Terminal(), _Terminal()
     console = Console(out, err)
     console.write(0, 2, b"\rbar 1/3")
     console.write(0, 2, b"\rbar 2/3")
@@ -143,6 +233,61 @@ def test_console_prefixes_lines_and_keeps_progress_bars_on_one_line():
     assert err.getvalue() == (b"\r[rank0]: bar 1/3\r[rank0]: bar 2/3\n"
                               b"\r[rank0]: bar 3/3\n[rank2]: torch's own prefix\n"
                               b"[phalanx] restarting\n[phalanx] now\n")
+    # tqdm's leave=False clears its bar with blanks: the line is erased and reused, so the
+    # next line does not follow an empty "[rank0]: " line
+    out, err = _Terminal(), _Terminal()
+    console = Console(out, err)
+    console.write(0, 2, b"\repoch 1/2: 100% 23/23\r" + b" " * 22 + b"\r")
+    console.write(0, 1, b"epoch 1: accuracy 90%\n")
+    assert err.getvalue() == b"\r[rank0]: epoch 1/2: 100% 23/23\r\r\x1b[K\r"
+    assert out.getvalue() == b"[rank0]: epoch 1: accuracy 90%\n"
+    plain = Console(out := io.BytesIO(), io.BytesIO(), rank_prefix=False)
+    plain.write(3, 1, b"as printed\n")
+    assert out.getvalue() == b"as printed\n"
+
+
+def test_console_off_a_terminal_writes_a_progress_bars_last_state_only(monkeypatch):
+    def epoch(console, n):
+        console.write(0, 2, b"\r" + f"epoch {n}: 0/50".encode())
+        for step in range(1, 51):
+            console.write(0, 2, b"\r" + f"epoch {n}: {step}/50".encode())
+            console.flush()  # the launcher's loop: nothing held is shown off a terminal
+        console.write(0, 2, b"\r" + b" " * 14 + b"\r")  # cleared (leave=False)
+        console.write(0, 1, f"epoch {n} done\n".encode())
+
+    out, err = io.BytesIO(), io.BytesIO()
+    console = Console(out, err)
+    for n in (1, 2):
+        epoch(console, n)
+    assert err.getvalue() == b"[rank0]: epoch 1: 50/50\n[rank0]: epoch 2: 50/50\n"
+    assert out.getvalue() == b"[rank0]: epoch 1 done\n[rank0]: epoch 2 done\n"
+    console.write(0, 2, b"\rsaving 1/2")  # the run ends mid-bar: its last state is kept
+    console.write(0, 2, b"\rsaving 2/2")
+    console.flush(older_than=0.0)
+    assert err.getvalue().endswith(b"epoch 2: 50/50\n[rank0]: saving 2/2\n")
+    monkeypatch.setattr(console_module, "STATE_EVERY_S", 0.0)  # a long epoch: a state each time
+    console = Console(out := io.BytesIO(), err := io.BytesIO())
+    for step in range(4):
+        console.write(0, 2, b"\rstep %d" % step)
+    console.write(0, 2, b"\rstep 4\n")  # leave=True: the final state ends with a newline
+    assert err.getvalue() == b"".join(b"[rank0]: step %d\n" % i for i in range(5))
+
+
+def test_console_holds_other_ranks_until_the_report():
+    out, err = io.BytesIO(), io.BytesIO()
+    console = Console(out, err)
+    console.hold([0, 2])
+    console.write(0, 2, b"RuntimeError: connection closed by peer\n")
+    console.write(1, 2, b"ValueError: the root cause\n")
+    console.note("root cause: rank 1")
+    console.release("what the other workers wrote after rank 1 failed:")
+    console.write(0, 1, b"after\n")
+    assert err.getvalue() == (b"[rank1]: ValueError: the root cause\n[phalanx] root cause: rank 1\n"
+                              b"[phalanx] what the other workers wrote after rank 1 failed:\n"
+                              b"[rank0]: RuntimeError: connection closed by peer\n")
+    assert out.getvalue() == b"[rank0]: after\n"
+    console.release("nothing held: no heading")
+    assert err.getvalue().endswith(b"peer\n")
 
 
 def test_console_keeps_a_line_written_in_pieces_whole():

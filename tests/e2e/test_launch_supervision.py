@@ -17,6 +17,7 @@ import pytest
 from phalanx.errors import PREEMPTED_EXIT_CODE
 from tests.e2e.launch_helpers import (
     BEHAVE,
+    SCRIPTS,
     alive,
     finish,
     phalanx_cmd,
@@ -39,21 +40,27 @@ def test_worker_failure_stops_the_others_and_reports_the_root_cause(tmp_path):
     # rank 0 would sleep 60 s; rank 1 raises after 1 s (rank 0 has started by then, even on a
     # loaded machine). Rank 0 must be stopped (SIGTERM) well within the 10 s shutdown timeout,
     # and the launcher must exit 1, naming rank 1 and its exception, though an unrelated
-    # traceback and warnings follow it on rank 1's stderr.
+    # traceback and warnings follow it on rank 1's stderr. Rank 0 dies of SIGTERM with a
+    # traceback of its own, a secondary error: it is shown after the report.
     res = run(_launch(tmp_path, "--sleep", "60", "--fail-rank", "1", "--fail-after", "1",
-                      "--exit-noise",
+                      "--exit-noise", "--secondary",
                       opts=("--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "10")))
     assert res.code == 1, res.err
     assert res.seconds < 10, res.seconds
-    assert "root cause: rank 1 (local rank 1) on node 0" in res.err
-    assert "exit code 1" in res.err
-    summary = res.err[res.err.index("root cause:"):].splitlines()
-    assert summary[1] == "[phalanx] from rank 1's stderr:"
-    assert summary[2] == "[phalanx]   Traceback (most recent call last):"
-    assert summary[3].startswith(f'[phalanx]     File "{BEHAVE}", line ')
-    assert summary[5] == "[phalanx]   ValueError: boom from rank 1 on attempt 0", summary
-    assert summary[6].startswith("[phalanx] workers on node 0:")  # no KeyError, no warnings
-    assert "rank 0: signal SIGTERM" in res.err  # stopped by the launcher
+    # the root cause's traceback once: as rank 1 printed it, before the report
+    assert res.err.count('raise ValueError(f"boom') == 1
+    assert res.err.count("[rank1]: ValueError: boom from rank 1 on attempt 0") == 1
+    live = res.err.index("[rank1]: ValueError: boom from rank 1 on attempt 0")
+    assert live < res.err.index("[phalanx] ====")
+    summary = res.err[res.err.index("[phalanx] ===="):].splitlines()
+    assert summary[2].startswith("[phalanx] root cause: rank 1 (local rank 1) on node 0"), summary
+    assert summary[2].endswith(": exit code 1 (ValueError: boom from rank 1 on attempt 0); its "
+                               "traceback is above, as rank 1 printed it"), summary
+    assert summary[3].startswith("[phalanx] workers on node 0: rank 0: exit code 1"), summary
+    # then the secondary error, under a heading of its own
+    assert summary[5].startswith("[phalanx] what the other workers wrote after rank 1"), summary
+    assert "[rank0]: RuntimeError: rank 0: secondary error, my peer is gone" in summary[6:]
+    assert "secondary error" not in res.err[:res.err.index("[phalanx] ====")]
     assert "[rank0]: worker 0 attempt 0 ready" in res.out
     assert "[rank1]: worker 1 attempt 0 ready" in res.out
     assert not alive(int((tmp_path / "pid.0").read_text()))
@@ -200,19 +207,42 @@ def test_no_worker_outlives_a_sigkilled_launcher(tmp_path):
     assert not os.path.exists(scratch)  # the launcher's scratch directory went with it
 
 
-def test_log_dir_files_and_tee_per_rank(tmp_path):
+def test_log_dir_files_redirects_and_filters_per_rank(tmp_path):
     logs = tmp_path / "logs"
+    opts = ("--standalone", "--nproc-per-node", "2", "--log-dir", str(logs), "--rdzv-id", "job")
     res = run(_launch(tmp_path, "--progress", "--fail-rank", "1", "--fail-after", "1",
-                      opts=("--standalone", "--nproc-per-node", "2", "--log-dir", str(logs),
-                            "--tee", "0:3")))
+                      opts=(*opts, "--redirects", "1:3")))
     assert res.code == 1
-    out0 = (logs / "attempt_0" / "rank0.stdout.log").read_text()
-    err0 = (logs / "attempt_0" / "rank0.stderr.log").read_bytes()
-    err1 = (logs / "attempt_0" / "rank1.stderr.log").read_text()
+    [first] = logs.glob("job_*")
+    assert f"[phalanx] worker logs: {first}" in res.err
+    out0 = (first / "attempt_0" / "rank0.stdout.log").read_text()
+    err0 = (first / "attempt_0" / "rank0.stderr.log").read_bytes()
+    err1 = (first / "attempt_0" / "rank1.stderr.log").read_text()
     assert out0.startswith("worker 0 attempt 0 ready")
     assert err0.startswith(b"\rstep 0/3\rstep 1/3\rstep 2/3\n")  # raw, unprefixed
     assert "ValueError: boom from rank 1" in err1
-    # console: rank 0 only (tee 0:3), progress redrawn in place, each segment prefixed
+    # console: rank 1 redirected to its files only; off a terminal, the progress bar's last
+    # state only
     assert "[rank1]:" not in res.out + res.err
-    assert "\r[rank0]: step 1/3\r[rank0]: step 2/3\n" in res.err
-    assert "ValueError: boom from rank 1" in res.err  # the summary still has rank 1's end
+    assert "[rank0]: step 2/3\n" in res.err and "step 1/3" not in res.err
+    # the report shows rank 1's traceback, which the console did not
+    assert "[phalanx]   ValueError: boom from rank 1 on attempt 0" in res.err
+    # a second run keeps the first one's logs; no prefix, and rank 1 filtered off the console
+    again = run(_launch(tmp_path, opts=(*opts, "--no-rank-prefix", "--local-ranks-filter", "1")))
+    assert again.code == 0, again.err
+    [second] = set(logs.glob("job_*")) - {first}
+    assert (second / "attempt_0" / "rank1.stdout.log").read_text().endswith("worker 1 done\n")
+    assert (first / "attempt_0" / "rank0.stdout.log").read_text() == out0
+    assert again.out.splitlines() == ["worker 1 attempt 0 ready", "worker 1 done"]
+
+
+def test_a_hang_names_the_late_rank_as_the_root_cause():
+    res = run(phalanx_cmd("--standalone", "--nproc-per-node", "2", "--watchdog", "5",
+                          "--shutdown-timeout", "5", str(SCRIPTS / "hang.py")), timeout=60)
+    assert res.code == 1, res.err
+    assert res.seconds < 30, res.seconds  # the 5 s limit, the report, the shutdown
+    assert "root cause: rank(s) 1, named by the hang report" in res.err, res.err
+    assert "the hang report:" in res.err
+    assert "Late: rank(s) 1 never reached it" in res.err
+    assert "hang.py:12 in <module>; in #2 check before barrier (hang.py:12)" in res.err
+    assert "rank 1 (" in res.err and "at hang.py:14 in <module>; never reached #2" in res.err

@@ -1,6 +1,15 @@
 """The benchmark table's arithmetic, on hand-made step times."""
 
-from phalanx.bench.report import COLUMNS, ddp_rows, format_table, paired_ratio
+from phalanx.bench.report import (
+    COLUMNS,
+    LEGEND,
+    RATIO,
+    STEP,
+    busy_warning,
+    ddp_rows,
+    format_table,
+    paired_ratio,
+)
 
 
 def _times(sync, no_sync=()):
@@ -16,13 +25,22 @@ def test_rows_scaling_exposed_comm_and_ratio():
     rows = ddp_rows(single, multi)
     assert [tuple(r) for r in rows] == [COLUMNS] * 4
     bare, alone, phx, tch = rows
-    assert (bare["implementation"], bare["processes"], bare["step ms"]) == ("single process", 1, 100.0)
+    assert (bare["implementation"], bare["processes"], bare[STEP]) == ("single process", 1, 100.0)
     assert bare["samples/s"] == 100.0 and bare["scaling efficiency"] == 1.0
     assert abs(alone["scaling efficiency"] - 100 / 105) < 1e-12  # the wrapper's overhead alone
-    assert (phx["processes"], phx["step ms"], phx["samples/s"]) == (2, 125.0, 160.0)
+    assert (phx["processes"], phx[STEP], phx["samples/s"]) == (2, 125.0, 160.0)
     assert phx["scaling efficiency"] == 0.8 and abs(phx["exposed comm ms"] - 25.0) < 1e-9
-    assert phx["phalanx/torch"] == 1.0  # median of 1.0, 1.25, 1.0
-    assert tch["phalanx/torch"] is None and alone["exposed comm ms"] is None
+    assert phx[RATIO] == 1.0  # median of 1.0, 1.25, 1.0 (the medians' ratio would be 1.0 too)
+    assert tch[RATIO] is None and alone["exposed comm ms"] is None
+    # the ratio is defined beside the step times, and which way is better is said
+    assert COLUMNS.index(RATIO) == COLUMNS.index(STEP) + 1 and "lower is better" in RATIO
+    assert "not the ratio of the two median step times. Lower is better" in " ".join(LEGEND.split())
+
+
+def test_busy_machine_is_warned_about():
+    assert busy_warning(1.9, 2) is None and busy_warning(2.0, 2) is None
+    assert busy_warning(3.25, 2).startswith(
+        "the machine was busy: its load average reached 3.2 on 2 usable core(s) during the run")
 
 
 def test_paired_ratio_cancels_drift():
@@ -31,7 +49,6 @@ def test_paired_ratio_cancels_drift():
 
 
 def test_table_formats_ratios_and_missing_values():
-    table = format_table([{"model": "cnn", "step ms": 12.345, "phalanx/torch": 0.98765,
-                           "exposed comm ms": None}])
-    assert table.splitlines() == ["| model | step ms | phalanx/torch | exposed comm ms |",
+    table = format_table([{"model": "cnn", STEP: 12.345, RATIO: 0.98765, "exposed comm ms": None}])
+    assert table.splitlines() == [f"| model | {STEP} | {RATIO} | exposed comm ms |",
                                   "|---|---|---|---|", "| cnn | 12.3 | 0.988 | - |"]

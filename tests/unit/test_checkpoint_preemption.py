@@ -13,7 +13,7 @@ def test_signal_sets_the_flag_and_previous_handlers_return():
     seen = []
     previous = signal.signal(signal.SIGUSR1, lambda *_: seen.append("user handler"))
     try:
-        before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+        before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
         with PreemptionHandler() as preemption:
             assert not preemption.should_stop() and preemption.received is None
             os.kill(os.getpid(), signal.SIGUSR1)
@@ -28,6 +28,25 @@ def test_signal_sets_the_flag_and_previous_handlers_return():
         assert seen == ["user handler"]  # the process survived SIGTERM, and the old handler runs
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_ctrl_c_checkpoints_like_sigterm_then_exits_130_and_a_second_one_stops_at_once():
+    with PreemptionHandler() as preemption:
+        os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt: a flag
+        assert preemption.received == signal.SIGINT and preemption.should_stop()
+        assert preemption.exit_code == 130
+        with pytest.raises(SystemExit) as info:
+            preemption.exit()
+        assert info.value.code == 130
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    with PreemptionHandler() as preemption:  # a preemption signal outranks Ctrl-C: resumable
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preemption.should_stop() and preemption.exit_code == PREEMPTED_EXIT_CODE
+    with pytest.raises(KeyboardInterrupt):  # configurable: without SIGINT, Ctrl-C is as usual
+        with PreemptionHandler(signals=(signal.SIGTERM, signal.SIGUSR1)):
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 def test_handlers_are_restored_when_the_block_raises_and_check_every_counts_calls():

@@ -48,6 +48,12 @@ def test_worker_environ_uses_torchruns_names_and_keeps_the_users_settings():
                           error_file="/e.json", base={"OMP_NUM_THREADS": "7",
                                                       "PYTHONUNBUFFERED": "0"}, cpus=8)
     assert (mine["OMP_NUM_THREADS"], mine["PYTHONUNBUFFERED"]) == ("7", "0")
+    assert environ["PHALANX_RANK_PREFIX"] == "1"
+    # --role and --no-rank-prefix
+    other = worker_environ(_launched(), group_world_size=2, max_restarts=3, run_id="job",
+                           error_file="/e.json", base={"PHALANX_RANK_PREFIX": "1"}, cpus=8,
+                           role="trainer", rank_prefix=False)
+    assert other["ROLE_NAME"] == "trainer" and "PHALANX_RANK_PREFIX" not in other
 
 
 def test_default_omp_threads_shares_the_cores_at_least_one_each():

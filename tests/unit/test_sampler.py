@@ -159,7 +159,7 @@ class _NoLen(torch.utils.data.IterableDataset):
         ((range(5), -2, 0), ValueError, "Invalid num_replicas -2"),
         ((range(5), 3, 3), ValueError, "Invalid rank 3, rank should be in the interval [0, 2]"),
         ((range(5), 3, -1), ValueError, "Invalid rank -1, rank should be in the interval [0, 2]"),
-        ((range(0), 2, 0), ValueError, "Invalid dataset: it is empty (len(dataset) == 0)"),
+        ((range(5), 2.0, 0), ValueError, "Invalid num_replicas 2.0, num_replicas should be a "),
         ((_NoLen(), 2, 0), TypeError, "needs a data set with a length (a map-style Dataset), got _NoLen"),
     ],
 )
@@ -167,6 +167,17 @@ def test_bad_arguments(args, kind, message):
     with pytest.raises(kind) as info:
         DistributedSampler(*args)
     assert message in str(info.value)
+
+
+def test_what_torch_takes_it_takes():
+    import numpy as np
+
+    ours = DistributedSampler(range(10), num_replicas=np.int64(3), rank=np.int32(2), seed=4)
+    theirs = TorchSampler(range(10), num_replicas=np.int64(3), rank=np.int32(2), seed=4)
+    assert (list(ours), ours.rank, ours.num_samples) == (list(theirs), 2, theirs.num_samples)
+    empty = DistributedSampler(range(0), num_replicas=2, rank=1)  # torch samples nothing
+    assert list(empty) == list(TorchSampler(range(0), num_replicas=2, rank=1)) == []
+    assert len(empty) == 0 and empty.state_dict()["position"] == 0
 
 
 def test_bad_states():

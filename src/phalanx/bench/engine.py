@@ -26,10 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ddp import DistributedDataParallel
+from ..diagnostics import monitor
 from .options import add_comm_hook_option
 from .ranks import RESULT_FLAG, serve
 
-IMPLEMENTATIONS = ("bare", "phalanx", "torch")
+# "phalanx-nodiag": phalanx's DDP with its diagnostics switched off during its steps, to
+# measure what the always-on checks cost (benchmarks/bench_diagnostics.py).
+IMPLEMENTATIONS = ("bare", "phalanx", "torch", "phalanx-nodiag")
 # PowerSGD's plain all-reduces before compressing: the least torch's hook allows (it needs > 1),
 # so the timed steps (after --warmup 3) compress.
 POWERSGD_START = 2
@@ -79,8 +82,9 @@ def build(model: str, impl: str, bucket_cap_mb: float | None = None, seed: int =
         return net
     if impl == "torch" and comm_hook == "powersgd":
         bucket_cap_mb = 1e6  # torch's PowerSGD hook runs on Gloo with a single bucket only
-    make = DistributedDataParallel if impl == "phalanx" else torch.nn.parallel.DistributedDataParallel
-    return register_hook(make(net, bucket_cap_mb=bucket_cap_mb), impl, comm_hook)
+    ours = impl in ("phalanx", "phalanx-nodiag")
+    make = DistributedDataParallel if ours else torch.nn.parallel.DistributedDataParallel
+    return register_hook(make(net, bucket_cap_mb=bucket_cap_mb), "phalanx" if ours else impl, comm_hook)
 
 
 def register_hook(ddp: nn.Module, impl: str, name: str) -> nn.Module:
@@ -110,13 +114,26 @@ def register_hook(ddp: nn.Module, impl: str, name: str) -> nn.Module:
 class Trainer:
     """One implementation's model, optimizer and batch; :meth:`step` times one training step."""
 
-    def __init__(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def __init__(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+                 diagnostics: bool = True) -> None:
         self.net = net
         self.opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
         self.batch = batch
+        self.diagnostics = diagnostics
 
     def step(self, sync: bool = True) -> float:
-        """Seconds for zero_grad, forward, loss, backward, optimizer step (``sync=False``: in ``no_sync()``)."""
+        """Seconds for zero_grad, forward, loss, backward, optimizer step (``sync=False``: in
+        ``no_sync()``), with this process's diagnostics on or off as the trainer says."""
+        diag = monitor.current() if not self.diagnostics else None
+        if diag is not None:
+            diag.enabled = False
+        try:
+            return self._step(sync)
+        finally:
+            if diag is not None:
+                diag.enabled = True
+
+    def _step(self, sync: bool) -> float:
         x, y = self.batch
         start = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
@@ -153,7 +170,9 @@ def compare(
     out: dict[str, dict[str, list[float]]] = {impl: {"sync": [], "no_sync": []} for impl in impls}
     modes = ["sync", "no_sync"] if with_no_sync else ["sync"]
     for _ in range(repeats):
-        trainers = {impl: Trainer(build(model, impl, bucket_cap_mb, comm_hook=comm_hook), batch) for impl in impls}
+        trainers = {impl: Trainer(build(model, impl, bucket_cap_mb, comm_hook=comm_hook), batch,
+                                  impl != "phalanx-nodiag")
+                    for impl in impls}
         for trainer in trainers.values():
             for _ in range(warmup):
                 trainer.step()

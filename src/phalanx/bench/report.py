@@ -13,7 +13,8 @@ Step times are each step's time on the slowest rank. Definitions used in the tab
 * **exposed comm**: median step time minus the median step time under ``no_sync()``, the
   communication the backward pass did not hide;
 * **phalanx/torch**: the median over steps of phalanx's step time over torch's step time
-  taken beside it (the two alternate step by step, so a change in machine load cancels).
+  taken beside it (the two alternate step by step, so a change in machine load cancels);
+  lower is better. It is printed beside the median step times, which it is not the ratio of.
 """
 
 from __future__ import annotations
@@ -22,10 +23,27 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
-COLUMNS = ("model", "implementation", "processes", "step ms", "samples/s",
-           "scaling efficiency", "exposed comm ms", "phalanx/torch")
+STEP = "step ms (median)"
+RATIO = "phalanx/torch (median of paired step ratios; lower is better)"
+COLUMNS = ("model", "implementation", "processes", STEP, RATIO, "samples/s",
+           "scaling efficiency", "exposed comm ms")
 _NAMES = {"bare": "single process", "phalanx": "phalanx DDP", "torch": "torch DDP"}
-_RATIOS = ("scaling efficiency", "phalanx/torch")  # shown with 3 decimals
+_RATIOS = ("scaling efficiency", RATIO)  # shown with 3 decimals
+LEGEND = (
+    "phalanx/torch: each phalanx step's time over the time of the torch step taken beside it,\n"
+    "the median of those ratios (the two alternate step by step, so a change in the machine's\n"
+    "load cancels); not the ratio of the two median step times. Lower is better: below 1.000\n"
+    "phalanx is faster."
+)
+
+
+def busy_warning(peak_load: float, cores: int) -> str | None:
+    """A warning when the load average went above the ``cores`` during the run, else ``None``."""
+    if peak_load <= cores:
+        return None
+    return (f"the machine was busy: its load average reached {peak_load:.1f} on {cores} usable "
+            f"core(s) during the run (the benchmark's own processes count too), so the step "
+            f"times are noisy; the paired ratio is less affected. Rerun on an idle machine.")
 
 
 def _ms(times: Sequence[float]) -> float:
@@ -52,12 +70,12 @@ def ddp_rows(single: dict[str, Any], multi: dict[str, Any]) -> list[dict[str, An
                 "model": model,
                 "implementation": _NAMES.get(impl, impl),
                 "processes": procs,
-                "step ms": step_ms,
+                STEP: step_ms,
+                RATIO: (paired_ratio(t["sync"], by_impl["torch"]["sync"])
+                        if impl == "phalanx" and procs > 1 and "torch" in by_impl else None),
                 "samples/s": procs * batch / (step_ms / 1000),
                 "scaling efficiency": bare_ms / step_ms,
                 "exposed comm ms": step_ms - _ms(t["no_sync"]) if t["no_sync"] else None,
-                "phalanx/torch": (paired_ratio(t["sync"], by_impl["torch"]["sync"])
-                                  if impl == "phalanx" and procs > 1 and "torch" in by_impl else None),
             })
     return rows
 
@@ -98,7 +116,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
         mine = [r for r in rows if r["model"] == model]
         labels = [f"{r['implementation']}\n{r['processes']} proc" for r in mine]
         exposed = [max(r["exposed comm ms"] or 0.0, 0.0) for r in mine]  # < 0 is noise
-        hidden = [r["step ms"] - e for r, e in zip(mine, exposed)]
+        hidden = [r[STEP] - e for r, e in zip(mine, exposed)]
         ax_time.bar(labels, hidden, color="tab:blue", label="compute (+ hidden comm)")
         ax_time.bar(labels, exposed, bottom=hidden, color="tab:red", label="exposed comm")
         ax_time.set(title=f"{model}: median step time", ylabel="ms")

@@ -9,31 +9,46 @@ flag, and at each step boundary the ranks all-reduce their flags: all of them se
 answer at the same step, write one checkpoint together and exit with
 :data:`phalanx.errors.PREEMPTED_EXIT_CODE`, which the launcher reports as preempted
 (resumable), not failed.
+
+Ctrl-C (SIGINT) is caught the same way by default: the ranks agree, checkpoint, and exit
+with 130 (128 + SIGINT, what a shell reports for Ctrl-C), so an interrupted run loses nothing
+and resumes like a preempted one. A second Ctrl-C stops at once (KeyboardInterrupt).
 """
 
 from __future__ import annotations
 
 import signal
 from types import FrameType
-from typing import NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
 
 import torch.distributed as dist
 
 from .. import comm
 from .._logging import get_logger
+from ..diagnostics import monitor, syncpoint
 from ..errors import PREEMPTED_EXIT_CODE
 
 _log = get_logger("phalanx.preemption")
 
+# What a rank reports at a check, all-reduced with MAX: nothing, an interrupt (Ctrl-C), a
+# preemption. A preemption outranks an interrupt: a job its scheduler preempts exits 75
+# (resumable) even if someone pressed Ctrl-C as well.
+_NOTHING, _INTERRUPT, _PREEMPT = 0, 1, 2
+# What a PreemptionHandler shadows on a rank that has joined (phalanx.join).
+CHECK, EXIT = 1, 2
+# Exit status after an agreed stop on Ctrl-C: 128 + SIGINT, as a shell reports it.
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
+
 
 class PreemptionHandler:
-    r"""Context manager that turns SIGTERM/SIGUSR1 into a stop agreed by every rank.
+    r"""Context manager that turns SIGTERM/SIGUSR1 (and Ctrl-C) into a stop agreed by every rank.
 
     Inside the ``with`` block the given signals set a flag instead of ending the process.
     :meth:`should_stop`, called by every rank at every step boundary, all-reduces the flags
     (one 1-element all-reduce, MAX) and answers the same on every rank: ``True`` from the first
     boundary at which any rank had received a signal. Then save a checkpoint (a collective)
-    and call :meth:`exit`.
+    and call :meth:`exit`: status 75 (preempted, resumable), or 130 when the stop came from
+    Ctrl-C (SIGINT) alone.
 
     .. note::
         **Cost.** One check is one all-reduce of a single number: a network round trip, no
@@ -50,8 +65,16 @@ class PreemptionHandler:
         installed outside Python (C level, such as ``faulthandler.register``) is invisible to
         Python's ``signal`` module and is restored as the default action.
 
+    .. note::
+        **Ctrl-C.** SIGINT is among the default signals: a Ctrl-C (which ``phalanx run``
+        forwards to every worker) checkpoints like SIGTERM, then :meth:`exit` ends with 130.
+        A second SIGINT raises ``KeyboardInterrupt`` at once, for a run stuck before its next
+        step boundary. Pass ``signals=(signal.SIGTERM, signal.SIGUSR1)`` to keep Ctrl-C's
+        usual ``KeyboardInterrupt``.
+
     Args:
-        signals (sequence of int, optional): signals to catch. Default ``(SIGTERM, SIGUSR1)``.
+        signals (sequence of int, optional): signals to catch. Default
+            ``(SIGTERM, SIGUSR1, SIGINT)``.
         group (ProcessGroup, optional): the ranks that must agree. Default ``None``: the world.
         check_every (int, optional): all-reduce at every ``check_every``-th call of
             :meth:`should_stop`. Default ``1``.
@@ -76,7 +99,7 @@ class PreemptionHandler:
 
     def __init__(
         self,
-        signals: Sequence[int] = (signal.SIGTERM, signal.SIGUSR1),
+        signals: Sequence[int] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT),
         group: dist.ProcessGroup | None = None,
         check_every: int = 1,
     ) -> None:
@@ -91,9 +114,10 @@ class PreemptionHandler:
         self._flag_group = _cpu_group(group) if self._distributed else None
         self._previous: dict[signal.Signals, object] = {}
         self._received: signal.Signals | None = None
+        self._caught: set[signal.Signals] = set()
         self._reported = False
         self._calls = 0
-        self._stop = False
+        self._stop = _NOTHING  # what stopped the ranks, once they agreed
 
     @property
     def received(self) -> signal.Signals | None:
@@ -120,9 +144,39 @@ class PreemptionHandler:
             self._previous.clear()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        # Only a flag: the code this interrupts may be in the middle of anything.
+        # Only flags: the code this interrupts may be in the middle of anything.
+        if signum == signal.SIGINT and signal.SIGINT in self._caught:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self._caught.add(signal.Signals(signum))
         if self._received is None:
             self._received = signal.Signals(signum)
+
+    def flags(self) -> tuple[int, int]:
+        """This rank's news as sync-point flags: a preemption signal, Ctrl-C (SIGINT)."""
+        return int(bool(self._caught - {signal.SIGINT})), int(signal.SIGINT in self._caught)
+
+    def join_begin(self, join: Any) -> None:
+        """Nothing to set up (phalanx.join)."""
+
+    def join_end(self, join: Any, last: int) -> None:
+        """Nothing to sync."""
+
+    def join_leave(self) -> None:
+        """Nothing to restore."""
+
+    def join_shadow(self, action: int, verdict: Any) -> None:
+        """Take part, on a rank that has joined (phalanx.join), in what the others do: the
+        verdict of their check (``CHECK``), or their :meth:`exit` (``EXIT``)."""
+        if action == EXIT:
+            raise SystemExit(verdict.announce[3])
+        preempted, interrupted = verdict.flags
+        self._stop = _PREEMPT if preempted else _INTERRUPT if interrupted else _NOTHING
+
+    def _report(self) -> int:
+        """This rank's news: a preemption signal, else an interrupt, else nothing."""
+        if self._caught - {signal.SIGINT}:
+            return _PREEMPT
+        return _INTERRUPT if self._caught else _NOTHING
 
     def should_stop(self) -> bool:
         """Whether any rank received a signal, the same answer on every rank (collective).
@@ -138,14 +192,33 @@ class PreemptionHandler:
         if self._calls % self.check_every:
             return False
         if self._distributed:
-            self._stop = comm.all_reduce_any(self._received is not None, group=self._flag_group)
+            diag = monitor.current()
+            if diag is not None:  # the check and the flags in one all-reduce
+                group = None if self.group is None else self._flag_group
+                verdict = diag.sync_point("PreemptionHandler.should_stop", group, flags=self.flags(),
+                                          announce=diag.joinable(self, CHECK) or (syncpoint.SYNC_ONLY,))
+                self.join_shadow(CHECK, verdict)
+            else:
+                self._stop = comm.all_reduce_max(self._report(), group=self._flag_group)
         else:
-            self._stop = self._received is not None
-        return self._stop
+            self._stop = self._report()
+        return bool(self._stop)
+
+    @property
+    def exit_code(self) -> int:
+        """The status :meth:`exit` ends with: 130 when the agreed stop came from Ctrl-C
+        (SIGINT) alone, else 75 (:data:`~phalanx.errors.PREEMPTED_EXIT_CODE`)."""
+        return INTERRUPTED_EXIT_CODE if self._stop == _INTERRUPT else PREEMPTED_EXIT_CODE
 
     def exit(self) -> NoReturn:
-        """End the process as preempted: ``SystemExit(PREEMPTED_EXIT_CODE)``."""
-        raise SystemExit(PREEMPTED_EXIT_CODE)
+        """End the process after the agreed stop: ``SystemExit(75)`` when preempted,
+        ``SystemExit(130)`` after Ctrl-C (see :attr:`exit_code`). Ranks that have joined
+        (phalanx.join) end with the same status."""
+        diag = monitor.current()
+        if diag is not None and diag.join is not None:
+            diag.sync_point("PreemptionHandler.exit", None if self.group is None else self._flag_group,
+                            announce=diag.joinable(self, EXIT, self.exit_code) or (syncpoint.UNSHADOWABLE,))
+        raise SystemExit(self.exit_code)
 
 
 def _signal(value: int) -> signal.Signals:

@@ -33,10 +33,11 @@ import time
 from ..env import DistEnv
 from ..errors import PREEMPTED_EXIT_CODE, RendezvousError
 from .config import STDERR, STDOUT, LaunchConfig
+from .console import Console
 from .environment import worker_environ
 from .events import FORWARD_SIGNALS, STOP_SIGNALS, Pump, SignalInbox
 from .outcome import RoundEnd
-from .output import Console, WorkerOutput, recorded_error, traceback_tail
+from .output import WorkerOutput, read_diagnosis, recorded_error, traceback_tail
 from .rendezvous import Interrupted, Layout, meet
 from .workers import Guardian, Worker, describe_exit, first_failure, shell_status, spawn
 
@@ -56,6 +57,9 @@ class Agent:
         self._entry = None if config.module else os.path.abspath(config.entrypoint)
         self._host = socket.gethostname()
         self._checked_out = False
+        self._log_dir = None if config.log_dir is None else _run_log_dir(config.log_dir, layout.run_id)
+        if self._log_dir is not None:
+            console.note(f"worker logs: {self._log_dir}")
 
     def run(self) -> int:
         """All rounds; returns the launcher's exit status."""
@@ -63,16 +67,24 @@ class Agent:
         while True:
             record, workers = self._round(round_)
             if not self._restarts(record, round_):
-                return self._finish(record, workers, round_)
+                status = self._finish(record, workers, round_)
+                self._release(record)
+                return status
             self.console.note(
-                f"attempt {round_ + 1} of {last + 1} failed: {record.who()}: "
+                f"attempt {round_ + 1} of {last + 1} failed: {record.cause()}: "
                 f"{describe_exit(record.returncode)}"
                 f"{_last_line(record.traceback)}; restarting every worker "
                 f"({last - round_} restart(s) left)"
             )
+            self._release(record)
             round_ += 1
 
+    def _release(self, record: RoundEnd) -> None:
+        """Show what the other workers wrote after the failure (held back by :meth:`_round`)."""
+        self.console.release(f"what the other workers wrote after {record.who()} failed:")
+
     def close(self) -> None:
+        self.console.release("what the other workers wrote after the failure:")
         self._pump.close()
 
     def _restarts(self, record: RoundEnd, round_: int) -> bool:
@@ -100,6 +112,8 @@ class Agent:
             except RendezvousError:  # the other nodes are gone: stop ours gracefully all the same
                 self._stop(workers, RoundEnd("lost"))
                 raise
+            if record.kind == "failed":  # the root cause is reported first, then the rest
+                self.console.hold(w.rank for w in workers if w.rank != record.rank)
             if not self._restarts(record, round_):
                 self._check_out()  # before stopping: node 0 may close the store after this
             self._stop(workers, record)
@@ -121,12 +135,13 @@ class Agent:
         env = worker_environ(
             dist_env, group_world_size=layout.nnodes, max_restarts=config.max_restarts,
             run_id=layout.run_id, error_file=os.path.join(error_dir, "error.json"),
+            role=config.role, rank_prefix=config.rank_prefix, watchdog=config.watchdog,
         )
         logs = {}
-        if config.log_dir is not None:
-            stem = os.path.join(config.log_dir, f"attempt_{round_}", f"rank{rank}")
+        if self._log_dir is not None:
+            stem = os.path.join(self._log_dir, f"attempt_{round_}", f"rank{rank}")
             logs = {STDOUT: stem + ".stdout.log", STDERR: stem + ".stderr.log"}
-        output = WorkerOutput(rank, self.console, config.console.for_rank(local_rank), logs)
+        output = WorkerOutput(rank, self.console, config.console_streams(local_rank), logs)
         worker = spawn(config.command, env, rank, local_rank, output)
         self.guardian.watch(worker.pid)
         self._pump.add(worker)
@@ -149,7 +164,7 @@ class Agent:
                 self.store.check()
             failed = first_failure(workers)
             if failed is not None:
-                return self.board.publish_end(round_, self._exit_record(failed))
+                return self.board.publish_end(round_, self._exit_record(failed, workers))
             if not reported_done and all(w.returncode == 0 for w in workers):
                 self.board.report_done(round_)
                 reported_done = True
@@ -161,10 +176,14 @@ class Agent:
                 if reported_done and self.board.all_done(round_):
                     return RoundEnd("succeeded")
 
-    def _exit_record(self, worker: Worker) -> RoundEnd:
+    def _exit_record(self, worker: Worker, workers: list[Worker]) -> RoundEnd:
         self._pump.drain([worker])  # its last words may still sit in the pipe
         code = worker.returncode
         recorded = recorded_error(worker.error_file)
+        # a hang report blames a rank: the failing worker's own, else one its peers here wrote
+        diagnosis = next(filter(None, map(read_diagnosis, [worker.error_file] + [
+            w.error_file for w in workers if w is not worker])), None)
+        culprits, report = (diagnosis[1], diagnosis[0]) if diagnosis else ([], "")
         return RoundEnd(
             "preempted" if code == PREEMPTED_EXIT_CODE else "failed",
             node=self.config.node_rank, host=self._host, rank=worker.rank,
@@ -172,6 +191,7 @@ class Agent:
             traceback=(traceback_tail(recorded, self._entry) if recorded
                        else worker.output.traceback(self._entry)),
             source="error file (torch elastic @record)" if recorded else "stderr",
+            culprits=culprits, report=report,
         )
 
     def _forward(self, workers: list[Worker], signum: int) -> None:
@@ -235,20 +255,48 @@ class Agent:
                 + (" (preempted, resumable)" if preempted else "")
             )
             return PREEMPTED_EXIT_CODE if preempted else 128 + signal.Signals[record.signal]
-        self.console.note(self._failure_summary(record, states, round_))
+        self.console.note(self._failure_summary(record, workers, states, round_))
         return shell_status(record.returncode)
 
-    def _failure_summary(self, record: RoundEnd, states: str, round_: int) -> str:
+    def _failure_summary(self, record: RoundEnd, workers: list[Worker], states: str,
+                         round_: int) -> str:
+        """The report of a failed run; the root cause's traceback is in it unless the console
+        has shown it already, as the worker printed it (the traceback appears once)."""
         name = self.config.entrypoint
+        cause = f"root cause: {record.cause()}: {describe_exit(record.returncode)}"
+        if record.report:
+            trace = [cause, "the hang report:", *("  " + line for line in record.report.splitlines())]
+        elif self._shown_live(record, workers):
+            trace = [f"{cause}{_last_line(record.traceback)}; its traceback is above, as rank "
+                     f"{record.rank} printed it"]
+        else:
+            trace = [cause, f"from rank {record.rank}'s {record.source}:",
+                     *("  " + line for line in (record.traceback or "(empty)").splitlines())]
         return "\n".join([
             _RULE,
             f"{name} failed on attempt {round_ + 1} of {self.config.max_restarts + 1}",
-            f"root cause: {record.who()}: {describe_exit(record.returncode)}",
-            f"from rank {record.rank}'s {record.source}:",
-            *("  " + line for line in (record.traceback or "(empty)").splitlines()),
+            *trace,
             f"workers on node {self.config.node_rank}: {states}",
             _RULE,
         ])
+
+    def _shown_live(self, record: RoundEnd, workers: list[Worker]) -> bool:
+        """Whether this node's console showed the end of ``record``'s traceback as the
+        worker printed it on stderr."""
+        lines = record.traceback.strip().splitlines()
+        if record.node != self.config.node_rank or not lines:
+            return False
+        worker = next((w for w in workers if w.rank == record.rank), None)
+        if worker is None or not worker.output.console_streams & STDERR:
+            return False
+        return lines[-1].strip() in worker.output.tail.decode("utf-8", errors="replace")
+
+
+def _run_log_dir(log_dir: str, run_id: str) -> str:
+    """A new folder in ``log_dir`` for this run, named after its id (as torchrun's), so a
+    second run keeps the first one's logs."""
+    os.makedirs(log_dir, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{run_id.replace(os.sep, '_')}_", dir=log_dir)
 
 
 def _last_line(text: str) -> str:
@@ -273,7 +321,7 @@ def launch(config: LaunchConfig) -> int:
             "launch() must run on the main thread: it handles signals, and the workers' "
             "parent-death signal is tied to the thread that forks them"
         )
-    console = Console(sys.stdout.buffer, sys.stderr.buffer)
+    console = Console(sys.stdout.buffer, sys.stderr.buffer, rank_prefix=config.rank_prefix)
     scratch = tempfile.mkdtemp(prefix="phalanx-")
     guardian = Guardian(scratch)  # first, while this process has no threads and no workers
     try:

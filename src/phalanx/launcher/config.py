@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.machinery
 import os
 import re
+import shutil
 import sys
 from dataclasses import dataclass, field
 
@@ -34,11 +35,12 @@ BOTH = STDOUT | STDERR
 
 @dataclass(frozen=True)
 class StreamChoice:
-    """Which of a worker's streams reach the console, by local rank (torchrun's ``--tee``
-    format: ``"3"`` for every rank, or ``"0:3,1:0"`` per local rank; 1 stdout, 2 stderr).
+    """A choice of a worker's streams, by local rank, in torchrun's ``--redirects``/``--tee``
+    format: ``"3"`` for every rank, or ``"0:3,1:0"`` per local rank (1 stdout, 2 stderr,
+    3 both, 0 none; ranks a map leaves out get none, as in torchrun).
 
     Args:
-        default: streams of the local ranks not listed. Default ``3`` (both).
+        default: streams of the local ranks not listed. Default ``0`` (none).
         per_rank: ``(local_rank, streams)`` pairs. Default none.
 
     Example::
@@ -48,7 +50,7 @@ class StreamChoice:
         [3, 2, 0]
     """
 
-    default: int = BOTH
+    default: int = 0
     per_rank: tuple[tuple[int, int], ...] = ()
 
     @classmethod
@@ -66,12 +68,7 @@ class StreamChoice:
                     "3 (both), or per local rank such as '0:3,1:0'"
                 )
             pairs.append((int(match.group(1)), int(match.group(2))))
-        # Local ranks not listed get nothing, as torchrun's per-rank maps do.
         return cls(default=0, per_rank=tuple(pairs))
-
-    def inverted(self) -> "StreamChoice":
-        """The streams *not* chosen (``--redirects`` names what leaves the console)."""
-        return StreamChoice(BOTH & ~self.default, tuple((r, BOTH & ~s) for r, s in self.per_rank))
 
     def for_rank(self, local_rank: int) -> int:
         """The stream bits for ``local_rank``."""
@@ -105,12 +102,22 @@ class LaunchConfig:
         max_restarts (int): restarts of the whole group after a failure. Default ``0``.
         monitor_interval (float): seconds between health checks. Default ``0.1``.
         shutdown_timeout (float): seconds between SIGTERM and SIGKILL. Default ``30``.
+        watchdog (float, optional): seconds a collective may wait before every rank reports
+            where it is (the workers' ``init_process_group(timeout=...)`` default). Default
+            ``None``: phalanx's 5 minutes.
         rdzv_timeout (float): seconds to wait for the master and the other nodes. Default ``600``.
         run_id (str): the job's id (``TORCHELASTIC_RUN_ID``); ``""`` draws one. Default ``""``.
-        log_dir (str, optional): write each worker's stdout and stderr to files here.
-            Default ``None``.
-        console (StreamChoice): the streams shown on the console, per local rank; anything
-            but "both" needs ``log_dir``. Default: both, for every rank.
+        log_dir (str, optional): write each worker's stdout and stderr to files in a new
+            folder here, named after the run id. Default ``None``.
+        redirects (StreamChoice): streams kept off the console (in the log files only), per
+            local rank, as torchrun's ``--redirects``; needs ``log_dir``. Default none.
+        tee (StreamChoice): streams shown on the console *and* written to the log files, as
+            torchrun's ``--tee``: it overrides ``redirects``; needs ``log_dir``. Default none.
+        local_ranks_filter (tuple of int, optional): the local ranks whose output reaches the
+            console at all (torchrun's ``--local-ranks-filter``). Default ``None``: every rank.
+        rank_prefix (bool): start each console line with ``[rankN]: ``. Default ``True``.
+        no_python (bool): run ``entrypoint`` as a command, not a Python script. Default ``False``.
+        role (str): the workers' ``ROLE_NAME``. Default ``"default"``.
 
     .. warning::
         ``node_rank`` 0 must run on the host that owns ``master_addr``: it listens there.
@@ -134,10 +141,16 @@ class LaunchConfig:
     max_restarts: int = 0
     monitor_interval: float = DEFAULT_MONITOR_INTERVAL
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    watchdog: float | None = None
     rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
     run_id: str = ""
     log_dir: str | None = None
-    console: StreamChoice = field(default_factory=StreamChoice)
+    redirects: StreamChoice = field(default_factory=StreamChoice)
+    tee: StreamChoice = field(default_factory=StreamChoice)
+    local_ranks_filter: tuple[int, ...] | None = None
+    rank_prefix: bool = True
+    no_python: bool = False
+    role: str = "default"
 
     def __post_init__(self) -> None:
         _at_least("--nproc-per-node", self.nproc_per_node, 1)
@@ -159,24 +172,40 @@ class LaunchConfig:
         _at_least("--max-restarts", self.max_restarts, 0)
         _positive("--monitor-interval", self.monitor_interval)
         _positive("--rdzv-timeout", self.rdzv_timeout)
+        if self.watchdog is not None:
+            _positive("--watchdog", self.watchdog)
         if self.shutdown_timeout < 0:
             raise LaunchConfigError(
                 f"Invalid --shutdown-timeout {self.shutdown_timeout}: expected seconds >= 0"
             )
-        if self.log_dir is None and self.console != StreamChoice():
-            raise LaunchConfigError(
-                "--tee and --redirects choose which streams also go to the console besides "
-                "the log files, so they need --log-dir"
-            )
+        for option, choice in (("--redirects", self.redirects), ("--tee", self.tee)):
+            if self.log_dir is None and choice != StreamChoice():
+                raise LaunchConfigError(
+                    f"{option} sends streams to the log files, so it needs --log-dir D "
+                    "(without both, every stream goes to the console)"
+                )
         if self.log_dir is not None and os.path.exists(self.log_dir) and not os.path.isdir(self.log_dir):
             raise LaunchConfigError(f"--log-dir {self.log_dir!r} exists and is not a directory")
-        _check_entrypoint(self.entrypoint, self.module)
+        if not self.role.strip():
+            raise LaunchConfigError("Invalid --role '': expected a name for the workers' role")
+        if self.no_python and self.module:
+            raise LaunchConfigError("--no-python runs a command, -m a Python module: give one of them")
+        _check_entrypoint(self.entrypoint, self.module, self.no_python)
 
     @property
     def command(self) -> list[str]:
         """The worker's command line."""
+        if self.no_python:
+            return [self.entrypoint, *self.args]
         head = ["-m", self.entrypoint] if self.module else [self.entrypoint]
         return [sys.executable, *head, *self.args]
+
+    def console_streams(self, local_rank: int) -> int:
+        """The streams of ``local_rank`` shown on the console: as torchrun, those not
+        redirected, plus those teed, of the ranks the filter lets through."""
+        if self.local_ranks_filter is not None and local_rank not in self.local_ranks_filter:
+            return 0
+        return (BOTH & ~self.redirects.for_rank(local_rank)) | self.tee.for_rank(local_rank)
 
 
 def _at_least(option: str, value: int, low: int) -> None:
@@ -192,7 +221,14 @@ def _positive(option: str, value: float) -> None:
         raise LaunchConfigError(f"Invalid {option} {value}: expected a number of seconds > 0")
 
 
-def _check_entrypoint(entrypoint: str, module: bool) -> None:
+def _check_entrypoint(entrypoint: str, module: bool, no_python: bool = False) -> None:
+    if no_python:
+        if shutil.which(entrypoint) is None:
+            raise LaunchConfigError(
+                f"Command {entrypoint!r} not found or not executable (--no-python runs it "
+                "directly: give a program on PATH or a path to an executable file)"
+            )
+        return
     if not module:
         if not os.path.isfile(entrypoint):
             raise LaunchConfigError(

@@ -13,7 +13,7 @@ import os
 import re
 from typing import Mapping
 
-from ..env import RANK_PREFIX_VAR, DistEnv, launcher_environ
+from ..env import RANK_PREFIX_VAR, WATCHDOG_VAR, DistEnv, launcher_environ
 from ..errors import LaunchConfigError
 from .events import STOP_SIGNALS
 
@@ -79,6 +79,9 @@ def worker_environ(
     error_file: str,
     base: Mapping[str, str] | None = None,
     cpus: int | None = None,
+    role: str = "default",
+    rank_prefix: bool = True,
+    watchdog: float | None = None,
 ) -> dict[str, str]:
     """A worker's whole environment: ``base`` (default: this process's), the launcher
     variables of :func:`launcher_environ`, and defaults for what the user left unset.
@@ -90,7 +93,10 @@ def worker_environ(
     * ``PYTHONUNBUFFERED=1``: workers write into pipes read by the launcher, where Python
       would otherwise hold ``print`` output back in 8 KiB blocks.
 
-    And always ``PHALANX_RANK_PREFIX=1`` (see :func:`launcher_prefixes_output`).
+    And ``PHALANX_RANK_PREFIX=1`` when the launcher prefixes console lines with the rank
+    (``rank_prefix``; see :func:`~phalanx.env.launcher_prefixes_output`), and
+    ``PHALANX_WATCHDOG`` when ``watchdog`` seconds are given (``phalanx run --watchdog``: the
+    default of ``init_process_group(timeout=...)``, see :func:`~phalanx.env.watchdog_seconds`).
     """
     base = os.environ if base is None else base
     out = dict(base)
@@ -105,10 +111,15 @@ def worker_environ(
     out.update(
         launcher_environ(
             env, group_world_size=group_world_size, max_restarts=max_restarts,
-            run_id=run_id, error_file=error_file,
+            run_id=run_id, error_file=error_file, role=role,
         )
     )
-    out[RANK_PREFIX_VAR] = "1"
+    if watchdog is not None:
+        out[WATCHDOG_VAR] = f"{watchdog:g}"
+    if rank_prefix:
+        out[RANK_PREFIX_VAR] = "1"
+    else:
+        out.pop(RANK_PREFIX_VAR, None)
     return out
 
 

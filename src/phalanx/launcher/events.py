@@ -102,12 +102,18 @@ class Pump:
             self._selector.register(pipe, selectors.EVENT_READ, (worker, stream))
 
     def wait(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for output or a signal; handle what came."""
-        for key, _ in self._selector.select(max(timeout, 0.0)):
+        """Wait up to ``timeout`` seconds for output or a signal; handle what came.
+
+        The pipes of workers that have exited are read first, to the end: a failed worker's
+        last words (its traceback) come before what the others write about its absence.
+        """
+        ready = [key for key, _ in self._selector.select(max(timeout, 0.0))]
+        ready.sort(key=lambda key: key.data is not None and key.data[0].returncode is None)
+        for key in ready:
             if key.data is None:
                 self._inbox.drain_wakeups()
             else:
-                self._read(key)
+                self._read(key, until_empty=key.data[0].returncode is not None)
 
     def _read(self, key: selectors.SelectorKey, until_empty: bool = False) -> None:
         worker, stream = key.data

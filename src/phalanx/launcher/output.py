@@ -1,10 +1,9 @@
-"""Workers' output: rank-prefixed on the console, raw in log files, the stderr tail kept.
+"""Workers' output: to the console, raw in log files, the stderr tail kept; and the
+traceback that ended a worker, found in that tail or in torch elastic's error file.
 
 Every worker's stdout and stderr are pipes the launcher reads. Each chunk goes to
 
-* the console (the launcher's own stdout/stderr), every line prefixed ``[rankN]: ``;
-  a carriage return (``\\r``, how tqdm redraws its bar in place) starts a new prefixed
-  segment on the same terminal line, so a progress bar stays one updating line;
+* the console (:class:`~phalanx.launcher.console.Console`), every line prefixed ``[rankN]: ``;
 * the worker's log files under ``--log-dir``, unchanged;
 * a bounded tail of stderr, from which the failure summary takes the end of the traceback.
 """
@@ -14,111 +13,18 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from .config import STDERR, STDOUT
+from ..env import DIAGNOSIS_NAME
+from .config import STDERR
+from .console import Console
 
 # Enough stderr to hold the end of any traceback, small enough to keep per worker and to send
 # to the other nodes in a round's end record.
 _TAIL_BYTES = 64 * 1024
 # Lines of traceback the summary shows: the exception line and the frames nearest to it.
 TRACEBACK_LINES = 20
-_SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|[\r\n])?")
-
-
-# An unterminated line is held back this long for the rest of it: print() writes its
-# arguments in separate writes, which would otherwise be cut apart by another rank's line.
-# Longer-lived partial lines (a progress bar between redraws) are shown after this delay.
-PARTIAL_LINE_S = 0.2
-
-
-@dataclass
-class _Source:
-    rank: int
-    stream: int
-    mid_line: bool = False  # a prefix and some text are out, with no terminator yet
-    held: bytes = b""  # the start of a line not shown yet
-    held_since: float = 0.0
-
-
-class Console:
-    """Rank-prefixed writing of workers' output to the launcher's stdout and stderr.
-
-    Output of one worker may interleave with another's. When a worker writes while another's
-    line is unfinished (a progress bar, a prompt), that line is ended first, so no text lands
-    in the middle of another rank's line.
-
-    Args:
-        out (binary file): where workers' stdout goes.
-        err (binary file): where workers' stderr and the launcher's own messages go.
-    """
-
-    def __init__(self, out: BinaryIO, err: BinaryIO) -> None:
-        self._files = {STDOUT: out, STDERR: err}
-        self._sources: dict[tuple[int, int], _Source] = {}
-        self._owner: _Source | None = None  # the source whose line the cursor is on
-
-    def write(self, rank: int, stream: int, data: bytes) -> None:
-        """Show the complete lines of ``data`` from ``rank``'s ``stream`` (STDOUT or STDERR);
-        hold an unfinished last line back (see :meth:`flush`)."""
-        source = self._sources.setdefault((rank, stream), _Source(rank, stream))
-        data = source.held + data
-        cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1  # after the last terminator
-        if cut < len(data) and (cut or not source.held):  # a new unfinished line begins
-            source.held_since = time.monotonic()
-        source.held = data[cut:]
-        if cut:
-            self._show(source, data[:cut])
-
-    def flush(self, older_than: float = PARTIAL_LINE_S) -> None:
-        """Show the unfinished lines held back for at least ``older_than`` seconds."""
-        now = time.monotonic()
-        for source in self._sources.values():
-            if source.held and now - source.held_since >= older_than:
-                held, source.held = source.held, b""
-                self._show(source, held)
-
-    def _show(self, source: _Source, data: bytes) -> None:
-        rank, out = source.rank, self._files[source.stream]
-        for segment in _SEGMENT.findall(data):
-            if not segment:
-                continue
-            text = segment.rstrip(b"\r\n")
-            end = segment[len(text):]
-            self._take_line(source)
-            if text:
-                if not source.mid_line:
-                    prefix = b"[rank%d]: " % rank
-                    # torch's excepthook prefixes traceback lines itself once a group exists
-                    if not text.startswith(prefix.rstrip()):
-                        out.write(prefix)
-                    source.mid_line = True
-                out.write(text)
-            if end:
-                out.write(end)
-                source.mid_line = False
-                # after "\r" the cursor sits on a line that still shows this source's text
-                self._owner = source if end == b"\r" else None
-        out.flush()
-
-    def _take_line(self, source: _Source) -> None:
-        owner = self._owner
-        if owner is not None and owner is not source:
-            self._files[owner.stream].write(b"\n")
-            self._files[owner.stream].flush()
-            owner.mid_line = False
-        self._owner = source
-
-    def note(self, message: str) -> None:
-        """A message of the launcher's own, on stderr, each line prefixed ``[phalanx]``."""
-        self._take_line(_Source(-1, STDERR))
-        self._owner = None
-        err = self._files[STDERR]
-        for line in message.splitlines() or [""]:
-            err.write(f"[phalanx] {line}\n".encode())
-        err.flush()
 
 
 @dataclass
@@ -236,3 +142,15 @@ def recorded_error(path: str) -> str | None:
     if isinstance(message, dict):  # torch's ErrorHandler.record_exception writes this shape
         message = (message.get("extraInfo") or {}).get("py_callstack") or message.get("message")
     return message if isinstance(message, str) and message.strip() else None
+
+
+def read_diagnosis(error_file: str) -> tuple[str, list[int]] | None:
+    """The hang report a worker wrote beside its ``TORCHELASTIC_ERROR_FILE`` before it failed
+    (:mod:`phalanx.diagnostics.hang`): ``(report, the ranks it blames)``, or ``None``."""
+    path = os.path.join(os.path.dirname(error_file), DIAGNOSIS_NAME)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return str(data["report"]), [int(r) for r in data["culprits"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -6,7 +6,11 @@ The files, in the order data flows through them:
     Who owns which parameter: sorted-greedy by size, the same answer on every rank.
 ``optimizer.py``
     :class:`ZeroRedundancyOptimizer`: a local ``torch.optim`` optimizer over this rank's
-    parameters; ``step()`` updates them, then every owner broadcasts its parameters.
+    parameters; ``step()`` updates them, then every owner broadcasts its parameters (with
+    ``parameters_as_bucket_view``, one flat buffer per owner and device).
+``compat.py``
+    torch's arguments and methods it refuses (``overlap_with_ddp=True``, ``Join``), saying
+    what to use instead.
 ``clip.py``
     ``clip_grad_norm_`` over a gradient no rank holds whole (ZeRO stage 2): one all-reduce
     of the owners' shares of the norm.

@@ -23,10 +23,22 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..agreement import agree
+from ..diagnostics import monitor
+from ..diagnostics.monitor import watched
 from ..errors import NotInitializedError
 from . import clip as _clip
 from . import state as _state
+from .compat import (
+    NO_JOIN,
+    check_flags,
+    run_load_post_hooks,
+    run_load_pre_hooks,
+    with_state_dict_hooks,
+)
 from .partition import partition_by_size
+
+# What a ZeroRedundancyOptimizer shadows on a rank that has joined (phalanx.join): a step.
+_STEP = 1
 
 
 class ZeroRedundancyOptimizer(Optimizer):
@@ -74,6 +86,14 @@ class ZeroRedundancyOptimizer(Optimizer):
             e.g. ``torch.optim.AdamW``.
         process_group (ProcessGroup, optional): the ranks to shard across. Default ``None``:
             the default (world) group.
+        parameters_as_bucket_view (bool, optional): as in torch, the parameters of each
+            owner (per device) become views into one flat buffer (``param.data`` points into
+            it), so an owner's broadcast after ``step()`` is one collective of that buffer,
+            whatever the parameters' dtypes. Default ``False``: parameters keep their own
+            storage; large ones are broadcast one by one, small ones packed.
+        overlap_with_ddp (bool, optional): must be ``False`` (torch's default); ``True`` is
+            refused: phalanx's DDP has no communication hooks to run ``step()`` in. See
+            :meth:`~phalanx.DistributedDataParallel.shard_gradients`. Default ``False``.
         **defaults: hyper-parameters passed to ``optimizer_class`` (``lr=...``, ...).
 
     .. warning::
@@ -108,8 +128,11 @@ class ZeroRedundancyOptimizer(Optimizer):
         params: Iterable[Any],
         optimizer_class: type[Optimizer],
         process_group: dist.ProcessGroup | None = None,
+        parameters_as_bucket_view: bool = False,
+        overlap_with_ddp: bool = False,
         **defaults: Any,
     ) -> None:
+        check_flags(parameters_as_bucket_view, overlap_with_ddp)
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
             raise TypeError(
                 "optimizer_class must be a torch.optim.Optimizer subclass such as "
@@ -120,8 +143,13 @@ class ZeroRedundancyOptimizer(Optimizer):
                 "ZeroRedundancyOptimizer needs init_process_group() to have been called"
             )
         self.process_group = process_group
+        self.parameters_as_bucket_view = parameters_as_bucket_view
         self._rank = dist.get_rank(process_group)
         self._global_ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+        # torch's public attributes: ranks within the group and in the world
+        self.world_size, self.rank = len(self._global_ranks), self._rank
+        self.global_rank = self._global_ranks[self._rank]
+        self._buckets: list[tuple[torch.Tensor, int]] = []  # (flat buffer, owner's global rank)
         self._params: list[torch.Tensor] = []  # every parameter, by global index
         self._owners: list[int] = []  # owner (rank in process_group) by global index
         self._loads = [0] * len(self._global_ranks)  # bytes of parameters owned per rank
@@ -138,6 +166,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         for group, local in zip(self.param_groups, self.optim.param_groups):
             for key, value in _hyperparameters(local).items():
                 group.setdefault(key, value)
+        self._build_buckets()
+        self.initialized = True  # as torch's, once constructed
 
     @property
     def state(self) -> Any:
@@ -209,9 +239,14 @@ class ZeroRedundancyOptimizer(Optimizer):
         [local] = self._assign(self.param_groups[first:])
         self.optim.add_param_group(local)
         self._consolidated = None
+        self._build_buckets()
 
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Update this rank's parameters, then broadcast every owner's to all ranks.
+
+        Args:
+            closure (callable, optional): re-evaluates the model and returns the loss.
+            **kwargs: passed to the local optimizer's ``step()`` as they are (as in torch).
 
         Returns:
             The closure's loss, if a closure was given.
@@ -219,14 +254,57 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._consolidated = None
         for group, local in zip(self.param_groups, self.optim.param_groups):
             local.update(_hyperparameters(group))
-        loss = self.optim.step() if closure is None else self.optim.step(closure)
-        # every owner's broadcasts in flight at once, then wait for all
-        broadcasts = [comm.broadcast_async(owned, src, self.process_group)
-                      for owned, src in zip(self._by_owner, self._global_ranks)]
+        if closure is None:
+            loss = self.optim.step(**kwargs)
+        else:
+            loss = self.optim.step(closure, **kwargs)
+        diag = monitor.current()
+        shadow = None if diag is None else diag.joinable(self, _STEP)
+        with watched("ZeroRedundancyOptimizer.step", group=self.process_group, check=True,
+                     shadow=shadow):
+            self._broadcast_owned()
+        return loss
+
+    def _broadcast_owned(self) -> None:
+        """Every owner's parameters to every rank: all broadcasts in flight at once."""
+        if self._buckets:
+            broadcasts = [dist.broadcast(flat, src, self.process_group, async_op=True)
+                          for flat, src in self._buckets]
+        else:
+            broadcasts = [comm.broadcast_async(owned, src, self.process_group)
+                          for owned, src in zip(self._by_owner, self._global_ranks)]
         for broadcast in broadcasts:
             broadcast.wait()
         self._last.hold(*broadcasts)
-        return loss
+
+    # phalanx.join: a rank that has joined steps the shard it owns, with the average of the
+    # active ranks' gradients (DDP's shadow writes it into .grad), and broadcasts it.
+    def join_begin(self, join: Any) -> None:
+        """Nothing to set up."""
+
+    def join_shadow(self, action: int, verdict: Any) -> None:
+        self.optim.step()
+        self._broadcast_owned()
+
+    def join_end(self, join: Any, last: int) -> None:
+        """Nothing to sync: every step's broadcasts kept the replicas equal."""
+
+    def join_leave(self) -> None:
+        """Nothing to restore."""
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        """Refused: torch's ``Join`` (uneven inputs across ranks) is not supported."""
+        raise NotImplementedError(NO_JOIN)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Refused with :meth:`join_hook`: only torch's ``Join`` uses it."""
+        raise NotImplementedError(NO_JOIN)
+
+    @property
+    def join_process_group(self) -> Any:
+        """Refused with :meth:`join_hook`: only torch's ``Join`` uses it."""
+        raise NotImplementedError(NO_JOIN)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's shard of the state on rank ``to`` (a collective).
@@ -264,9 +342,9 @@ class ZeroRedundancyOptimizer(Optimizer):
                 f"consolidate_state_dict(to={self._rank}) on every rank after the last step() "
                 "(state is consolidated to one rank only, and a step() makes it stale)"
             )
-        return _state.pack(
+        return with_state_dict_hooks(self, lambda: _state.pack(
             self.param_groups, self._consolidated, self._params, len(self._global_ranks)
-        )
+        ))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved by :meth:`state_dict` at any world size, or by the plain
@@ -279,11 +357,26 @@ class ZeroRedundancyOptimizer(Optimizer):
             ValueError: it does not fit these parameters: group count, group sizes,
                 parameter names or shapes differ (the message names the first difference).
         """
+        state_dict = run_load_pre_hooks(self, state_dict)
         local = _state.localize(state_dict, self.param_groups, self._params, self._local_index)
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update(_hyperparameters(saved))
         self.optim.load_state_dict(local)
         self._consolidated = None
+        run_load_post_hooks(self)
+
+    def _build_buckets(self) -> None:
+        """With ``parameters_as_bucket_view``: each owner's parameters, per device, become
+        views into one flat buffer (rebuilt whole when a param group is added)."""
+        if not self.parameters_as_bucket_view:
+            return
+        self._buckets = []
+        for owned, src in zip(self._by_owner, self._global_ranks):
+            devices: dict[torch.device, list[torch.Tensor]] = {}
+            for p in owned:
+                if p.numel():
+                    devices.setdefault(p.device, []).append(p)
+            self._buckets += [(comm.pack_as_views(params), src) for params in devices.values()]
 
     def _assign(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Give ``groups``' parameters owners; return the local optimizer's groups for them."""

@@ -25,6 +25,8 @@ p.add_argument("--on-sigterm-exit", type=int, default=None,
                help="on SIGTERM/INT/HUP/USR1 exit with this code; with --grandchild, only if the "
                     "grandchild survived the signal (else exit 1 naming what killed it)")
 p.add_argument("--ignore-sigterm", type=int, default=None, metavar="RANK")
+p.add_argument("--secondary", action="store_true",
+               help="on SIGTERM, die of an exception (a secondary error, as a peer's would be)")
 p.add_argument("--grandchild", action="store_true", help="start a child sleeping 300 s")
 p.add_argument("--progress", action="store_true")
 p.add_argument("--exit-noise", action="store_true",
@@ -61,6 +63,10 @@ if args.on_sigterm_exit is not None:
         sys.exit(args.on_sigterm_exit)
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(s, _on_term)
+if args.secondary:
+    def _secondary(signum, frame):
+        raise RuntimeError(f"rank {rank}: secondary error, my peer is gone")
+    signal.signal(signal.SIGTERM, _secondary)
 if args.ignore_sigterm == rank:
     signal.signal(signal.SIGTERM, lambda *_: write(f"sigterm_at.{rank}", repr(time.time())))
 if args.exit_noise:  # what multiprocessing's resource tracker prints when a worker dies

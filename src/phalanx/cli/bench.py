@@ -1,0 +1,90 @@
+"""``phalanx bench``: phalanx's DDP against torch's DDP and a single process on one machine.
+
+Runs ``python -m phalanx.bench`` with phalanx's launcher twice: alone (the bare model and
+phalanx DDP at world size 1), then on ``--nproc-per-node`` processes (phalanx DDP and torch
+DDP, taking turns step by step on fresh models from the same seed, same data and buckets,
+Gloo). Prints a table of the median step time, the phalanx/torch step-time ratio (lower is
+better), samples/s, scaling efficiency against the single process and exposed communication
+(step time minus the step time under no_sync), warns when the machine was busy, and writes
+bench.png and bench.json under ``--out``. ``--comm-hook`` registers a compression hook on
+both DDPs (phalanx's own on phalanx's, torch's of that name on torch's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from ..bench.options import add_comm_hook_option  # no torch
+from .text import add_manual_parser
+
+
+def add_bench(commands: argparse._SubParsersAction) -> None:
+    parser = add_manual_parser(
+        commands, "bench", "phalanx DDP vs torch DDP vs one process, side by side", __doc__)
+    add = parser.add_argument
+    add("--model", nargs="+", default=["mlp"], choices=("cnn", "mlp"),
+        help="mlp: 10.5M parameters; cnn: 0.29M with BatchNorm (default mlp)")
+    add("--nproc-per-node", "--nproc_per_node", "--nproc", type=int, default=2, metavar="N",
+        help="processes for the DDP runs, as in phalanx run (default 2)")
+    add("--bucket-mb", "--bucket_mb", type=float, default=None,
+        help="bucket cap in MiB for both DDPs (default: theirs, 25 MiB with a 1 MiB first bucket)")
+    add_comm_hook_option(add)
+    add("--steps", type=int, default=10, help="timed steps per repeat (default 10)")
+    add("--repeats", type=int, default=3, help="fresh models per implementation (default 3)")
+    add("--warmup", type=int, default=3, help="untimed steps per repeat (default 3)")
+    add("--batch-size", "--batch_size", type=int, default=64, help="per process (default 64)")
+    add("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    add("--out", default="runs/bench", help="bench.png and bench.json go here (default runs/bench)")
+    add("--no-plot", action="store_true", help="skip the PNG chart (no matplotlib needed)")
+    parser.set_defaults(handler=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    # no torch here: the timing runs in the launched processes
+    from ..bench import report as bench_report
+    from ..bench.ranks import RanksFailed, launch_ranks
+    from ..launcher.environment import usable_cpus
+
+    nproc = args.nproc_per_node
+    if nproc < 1:
+        print(f"phalanx bench: error: --nproc-per-node must be at least 1, got {nproc}",
+              file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    common = ["--models", *args.model, "--repeats", str(args.repeats), "--steps", str(args.steps),
+              "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
+              "--threads", str(args.threads)]
+    if args.bucket_mb is not None:
+        common += ["--bucket-cap-mb", str(args.bucket_mb)]
+    common += ["--comm-hook", args.comm_hook]
+    results = {}
+    # the 1-minute load average at the end of each run (no sampling thread: the launcher
+    # forks its guardian and workers, which wants a process without threads)
+    loads = [os.getloadavg()[0]]
+    for name, n, impls in (("alone", 1, ("bare", "phalanx")), ("ddp", nproc, ("phalanx", "torch"))):
+        print(f"phalanx bench: {'/'.join(impls)} on {n} process(es)...", file=sys.stderr, flush=True)
+        try:
+            results[name] = launch_ranks("phalanx.bench", n, (*common, "--impls", *impls), module=True)
+        except RanksFailed as e:
+            print(f"phalanx bench: the {name} run failed (exit status {e.status})", file=sys.stderr)
+            return e.status
+        loads.append(os.getloadavg()[0])
+    rows = bench_report.ddp_rows(results["alone"], results["ddp"])
+    busy = bench_report.busy_warning(max(loads), usable_cpus())
+    settings = {k: v for k, v in vars(args).items() if k != "handler"}
+    (out / "bench.json").write_text(json.dumps(
+        {"rows": rows, "settings": settings, "peak_load": max(loads)}, indent=2))
+    print(f"\n{nproc} processes, Gloo, {args.threads} thread(s) and batch {args.batch_size} "
+          f"per process, bucket cap {args.bucket_mb or 'default'}, comm hook {args.comm_hook}\n")
+    print(bench_report.format_table(rows))
+    print(f"\n{bench_report.LEGEND}")
+    if busy:
+        print(f"\nwarning: {busy}")
+    if not args.no_plot:
+        print(f"\nchart: {bench_report.plot(rows, out / 'bench.png')}")
+    return 0
