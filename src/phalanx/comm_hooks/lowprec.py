@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..comm import all_gather_tensor
 from ..ddp.comm_hook import GradBucket, PhasedHook, Phases
 
 # An fp32 scale travels in the first two 16-bit slots of each chunk (4 bytes = 2 x 2 bytes).
@@ -70,7 +71,7 @@ def average_16bit(flat: torch.Tensor, dtype: torch.dtype, group: dist.ProcessGro
     out = torch.empty(HEADER + length, dtype=dtype, device=flat.device)
     _encode(mine, out, dtype)
     gathered = torch.empty(world * (HEADER + length), dtype=dtype, device=flat.device)
-    yield dist.all_gather_single(gathered, out, group=group, async_op=True)
+    yield all_gather_tensor(gathered, out, group=group, async_op=True)
     gathered = gathered.view(world, HEADER + length)
     for r, (row, scale) in enumerate(zip(rows, _scales(gathered).tolist())):
         row.copy_(gathered[r, HEADER : HEADER + row.numel()])
