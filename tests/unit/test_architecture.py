@@ -29,7 +29,7 @@ ALLOWED = {
     "sync_batchnorm": {"diagnostics"},
     "ddp": {"comm", "agreement", "errors", "_logging", "diagnostics", "uneven"},
     "zero": {"comm", "agreement", "errors", "diagnostics"},
-    "comm_hooks": {"comm", "ddp"},
+    "comm_hooks": {"comm", "ddp", "diagnostics"},
     "checkpoint": {"comm", "agreement", "process_group", "errors", "_logging", "ddp",
                    "diagnostics"},
     "launcher": {"env", "errors", "_logging"},

@@ -13,6 +13,12 @@ Both compose with phalanx's or torch's DDP (whose gradient averaging they switch
 or with a plain module (whose parameters and buffers they broadcast from rank 0 first).
 Floating-point buffers (BatchNorm statistics) are averaged at each meeting too.
 
+Each meeting (and a plain module's first broadcast) starts with a sync point of
+:mod:`phalanx.diagnostics` and is one record of the collective log: ranks that reach it at
+different steps raise :class:`~phalanx.errors.CollectiveMismatchError` instead of averaging
+mismatched tensors. Inside ``phalanx.join`` a rank that has joined cannot take part in a
+meeting (its stale parameters would pull the average): it raises a ``UsageError`` there.
+
 Their :meth:`state_dict` is this rank's: the step count, the optimizer's state (momentum
 differs between ranks), the parameters between meetings, and DiLoCo's outer state; give
 the object to :class:`~phalanx.Checkpointer` as ``comm_state=`` and a resumed run
@@ -30,6 +36,7 @@ from torch import nn
 
 from .. import comm
 from ..ddp.comm_hook import run_phases
+from ..diagnostics.monitor import watched
 from .lowprec import DTYPES, average_16bit
 
 
@@ -77,7 +84,8 @@ class _Periodic:
         else:  # the replicas start equal, as under DDP
             with torch.no_grad():
                 tensors = list(self.module.parameters()) + list(self.module.buffers())
-                comm.broadcast_tensors(tensors, src=_rank_zero(self.group), group=self.group)
+                with watched(f"{type(self).__name__} initial broadcast", tensors, self.group, check=True):
+                    comm.broadcast_tensors(tensors, src=_rank_zero(self.group), group=self.group)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """``optimizer.step(closure)``; every ``every``-th call, then the ranks meet."""
@@ -90,10 +98,11 @@ class _Periodic:
     @torch.no_grad()
     def synchronize(self) -> None:
         """Meet now (a collective): the periodic averaging, also outside the schedule."""
-        self._meet()
         buffers = [b for b in self.module.buffers() if b.is_floating_point()]
-        for tensors in _flats(buffers).values():
-            _unflatten(average_(torch.cat([t.reshape(-1) for t in tensors]), self.group), tensors)
+        with watched(f"{type(self).__name__} meeting", self.params + buffers, self.group, check=True):
+            self._meet()
+            for tensors in _flats(buffers).values():
+                _unflatten(average_(torch.cat([t.reshape(-1) for t in tensors]), self.group), tensors)
 
     def _meet(self) -> None:
         raise NotImplementedError
