@@ -30,6 +30,19 @@ launched, every unfinished phased hook advances by one phase (waiting for its pe
 collective), and the end of the backward finishes them in bucket order. Where a phase ends
 therefore depends on the bucket sequence alone, the same on every rank.
 
+**Diagnostics** (:mod:`phalanx.diagnostics`): each bucket is one record of the collective log,
+``DDP bucket k via <hook>``, from its launch to the end of its hook's work; the hook's own
+collectives are not recorded one by one. A hook's collective that hangs or loses a peer
+raises the hang report for its bucket, as the plain all-reduce does.
+
+**Uneven inputs** (:mod:`phalanx.uneven`): a rank that has joined runs the hook on a bucket of
+zeros for every bucket the others announce, as torch's join does; the hook divides as it
+always does (torch's and phalanx's hooks: by the group's size, whatever
+``divide_by_initial_world_size`` says, as in torch). Inside a join every rank runs each
+bucket's hook to its end before the next bucket is announced, so that the hooks' collectives
+come in the same order on the joined ranks and the active ones (the hooks then no longer
+overlap the backward).
+
 **Refused**: a hook with ZeRO stage 2 (buckets reduced to their owner, not averaged),
 with sparse gradients (phalanx all-reduces them outside the buckets), registered twice or
 after a forward. With one process no reducer exists and the hook never runs. A pickled
@@ -169,16 +182,20 @@ def run_phases(phases: Phases) -> Any:
 
 
 class HookWork:
-    """The reducer's handle on one hooked bucket: :meth:`wait` leaves the average in its buffer."""
+    """The reducer's handle on one hooked bucket: :meth:`wait` leaves the average in its buffer
+    (waiting again does nothing)."""
 
-    __slots__ = ("_comm", "_b", "_grads", "_tail", "future", "running")
+    __slots__ = ("_comm", "_b", "_grads", "_tail", "_done", "future", "running")
 
     def __init__(self, comm: HookComm, b: int, grads: torch.Tensor, tail: dist.Work | None) -> None:
         self._comm, self._b, self._grads, self._tail = comm, b, grads, tail
+        self._done = False
         self.future: torch.futures.Future | None = None
         self.running: _Running | None = None
 
     def wait(self) -> bool:
+        if self._done:
+            return True
         if self._tail is not None:
             self._tail.wait()
         if self.running is not None:
@@ -187,6 +204,7 @@ class HookWork:
         else:
             result = self.future.wait()
         self._comm.write(self._b, self._grads, result)
+        self._done = True
         return True
 
 
@@ -206,6 +224,8 @@ class HookComm:
         self.group = group
         self.divisor = 1  # the buffer holds this rank's gradients as they are: the hook averages
         self._state, self._hook = state, hook
+        # how the collective log names each bucket's collectives (the same on every rank)
+        self.label = f" via {hook_label(hook)}"
         self._phases = getattr(hook, "phases", None) if isinstance(hook, PhasedHook) else None
         self._serial = self._phases is None and not is_call_time_hook(hook)
         self._numels = [spec.numel for spec in plan]
@@ -304,6 +324,11 @@ def check_hook(hook: Any) -> None:
                         f"takes {inspect.signature(hook)}") from None
     except ValueError:
         pass  # no signature to inspect (a builtin): it will tell when called
+
+
+def hook_label(hook: Any) -> str:
+    """The hook's name, the same in every process (no address, unlike some reprs)."""
+    return getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or type(hook).__name__
 
 
 def _name(hook: Any) -> str:

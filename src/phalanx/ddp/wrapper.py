@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..errors import UsageError
 from .._logging import get_logger
 from ..diagnostics import syncpoint
+from ..errors import UsageError
 from ..uneven import Join
 from . import joining
 from .bucket_comm import AllReduceMean, ReduceToOwner
@@ -299,6 +299,7 @@ class DistributedDataParallel(nn.Module):
             sparse_params=[named[i] for i in sparse],
         )
         self._reducer.on_backward_done = self._check.backward_done
+        self._reducer.join_index = self._join_index  # rebuilt inside a join: still in it
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._device is not None:
