@@ -79,6 +79,7 @@ def _module(name: str, module) -> list[str]:
     for member in module.__all__:
         obj = getattr(module, member)
         if not callable(obj):
+            out.append(f"- `{member} = {obj!r}`")
             continue
         kind = "class " if inspect.isclass(obj) else ""
         summary = " ".join(_first_paragraph(obj).split())
