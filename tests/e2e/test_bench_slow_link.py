@@ -50,7 +50,9 @@ def test_compression_reaches_the_uncompressed_accuracy(tmp_path):
     if netns:
         assert _link_namespaces() == []
         plain = rows["phalanx"]["MB sent/step"]
-        assert 1.16 < plain < 1.5  # 0.29M fp32 gradients, and TCP/IP's headers
+        # the digits CNN's 151,498 fp32 gradients (0.606 MB; 2 ranks: a ring all-reduce sends
+        # each rank's whole buffer once), and TCP/IP's headers
+        assert 0.6 < plain < 0.75
         assert 0.45 < rows["phalanx-fp16"]["MB sent/step"] / plain < 0.55
         assert 0.45 < rows["phalanx-bf16"]["MB sent/step"] / plain < 0.55
         assert rows["phalanx-powersgd"]["MB sent/step"] / plain < 0.15
