@@ -15,6 +15,8 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 BEHAVE = str(SCRIPTS / "behave.py")
 TRAIN = str(SCRIPTS / "train_tiny.py")
 ROOT = Path(__file__).resolve().parents[2]
+# The job secret the launchers of several nodes share in these tests (PHALANX_JOB_SECRET).
+SECRET = "phalanx-tests-job-secret-0123456789"
 
 
 @dataclass
@@ -26,7 +28,8 @@ class Finished:
 
 
 def base_env(**extra: str | None) -> dict[str, str]:
-    """This environment, without launcher variables a test runner may carry, plus ``extra``."""
+    """This environment, without launcher variables a test runner may carry, plus ``extra``
+    (``PHALANX_JOB_SECRET`` among the variables dropped: pass it when a test needs it)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TORCHELASTIC_", "PET_", "PHALANX_")) and k not in (
                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -38,6 +41,11 @@ def base_env(**extra: str | None) -> dict[str, str]:
         else:
             env[key] = value
     return env
+
+
+def node_env(**extra: str | None) -> dict[str, str]:
+    """:func:`base_env` with the tests' job secret, for launchers of several nodes."""
+    return base_env(PHALANX_JOB_SECRET=SECRET, **extra)
 
 
 def phalanx_cmd(*args: str) -> list[str]:

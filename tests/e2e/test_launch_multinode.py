@@ -21,8 +21,8 @@ import torch
 from tests.e2e.launch_helpers import (
     BEHAVE,
     TRAIN,
-    base_env,
     finish,
+    node_env,
     phalanx_cmd,
     run,
     start,
@@ -46,7 +46,7 @@ def _two_nodes(addr, port, nprocs, outs, wrap=(None, None), envs=(None, None)):
         cmd = phalanx_cmd("--nnodes", "2", "--node-rank", str(node), "--master-addr", addr,
                           "--master-port", str(port), "--nproc-per-node", str(nprocs[node]),
                           "--rdzv-timeout", "120", TRAIN, *outs[node])
-        procs.append(start((wrap[node] or []) + cmd, envs[node]))
+        procs.append(start((wrap[node] or []) + cmd, envs[node] or node_env()))
     return [finish(p, timeout=240) for p in reversed(procs)]
 
 
@@ -109,7 +109,7 @@ def test_two_nodes_in_network_namespaces_equal_one_node(tmp_path, reference):
         (ns0, dev0, addr0), (ns1, dev1, _) = nodes
         # Gloo picks its interface from the hostname, which resolves to loopback here; on a
         # real cluster one sets GLOO_SOCKET_IFNAME (or NCCL_SOCKET_IFNAME) the same way.
-        envs = (base_env(GLOO_SOCKET_IFNAME=dev0), base_env(GLOO_SOCKET_IFNAME=dev1))
+        envs = (node_env(GLOO_SOCKET_IFNAME=dev0), node_env(GLOO_SOCKET_IFNAME=dev1))
         # node 0 runs 1 worker, node 1 runs 3: the nodes agree on rank offsets 0 and 1
         node0, node1 = _two_nodes(
             addr0, 29500, (1, 3),
@@ -133,7 +133,7 @@ def _behaving_nodes(tmp_path, *worker_args, opts=()):
     port = str(free_port())
     return [start(phalanx_cmd("--nnodes", "2", "--node-rank", str(node), "--master-addr",
                               "127.0.0.1", "--master-port", port, *opts, BEHAVE,
-                              "--record", str(tmp_path), *worker_args))
+                              "--record", str(tmp_path), *worker_args), node_env())
             for node in (0, 1)]
 
 
@@ -174,7 +174,7 @@ def test_launchers_started_with_different_options_both_refuse(tmp_path):
     port = str(free_port())
     procs = [start(phalanx_cmd("--nnodes", "2", "--node-rank", str(node), "--master-addr",
                                "127.0.0.1", "--master-port", port, "--max-restarts", str(node),
-                               BEHAVE, "--record", str(tmp_path)))
+                               BEHAVE, "--record", str(tmp_path)), node_env())
              for node in (0, 1)]
     for res in [finish(p, timeout=60) for p in procs]:
         assert res.code == 1, res.err

@@ -84,6 +84,7 @@ import sys
 from ..errors import LaunchConfigError, RendezvousError
 from ..launcher import LaunchConfig, StreamChoice, launch, resolve_nproc
 from ..launcher.config import (
+    resolve_secret,
     DEFAULT_MASTER_ADDR,
     DEFAULT_MASTER_PORT,
     DEFAULT_MONITOR_INTERVAL,
@@ -102,8 +103,10 @@ def add_run(commands: argparse._SubParsersAction) -> None:
     add = parser.add_argument
     add("--nproc-per-node", "--nproc_per_node", "--nproc", default="1", metavar="N|auto|cpu|gpu",
         help="workers on this node (default 1)")
-    add("--nnodes", default="1", metavar="N", help="number of nodes (default 1; torchrun's N:N too)")
-    add("--node-rank", "--node_rank", type=int, default=None, help="this node's rank (default 0)")
+    add("--nnodes", default="1", metavar="N|MIN:MAX",
+        help="number of nodes (default 1); MIN:MAX: elastic, from MIN to MAX nodes")
+    add("--node-rank", "--node_rank", type=int, default=None,
+        help="this node's rank (default 0; elastic or c10d: numbered as the nodes join)")
     add("--master-addr", "--master_addr", default=None,
         help=f"node 0's address (default {DEFAULT_MASTER_ADDR})")
     add("--master-port", "--master_port", type=int, default=None,
@@ -117,6 +120,9 @@ def add_run(commands: argparse._SubParsersAction) -> None:
         default=DEFAULT_SHUTDOWN_TIMEOUT, help="seconds from SIGTERM to SIGKILL (default %(default)s)")
     add("--rdzv-timeout", "--rdzv_timeout", type=float, default=None,
         help=f"seconds to wait for the master and the other nodes (default {DEFAULT_RDZV_TIMEOUT:g})")
+    add("--job-secret-file", default=None, metavar="PATH",
+        help="several nodes: the job secret, in a file only you may read (mode 0600); "
+             "default: PHALANX_JOB_SECRET")
     add("--rdzv-id", "--rdzv_id", "--run-id", "--run_id", default="",
         help="the job's id, TORCHELASTIC_RUN_ID (default: drawn at random)")
     add("--log-dir", "--log_dir", default=None,
@@ -147,13 +153,13 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                 "(without it every stream goes to the console)"
             )
     torchrun.check_accepted(args)
-    nnodes = torchrun.parse_nnodes(args.nnodes)
+    min_nnodes, nnodes = torchrun.parse_nnodes(args.nnodes)
     settings = {
         "master_addr": args.master_addr or DEFAULT_MASTER_ADDR,
         "master_port": DEFAULT_MASTER_PORT if args.master_port is None else args.master_port,
         "standalone": args.standalone,
         "rdzv_timeout": DEFAULT_RDZV_TIMEOUT if args.rdzv_timeout is None else args.rdzv_timeout,
-        **torchrun.rendezvous(args, nnodes),
+        **torchrun.rendezvous(args),
     }
     return LaunchConfig(
         entrypoint=args.script,
@@ -161,7 +167,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         module=args.module,
         nproc_per_node=resolve_nproc(args.nproc_per_node),
         nnodes=nnodes,
-        node_rank=args.node_rank or 0,
+        min_nnodes=min_nnodes,
+        node_rank=torchrun.node_rank(args, (min_nnodes, nnodes)),
+        job_secret=resolve_secret(args.job_secret_file),
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
         shutdown_timeout=args.shutdown_timeout,

@@ -13,7 +13,7 @@ import os
 import re
 from typing import Mapping
 
-from ..env import RANK_PREFIX_VAR, DistEnv, launcher_environ
+from ..env import JOB_SECRET_VAR, RANK_PREFIX_VAR, DistEnv, launcher_environ
 from ..errors import LaunchConfigError
 from .events import STOP_SIGNALS
 
@@ -93,10 +93,12 @@ def worker_environ(
       would otherwise hold ``print`` output back in 8 KiB blocks.
 
     And ``PHALANX_RANK_PREFIX=1`` when the launcher prefixes console lines with the rank
-    (``rank_prefix``; see :func:`~phalanx.env.launcher_prefixes_output`).
+    (``rank_prefix``; see :func:`~phalanx.env.launcher_prefixes_output`). The job secret
+    (``PHALANX_JOB_SECRET``) is left out: workers reach the store through their launcher.
     """
     base = os.environ if base is None else base
     out = dict(base)
+    out.pop(JOB_SECRET_VAR, None)
     defaults = {
         "OMP_NUM_THREADS": str(default_omp_threads(env.local_world_size, cpus)),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
