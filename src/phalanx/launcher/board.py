@@ -132,8 +132,12 @@ class NodeBoard:
                 layout = self._layout(decision)
                 if layout is not None:
                     return layout
-                self._note(f"round {latest} has no place for {self.me.label()} (--nnodes "
-                           f"{self._options()['nnodes']}); waiting for one")
+                if previous is not None:
+                    self._note(f"round {latest} has no place for {self.me.label()} (--nnodes "
+                               f"{self._options()['nnodes']}); waiting for one")
+                elif expect == 0:
+                    self._note(f"the job runs round {latest}: {self.me.label()} joins at a "
+                               "later one")
                 expect = int(latest) + 1
             refusal = self._s.read(f"refused/{self.me.id}")
             if refusal is not None:
