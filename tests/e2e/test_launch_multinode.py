@@ -8,12 +8,7 @@ stores must use the master address, and node 0's stores must listen on it alone)
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import shutil
 import signal
-import subprocess
 
 import pytest
 import torch
@@ -21,6 +16,8 @@ import torch
 from tests.e2e.launch_helpers import (
     BEHAVE,
     TRAIN,
+    listening_addresses,
+    veth_namespaces,
     finish,
     node_env,
     phalanx_cmd,
@@ -67,65 +64,30 @@ def test_two_nodes_on_loopback_equal_one_node(tmp_path, reference):
     _assert_same(torch.load(out), reference)
 
 
-@contextlib.contextmanager
-def _veth_namespaces():
-    """Two network namespaces joined by a veth pair: (ns, interface, address) for each."""
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    if shutil.which("ip") is None:
-        pytest.skip("the `ip` command (iproute2) is not installed")
-    tag = os.getpid() % 100000
-    names = [f"phx{tag}a", f"phx{tag}b"]
-    nodes = [(names[0], f"vphx{tag}a", "10.213.0.1"), (names[1], f"vphx{tag}b", "10.213.0.2")]
-
-    def ip(*args):
-        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-    created = []
-    try:
-        for ns in names:
-            try:
-                ip("netns", "add", ns)
-            except subprocess.CalledProcessError as e:
-                if not created:  # root, but not allowed to (no CAP_SYS_ADMIN, say)
-                    pytest.skip(f"cannot create a network namespace: {e.stderr.strip()}")
-                raise
-            created.append(ns)
-        ip("link", "add", nodes[0][1], "type", "veth", "peer", "name", nodes[1][1])
-        for ns, dev, addr in nodes:
-            ip("link", "set", dev, "netns", ns)
-            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            ip("-n", ns, "link", "set", dev, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-        yield nodes
-    finally:
-        for ns in created:  # deleting a namespace deletes its end of the veth pair
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
 def test_two_nodes_in_network_namespaces_equal_one_node(tmp_path, reference):
-    out, listeners = tmp_path / "params.pt", tmp_path / "listeners.json"
-    with _veth_namespaces() as nodes:
-        (ns0, dev0, addr0), (ns1, dev1, _) = nodes
+    out, listeners = tmp_path / "params.pt", tmp_path / "listeners"
+    with veth_namespaces() as nodes:
+        (ns0, dev0, addr0), (ns1, dev1, addr1) = nodes
         # Gloo picks its interface from the hostname, which resolves to loopback here; on a
         # real cluster one sets GLOO_SOCKET_IFNAME (or NCCL_SOCKET_IFNAME) the same way.
         envs = (node_env(GLOO_SOCKET_IFNAME=dev0), node_env(GLOO_SOCKET_IFNAME=dev1))
         # node 0 runs 1 worker, node 1 runs 3: the nodes agree on rank offsets 0 and 1
         node0, node1 = _two_nodes(
             addr0, 29500, (1, 3),
-            (["--out", str(out), "--listeners", str(listeners)], ["--out", str(tmp_path / "x")]),
+            (["--out", str(out), "--listeners", str(listeners)],
+             ["--out", str(tmp_path / "x"), "--listeners", str(listeners)]),
             wrap=(["ip", "netns", "exec", ns0], ["ip", "netns", "exec", ns1]), envs=envs,
         )
     assert node0.code == 0 and node1.code == 0, node0.err + node1.err
     assert "[rank0]: rank 0/4" in node0.out
     assert all(f"[rank{r}]: rank {r}/4" in node1.out for r in (1, 2, 3))
     _assert_same(torch.load(out), reference)
-    # node 0's launcher (rendezvous store, workers' store socket) and its store host listen
-    # on the master address only, never on every interface
-    found = json.loads(listeners.read_text())
-    assert len(found) == 2 and all(found.values()), found
-    assert {addr for addrs in found.values() for addr in addrs} == {addr0}, found
-
+    # `ss -ltn` in each namespace while the job ran: no wildcard listener; node 0's gate on
+    # the master address, Gloo on each node's own address, the rest on loopback
+    for rank, addr in ((0, addr0), (1, addr1)):
+        found = listening_addresses((tmp_path / f"listeners.rank{rank}").read_text())
+        assert found and {a for a, _ in found} <= {addr, "127.0.0.1"}, found
+    assert (addr0, 29500) in listening_addresses((tmp_path / "listeners.rank0").read_text())
 
 
 def _behaving_nodes(tmp_path, *worker_args, opts=()):

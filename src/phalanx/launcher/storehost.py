@@ -126,6 +126,10 @@ def main() -> None:
         elif order == "linger":
             linger = int(args[0])
     if linger is not None:
+        # Whoever reads the launcher's output (a terminal, a pipe, a test) must not wait for
+        # this process: it lets go of the launcher's stderr before it lingers.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
         _linger(rdzv, linger)
     os._exit(0)  # the doors' threads go with it
 
