@@ -81,20 +81,20 @@ def _ss(ns: str) -> list[tuple[str, int]]:
 
 def test_a_node_lost_then_back_in_network_namespaces(tmp_path):
     """--nnodes 1:2, 2 nodes x 1 rank: node 1's launcher is SIGKILLed mid-training, node 0
-    goes on alone from the last checkpoint; node 1 started again is let in and the job ends
-    at world size 2, every sample trained once."""
+    goes on alone from the last checkpoint; node 1 started again (without --node-rank) is
+    let in and the job ends at world size 2, every sample trained once."""
     ckpt = tmp_path / "ckpt"
     with veth_namespaces() as nodes:
         (ns0, dev0, addr0), (ns1, dev1, _) = nodes
 
-        def node(rank: int, ns: str, dev: str):
-            cmd = phalanx_cmd("--nnodes", "1:2", "--node-rank", str(rank), "--master-addr", addr0,
-                              "--master-port", "29500", "--rdzv-timeout", "60", "--rdzv-conf",
+        def node(ns: str, dev: str, *rank: str):
+            cmd = phalanx_cmd("--nnodes", "1:2", *rank, "--master-addr", addr0, "--master-port",
+                              "29500", "--rdzv-timeout", "60", "--rdzv-conf",
                               "last_call_timeout=10", SCRIPT, "--dir", str(ckpt),
                               "--global-batch", "8", "--step-delay", "0.25")
             return start(in_namespace(ns, cmd), node_env(GLOO_SOCKET_IFNAME=dev))
 
-        node0, node1 = node(0, ns0, dev0), node(1, ns1, dev1)
+        node0, node1 = node(ns0, dev0, "--node-rank", "0"), node(ns1, dev1, "--node-rank", "1")
         # a step after the checkpoint of step 5: steps 6.. are lost with node 1
         _wait_for(lambda: 7 in _steps_of_round(ckpt, 0), "step 7 at world size 2")
         node1.send_signal(signal.SIGKILL)
@@ -102,7 +102,8 @@ def test_a_node_lost_then_back_in_network_namespaces(tmp_path):
         finish(node1)
         _wait_for(lambda: _steps_of_round(ckpt, 1), "node 0 training alone")
         alone = time.monotonic() - killed
-        node1 = node(1, ns1, dev1)
+        print(f"from node 1's SIGKILL to node 0's first step alone: {alone:.1f} s")
+        node1 = node(ns1, dev1)  # the same command; elastic numbers it as it joins
         _wait_for(lambda: _steps_of_round(ckpt, 2), "node 1 back in")
         listeners = {ns: _ss(ns) for ns in (ns0, ns1)}
         results = [finish(node0, timeout=180), finish(node1, timeout=180)]

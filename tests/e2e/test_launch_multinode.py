@@ -15,7 +15,9 @@ import torch
 
 from tests.e2e.launch_helpers import (
     BEHAVE,
+    SECRET,
     TRAIN,
+    base_env,
     listening_addresses,
     veth_namespaces,
     finish,
@@ -142,3 +144,42 @@ def test_launchers_started_with_different_options_both_refuse(tmp_path):
         assert res.code == 1, res.err
         assert "disagree on --max-restarts: node 0 has 0, node 1 has 1" in res.err
     assert not (tmp_path / "attempts.log").exists()  # no worker started anywhere
+
+
+def test_a_node_rank_held_by_a_live_launcher_is_refused_a_replacement_is_let_in(tmp_path):
+    """--nnodes 2 (fixed): a second launcher with node 1's rank is refused while node 1 runs,
+    one with another secret too (exit 2); once node 1's launcher is killed, the same command
+    again takes its place at the next round, with no restart used."""
+    port, record = str(free_port()), tmp_path / "record"
+    record.mkdir()
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET + "\n")
+    secret_file.chmod(0o600)
+
+    def node(rank: int, env: dict | None = None):
+        return start(phalanx_cmd("--nnodes", "2", "--node-rank", str(rank), "--master-addr",
+                                 "127.0.0.1", "--master-port", port, "--rdzv-timeout", "60",
+                                 "--job-secret-file", str(secret_file), BEHAVE, "--record",
+                                 str(record), "--first-sleep", "60", "--on-sigterm-exit", "0"),
+                     env or base_env())
+
+    node0, node1 = node(0), node(1)
+    wait_for_files([record / "pid.0", record / "pid.1"])
+    twin = finish(node(1), timeout=60)
+    assert twin.code == 1, twin.err
+    assert f"Node rank 1 is already taken at 127.0.0.1:{port} by the launcher on" in twin.err
+    stranger = finish(start(phalanx_cmd(
+        "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", port,
+        BEHAVE, "--record", str(record)), base_env(PHALANX_JOB_SECRET="not-this-jobs-secret-42")))
+    assert stranger.code == 2, stranger.err
+    assert (f"Node 1: node 0's launcher at 127.0.0.1:{port} refused this node's job secret"
+            in stranger.err)
+    node1.send_signal(signal.SIGKILL)
+    finish(node1)
+    replacement = finish(node(1), timeout=120)
+    first = finish(node0, timeout=60)
+    assert first.code == 0 and replacement.code == 0, first.err + replacement.err
+    assert "left: the nodes meet again (no restart used)" in first.err
+    assert "round 1: 2 node(s)" in first.err
+    assert sorted((record / "attempts.log").read_text().splitlines()) == [
+        "attempt 0 rank 0", "attempt 0 rank 1", "attempt 1 rank 0", "attempt 1 rank 1"]

@@ -74,19 +74,20 @@ class Agent:
 
     def run(self) -> int:
         """All rounds; returns the launcher's exit status."""
-        last, restarts = self.config.max_restarts, 0
+        last, restarts, changed = self.config.max_restarts, 0, True
         while True:
             layout = self.board.next_round(self.layout, restarts)
             if isinstance(layout, RoundEnd):  # the job ended while this node waited for a place
                 return self._ended_without_us(layout)
-            self._begin(layout)
-            restarts = layout.restarts
+            self._begin(layout, changed)
+            restarts, changed = layout.restarts, False
             record, workers = self._round(layout.round)
             lost = self.board.lost_in(layout.round) if record.kind == "failed" else []
             if record.kind == "membership" or lost:
                 why = record.detail or f"{', '.join(lost)} lost ({record.who()} failed)"
                 self.console.note(f"{why}: the nodes meet again (no restart used)")
                 self._release(record)
+                changed = True
                 continue
             if not self._restarts(record, restarts):
                 status = self._finish(record, workers, restarts)
@@ -102,13 +103,13 @@ class Agent:
             self._release(record)
             restarts += 1
 
-    def _begin(self, layout: Layout) -> None:
-        """Take this node's place in a new round; say so when the nodes changed."""
-        before, self.layout = self.layout, layout
+    def _begin(self, layout: Layout, changed: bool) -> None:
+        """Take this node's place in a new round; say where when the nodes changed."""
+        self.layout = layout
         if self._log_dir is None and self.config.log_dir is not None:
             self._log_dir = _run_log_dir(self.config.log_dir, layout.run_id)
             self.console.note(f"worker logs: {self._log_dir}")
-        if self.board.multi and (before is None or before.members != layout.members):
+        if self.board.multi and changed:
             self.console.note(
                 f"round {layout.round}: {layout.nnodes} node(s) ({', '.join(layout.members)}), "
                 f"world size {layout.world_size}; this is node {layout.node_rank}, ranks "
