@@ -64,7 +64,6 @@ class Agent:
         # the file the frames of the worker's own traceback name (a module's: found by its frames)
         self._entry = None if config.module else os.path.abspath(config.entrypoint)
         self._host = socket.gethostname()
-        self._checked_out = False
         self._log_dir = None
 
     @property
@@ -120,13 +119,9 @@ class Agent:
         if record.kind == "lost":
             raise RendezvousError(record.detail)
         self.console.note(f"the job ended ({record.kind}) before this node had a place in it")
-        if record.kind == "succeeded":
-            return 0
-        if record.kind == "preempted":
-            return PREEMPTED_EXIT_CODE
-        if record.kind == "signal":
-            return 128 + signal.Signals[record.signal]
-        return shell_status(record.returncode)
+        if record.kind in ("succeeded", "preempted"):
+            return 0 if record.kind == "succeeded" else PREEMPTED_EXIT_CODE
+        return 128 + signal.Signals[record.signal] if record.signal else shell_status(record.returncode)
 
     def _release(self, record: RoundEnd) -> None:
         """Show what the other workers wrote after the failure (held back by :meth:`_round`)."""
@@ -139,11 +134,6 @@ class Agent:
     def _restarts(self, record: RoundEnd, restarts: int) -> bool:
         return (record.kind == "failed" and restarts < self.config.max_restarts
                 and self.inbox.pending_stop() is None)
-
-    def _check_out(self) -> None:
-        if not self._checked_out:
-            self._checked_out = True
-            self.board.check_out()
 
     def _round(self, round_: int) -> tuple[RoundEnd, list[Worker]]:
         # Several nodes: node 0 opened the round's store before it published the round.
@@ -276,7 +266,7 @@ class Agent:
             self.store.close_round()
 
     def _finish(self, record: RoundEnd, workers: list[Worker], round_: int) -> int:
-        self._check_out()
+        self.board.check_out()  # node 0 may be gone by now: fine
         kind = record.kind
         if kind == "succeeded":
             if round_ > 0:
