@@ -4,7 +4,8 @@
 --ddp torch:   only torch.distributed and torch's DistributedDataParallel (torchrun-style).
 --fail-once-rank R: rank R exits 3 after the first step of attempt 0 (restart tests).
 --listeners FILE: each rank writes FILE.rankR: `ss -ltnH`, the listening TCP sockets of its
-                  network namespace, while every process of the job runs.
+                  network namespace, while every process of the job runs; and
+                  FILE.launcher.rankR: the addresses its launcher and store helper listen on.
 """
 
 import argparse
@@ -50,11 +51,19 @@ if rank == 0:
     state = {k.removeprefix("module."): v for k, v in model.state_dict().items()}
     torch.save({"state": state, "world": world, "attempt": attempt}, args.out)
 if args.listeners:
+    import json
     import subprocess
+
+    import psutil
 
     ss = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True, check=True).stdout
     with open(f"{args.listeners}.rank{rank}", "w") as f:
         f.write(ss)
+    launcher = psutil.Process(os.getppid())
+    helpers = [c for c in launcher.children() if "phalanx.launcher.storehost" in c.cmdline()]
+    with open(f"{args.listeners}.launcher.rank{rank}", "w") as f:
+        json.dump([c.laddr[0] for proc in [launcher, *helpers]
+                   for c in proc.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN], f)
 print(f"rank {rank}/{world} attempt {attempt} trained", flush=True)
 dist.barrier()
 dist.destroy_process_group()
