@@ -26,7 +26,10 @@ import torch.distributed as dist
 from . import env as _env
 from ._logging import get_logger
 from .errors import (
-    AlreadyInitializedError, EnvironmentConfigError, NotInitializedError, RendezvousError,
+    AlreadyInitializedError,
+    EnvironmentConfigError,
+    NotInitializedError,
+    RendezvousError,
 )
 from .gate import ranks
 from .gate.handshake import Refused

@@ -18,13 +18,13 @@ from tests.e2e.launch_helpers import (
     SECRET,
     TRAIN,
     base_env,
-    listening_addresses,
-    veth_namespaces,
     finish,
+    listening_addresses,
     node_env,
     phalanx_cmd,
     run,
     start,
+    veth_namespaces,
     wait_for_files,
 )
 from tests.harness import free_port

@@ -1,7 +1,14 @@
 """The benchmark table's arithmetic, on hand-made step times."""
 
 from phalanx.bench.report import (
-    COLUMNS, LEGEND, RATIO, STEP, busy_warning, ddp_rows, format_table, paired_ratio,
+    COLUMNS,
+    LEGEND,
+    RATIO,
+    STEP,
+    busy_warning,
+    ddp_rows,
+    format_table,
+    paired_ratio,
 )
 
 

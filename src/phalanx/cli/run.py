@@ -41,7 +41,7 @@ keeps the global batch).
 **Replacing a node.** A launcher started again with the same command (and ``--node-rank``, or
 none under elastic) takes the place of one that is gone, at the next round; with a fixed
 ``--nnodes N`` node 0 waits up to ``--rdzv-timeout`` for it. A launcher claiming the rank of a
-node that still runs is refused. Node 0 itself, which hosts the store, cannot be replaced:
+node that still runs, or whose loss is not noticed yet, is refused. Node 0 itself, which hosts the store, cannot be replaced:
 when it goes, the job ends (the others exit 1, "lost the rendezvous store").
 
 **End of the job.** When every worker of every node has exited 0, every launcher exits 0:
@@ -118,12 +118,12 @@ import sys
 from ..errors import LaunchConfigError, RendezvousError
 from ..launcher import LaunchConfig, StreamChoice, launch, resolve_nproc
 from ..launcher.config import (
-    resolve_secret,
     DEFAULT_MASTER_ADDR,
     DEFAULT_MASTER_PORT,
     DEFAULT_MONITOR_INTERVAL,
     DEFAULT_RDZV_TIMEOUT,
     DEFAULT_SHUTDOWN_TIMEOUT,
+    resolve_secret,
 )
 from . import torchrun
 from .text import add_manual_parser

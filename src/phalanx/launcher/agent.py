@@ -37,14 +37,14 @@ import time
 
 from ..env import DistEnv
 from ..errors import PREEMPTED_EXIT_CODE, RendezvousError
+from .board import LeaderBoard
 from .config import STDERR, STDOUT, LaunchConfig
+from .console import Console
 from .environment import worker_environ
 from .events import FORWARD_SIGNALS, STOP_SIGNALS, Pump, SignalInbox
-from .outcome import RoundEnd
-from .console import Console
-from .output import WorkerOutput, recorded_error, traceback_tail
 from .membership import Layout
-from .board import LeaderBoard
+from .outcome import RoundEnd
+from .output import WorkerOutput, recorded_error, traceback_tail
 from .rendezvous import Interrupted, meet
 from .workers import Guardian, Worker, describe_exit, first_failure, shell_status, spawn
 

@@ -15,7 +15,16 @@ from typing import Callable
 from ..errors import RendezvousError
 from .config import LaunchConfig
 from .membership import (
-    CHECKED_OUT, GONE_COUNT, POLL_S, Layout, Node, Store, _ACK_WAIT_S, _key, gone_key, layout_for,
+    ACK_WAIT_S,
+    CHECKED_OUT,
+    GONE_COUNT,
+    POLL_S,
+    Layout,
+    Node,
+    Store,
+    _key,
+    gone_key,
+    layout_for,
 )
 from .outcome import RoundEnd
 
@@ -255,8 +264,10 @@ class LeaderBoard(NodeBoard):
         """Decide the next round's nodes (see the module docstring), open the workers' store
         and publish the decision; return node 0's layout in it."""
         round_ = 0 if previous is None else previous.round + 1
-        before = self.members
-        deadline, last_call = time.monotonic() + self._timeout, None
+        before, ids = self.members, {n.id for n in self.members}
+        # the nodes of the round before may take their --shutdown-timeout to stop their workers
+        deadline = time.monotonic() + self._timeout + self._config.shutdown_timeout
+        last_call = None
         while True:
             self._raise_if()
             self._review()
@@ -265,7 +276,7 @@ class LeaderBoard(NodeBoard):
             unready = [n for n in staying if not n.leader
                        and not self._s.check([_key(round_, f"ready/{n.id}")])]
             newcomers = sorted((n for n in self._known.values()
-                                if n.id not in gone and n not in before), key=Node.order)
+                                if n.id not in gone and n.id not in ids), key=Node.order)
             ready = [n for n in staying if n not in unready] + newcomers
             if not unready and len(ready) >= self._config.min_nnodes:
                 if before or len(ready) >= self._config.nnodes:
@@ -307,8 +318,8 @@ class LeaderBoard(NodeBoard):
         left = [n.label() for n in self.members if n.id in gone]
         if left:
             return RoundEnd("membership", detail=f"{', '.join(left)} left")
-        waiting = [n.label() for n in self._known.values()
-                   if n.id not in gone and n not in self.members]
+        members = {n.id for n in self.members}
+        waiting = [n.label() for n in self._known.values() if n.id not in gone | members]
         if waiting and len(self.members) < self._config.nnodes:
             return RoundEnd("membership", detail=f"{', '.join(waiting)} joined")
         return None
@@ -317,7 +328,7 @@ class LeaderBoard(NodeBoard):
         """Node 0 is never lost: the store would go with it."""
 
     def lost_in(self, round_: int) -> list[str]:
-        deadline = time.monotonic() + _ACK_WAIT_S
+        deadline = time.monotonic() + ACK_WAIT_S
         while True:
             gone = self._gone_ids()
             silent = [n for n in self.members if not n.leader and n.id not in gone

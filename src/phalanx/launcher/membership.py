@@ -23,23 +23,20 @@ newcomers by ``--node-rank`` and arrival. Nodes left out wait for a later round.
 round the leader ends it (``membership``) when one of its nodes is gone, or when a newcomer
 waits and the round has fewer than MAX nodes; every node stops its workers and meets again.
 When a worker fails, every node acknowledges; the leader waits for each node's
-acknowledgement or its ``gone`` mark (at most :data:`_ACK_WAIT_S`) and publishes who is
+acknowledgement or its ``gone`` mark (at most :data:`ACK_WAIT_S`) and publishes who is
 lost: a failure with nodes lost is a membership change too, and uses no restart.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import socket
-import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import RendezvousError
 from .config import LaunchConfig
-from .outcome import RoundEnd
 
 # Keys written by node 0's gate (phalanx.launcher.storehost) and read here.
 GONE_COUNT = "gone"
@@ -50,7 +47,7 @@ POLL_S = 0.05
 # After a failure, how long the leader waits for a node that neither acknowledges nor is
 # marked gone: a live launcher acknowledges within its --monitor-interval; a dead machine is
 # marked gone within ~11 s (phalanx.gate.listen.DEAD_PEER_S). Past this, it is taken as lost.
-_ACK_WAIT_S = 15.0
+ACK_WAIT_S = 15.0
 
 
 def gone_key(node_id: str) -> str:

@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import select
 import socket
-import subprocess
 import sys
 import time
 import uuid

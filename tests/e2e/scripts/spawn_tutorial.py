@@ -18,7 +18,9 @@ import torch.nn as nn
 import torch.optim as optim
 
 import phalanx as dist  # was: import torch.distributed as dist
-from phalanx import DistributedDataParallel as DDP  # was: from torch.nn.parallel import ...
+from phalanx import (
+    DistributedDataParallel as DDP,  # was: from torch.nn.parallel import ...
+)
 
 PORT, CHECKPOINT_DIR = sys.argv[1], sys.argv[2]
 
