@@ -84,20 +84,19 @@ def cnn() -> nn.Module:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tuple[float, float]:
-    """Loss and accuracy over the whole test set: each rank sums its own, then all-reduce."""
+    """Loss and accuracy over the whole test set, each sample counted once: every rank sums its
+    own shard (uneven, maybe empty: pad=False), then one all-reduce adds the sums."""
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        logits = model(x)
-        totals += torch.stack([
-            F.cross_entropy(logits, y, reduction="sum").double(),
-            (logits.argmax(1) == y).sum().double(),
-            torch.tensor(float(len(y)), dtype=torch.float64, device=device),
-        ])
-    dist.all_reduce(totals)
+    sums = phalanx.MetricSum("loss", "correct", "samples")
+    with torch.no_grad():
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            logits = model(x)
+            sums.add(loss=F.cross_entropy(logits, y, reduction="sum"),
+                     correct=(logits.argmax(1) == y).sum(), samples=len(y))
+    totals = sums.compute()
     model.train()
-    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+    return totals["loss"] / totals["samples"], totals["correct"] / totals["samples"]
 
 
 def stretch(scheduler, total_steps: int) -> None:

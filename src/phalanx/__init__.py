@@ -15,9 +15,13 @@ from .env import DistEnv
 from .errors import (
     AlreadyInitializedError,
     CheckpointError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    EarlyTerminationError,
     EnvironmentConfigError,
     NotInitializedError,
     PhalanxError,
+    RankExitedError,
     RankMismatchError,
     RendezvousError,
     UnusedParametersError,
@@ -47,6 +51,10 @@ _LAZY = {
     "is_initialized": "process_group",
     "DistributedSampler": "sampler",
     "SyncBatchNorm": "sync_batchnorm",
+    "Join": "uneven",
+    "join": "uneven",
+    "MetricSum": "metrics",
+    "straggler_report": "diagnostics",
     "ZeroRedundancyOptimizer": "zero",
 }
 
@@ -54,6 +62,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .batch import accumulation_steps
     from .checkpoint import Checkpointer, PreemptionHandler, TrainingState
     from .ddp import DistributedDataParallel
+    from .diagnostics import straggler_report
+    from .metrics import MetricSum
     from .process_group import (
         barrier,
         destroy_process_group,
@@ -67,15 +77,17 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     )
     from .sampler import DistributedSampler
     from .sync_batchnorm import SyncBatchNorm
+    from .uneven import Join, join
     from .zero import ZeroRedundancyOptimizer
 
 
 # torch.distributed's own collectives and types, reachable as phalanx.X so that
 # `import phalanx as dist` replaces `import torch.distributed as dist` in a script: phalanx
-# writes no collective of its own, every one of these *is* torch's.
+# writes no collective of its own, every one of these is torch's; the group collectives are
+# checked across ranks and recorded first (phalanx.diagnostics.collectives).
 _FROM_TORCH_DISTRIBUTED = frozenset({
     "Backend", "GroupMember", "P2POp", "ProcessGroup", "ReduceOp", "Work",
-    "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
+    "all_gather", "all_gather_into_tensor", "all_gather_object", "all_gather_single", "all_reduce", "all_to_all",
     "all_to_all_single", "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather",
     "gather_object", "get_backend", "get_global_rank", "get_group_rank",
     "get_process_group_ranks", "irecv", "is_available", "is_gloo_available",
@@ -87,6 +99,9 @@ _FROM_TORCH_DISTRIBUTED = frozenset({
 
 def __getattr__(name: str):
     if name in _FROM_TORCH_DISTRIBUTED:
+        collectives = import_module(".diagnostics.collectives", __name__)
+        if name in collectives.CHECKED:  # checked and recorded first (phalanx.diagnostics)
+            return collectives.checked(name)
         return getattr(import_module("torch.distributed"), name)
     module = _LAZY.get(name)
     if module is None:
@@ -102,13 +117,19 @@ __all__ = [
     "AlreadyInitializedError",
     "CheckpointError",
     "Checkpointer",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "DistEnv",
+    "Join",
+    "MetricSum",
     "DistributedDataParallel",
     "DistributedSampler",
+    "EarlyTerminationError",
     "EnvironmentConfigError",
     "NotInitializedError",
     "PhalanxError",
     "PreemptionHandler",
+    "RankExitedError",
     "RankMismatchError",
     "RendezvousError",
     "SyncBatchNorm",
@@ -126,4 +147,6 @@ __all__ = [
     "get_world_size",
     "init_process_group",
     "is_initialized",
+    "join",
+    "straggler_report",
 ]

@@ -195,3 +195,8 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# torch 2.13 deprecates all_gather_into_tensor (a FutureWarning at every call) for
+# all_gather_single, which torch 2.10, the oldest phalanx supports, does not have.
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

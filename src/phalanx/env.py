@@ -285,3 +285,36 @@ def launcher_prefixes_output(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``phalanx run`` prefixes this process's output lines with its rank."""
     environ = os.environ if environ is None else environ
     return environ.get(RANK_PREFIX_VAR) == "1"
+
+
+# The hang report's file name, beside a worker's TORCHELASTIC_ERROR_FILE.
+DIAGNOSIS_NAME = "diagnosis.json"
+
+
+def diagnosis_file(environ: Mapping[str, str] | None = None) -> str | None:
+    """Where a worker writes a hang report for its launcher: beside torch elastic's error file
+    (``TORCHELASTIC_ERROR_FILE``, which ``phalanx run`` and torchrun set per worker), or
+    ``None`` without a launcher."""
+    environ = os.environ if environ is None else environ
+    error_file = environ.get("TORCHELASTIC_ERROR_FILE")
+    return os.path.join(os.path.dirname(error_file), DIAGNOSIS_NAME) if error_file else None
+
+
+# Set by `phalanx run --watchdog S`: the seconds a collective may wait before the hang report,
+# the default of init_process_group(timeout=...).
+WATCHDOG_VAR = "PHALANX_WATCHDOG"
+
+
+def watchdog_seconds(environ: Mapping[str, str] | None = None) -> float | None:
+    """The watchdog limit ``phalanx run --watchdog`` gave this worker, or ``None``."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(WATCHDOG_VAR)
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise EnvironmentConfigError(f"{WATCHDOG_VAR}={raw!r} must be a number of seconds > 0")
+    return seconds

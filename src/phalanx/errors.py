@@ -57,6 +57,36 @@ class UnusedParametersError(PhalanxError, RuntimeError):
     """Parameters received no gradient while ``find_unused_parameters=False``."""
 
 
+class CollectiveMismatchError(PhalanxError, RuntimeError):
+    """Ranks issued different collectives (op, dtype, shape or group) at the same point.
+
+    Raised on every rank at a sync point, before the mismatched payloads are sent, naming the
+    first collective that differs and the line each rank issued it from.
+    """
+
+
+class CollectiveTimeoutError(PhalanxError, RuntimeError):
+    """A collective waited past the watchdog limit (the process group's timeout).
+
+    The message is the hang report: the ranks that never arrived (``culprits``) and where every
+    rank is. Raised on every rank: a late rank outside any collective is interrupted.
+    """
+
+    def __init__(self, message: str, culprits: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.culprits = list(culprits or [])
+
+
+class RankExitedError(CollectiveTimeoutError):
+    """A rank left the job (exited, crashed, was killed) while others waited in a collective
+    with it; ``culprits`` are the ranks that left."""
+
+
+class EarlyTerminationError(PhalanxError, RuntimeError):
+    """A rank ran out of inputs inside ``join(throw_on_early_termination=True)``: raised on
+    every rank, naming the ranks that had joined (torch raises a ``RuntimeError`` there)."""
+
+
 class CheckpointError(PhalanxError, RuntimeError):
     """A checkpoint is missing, damaged, unsafe or does not fit the objects it is loaded into."""
 

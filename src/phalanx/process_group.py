@@ -25,6 +25,10 @@ import torch.distributed as dist
 
 from . import env as _env
 from ._logging import get_logger
+from .diagnostics import monitor, syncpoint
+from .diagnostics.log import call_site
+from .diagnostics.monitor import Diagnostics
+from .diagnostics.straggler import DEFAULT_EVERY
 from .errors import (
     AlreadyInitializedError,
     EnvironmentConfigError,
@@ -73,9 +77,11 @@ def _uses_cuda(backend: str) -> bool:
     return "nccl" in backend or backend == "xccl"
 
 
-def _default_timeout(backend: str) -> timedelta:
-    # torch's own defaults: 10 minutes for NCCL, 30 minutes otherwise.
-    return timedelta(minutes=10) if backend == "nccl" else timedelta(minutes=30)
+# The watchdog limit: how long a collective may wait before every rank reports where it is
+# (phalanx.diagnostics.hang). torch waits 30 minutes (10 with NCCL) before saying anything;
+# 5 minutes is long against any step or checkpoint write a rank may wait for, and short
+# against a job's hours.
+DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 
 def _make_store(env: _env.DistEnv, timeout: timedelta) -> dist.Store:
@@ -161,6 +167,9 @@ def init_process_group(
     group_name: str = "",
     pg_options: Any | None = None,
     device_id: torch.device | int | None = None,
+    *,
+    diagnostics: bool = True,
+    straggler_every: int = DEFAULT_EVERY,
 ) -> _env.DistEnv:
     """Join the job: create the default process group and pin this process's device.
 
@@ -186,6 +195,10 @@ def init_process_group(
         store: a ready c10d store to meet in (then ``init_method`` must be ``None``).
         group_name, pg_options, device_id: passed to torch unchanged; ``device_id`` defaults
             to ``cuda:LOCAL_RANK`` with NCCL.
+        diagnostics (bool, keyword-only): check that the ranks issue the same collectives,
+            report hangs and stragglers (:mod:`phalanx.diagnostics`). Default ``True``.
+        straggler_every (int, keyword-only): synchronising DDP steps between straggler
+            reports; ``0`` for none. Default ``200``.
 
     Returns:
         The :class:`~phalanx.env.DistEnv` this process joined with.
@@ -212,7 +225,8 @@ def init_process_group(
     found = _env.for_arguments(rank, world_size)
     backend = _resolve_backend(backend, found)
     if timeout is None:
-        timeout = _default_timeout(backend)
+        seconds = _env.watchdog_seconds()
+        timeout = DEFAULT_TIMEOUT if seconds is None else timedelta(seconds=seconds)
     # Without a launcher there is no local rank to pin: a script passing rank= itself picks its
     # device itself (torch's mp.spawn tutorial calls torch.cuda.set_device(rank)), as with torch.
     if _uses_cuda(backend) and torch.cuda.is_available() and found.source != "arguments":
@@ -238,7 +252,23 @@ def init_process_group(
         pg_options=pg_options,
         device_id=device_id,
     )
+    if diagnostics:
+        _start_diagnostics(backend, timeout, store, straggler_every)
     return found
+
+
+def _start_diagnostics(backend: str, timeout: timedelta, store: dist.Store | None,
+                       straggler_every: int) -> None:
+    if dist.get_world_size() == 1:
+        return
+    if store is None:  # torch made it from init_method
+        store = dist.distributed_c10d._get_default_store()
+    check_group = dist.new_group(backend="gloo") if "nccl" in backend else None
+    monitor.install(Diagnostics(store, timeout.total_seconds(), _env.diagnosis_file(),
+                                check_group=check_group, straggler_every=straggler_every))
+
+
+diagnostics = monitor.current
 
 
 # torch 2.13's Gloo threads may still owe a finished collective its clean-up, which takes the
@@ -250,9 +280,12 @@ _GLOO_SETTLE_S = 0.05
 
 def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
     """Leave the job (or destroy ``group``). A no-op when nothing is initialised."""
-    if dist.is_initialized():
-        time.sleep(_GLOO_SETTLE_S)  # releases the GIL: see _GLOO_SETTLE_S
-        dist.destroy_process_group(group)
+    if not dist.is_initialized():
+        return
+    if group is None:
+        monitor.uninstall()
+    time.sleep(_GLOO_SETTLE_S)  # releases the GIL: see _GLOO_SETTLE_S
+    dist.destroy_process_group(group)
 
 
 def is_initialized() -> bool:
@@ -302,4 +335,10 @@ def barrier(
         raise NotInitializedError("barrier() needs init_process_group() to have been called")
     if device_ids is None and dist.get_backend(group) == "nccl":
         device_ids = [torch.cuda.current_device()]
-    return dist.barrier(group, async_op=async_op, device_ids=device_ids)
+    diag = diagnostics()
+    if diag is None or dist.get_world_size(group) == 1:
+        return dist.barrier(group, async_op=async_op, device_ids=device_ids)
+    site = call_site(2)
+    diag.sync_point("barrier", group, site=site, announce=(syncpoint.BARRIER,))
+    with diag.collective("barrier", (), group, site, announced=True):
+        return dist.barrier(group, async_op=async_op, device_ids=device_ids)

@@ -29,6 +29,9 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .diagnostics import syncpoint
+from .diagnostics.monitor import watched
+
 # What convert_sync_batchnorm replaces: every BatchNorm, as torch's does (BatchNorm1d/2d/3d,
 # their subclasses, and torch's own SyncBatchNorm, so a script already converted with torch's
 # switches by changing its import).
@@ -67,6 +70,11 @@ def _local_moments(x: torch.Tensor, local: int) -> tuple[torch.Tensor, torch.Ten
     return shift.flatten().double() + d / local, q - d * d / local
 
 
+def _sum_shadow(sums: torch.Tensor) -> tuple[int, ...]:
+    """A rank that has joined (phalanx.join) adds zeros: count 0, the others' statistics exact."""
+    return syncpoint.tensor_shadow(syncpoint.ALL_REDUCE, sums, syncpoint.REDUCE_OPS.index("SUM"))
+
+
 def _global_stats(x: torch.Tensor, eps: float, group: dist.ProcessGroup | None):
     """Mean, biased variance, 1/std (float64, per channel) and count of the global batch.
 
@@ -79,7 +87,8 @@ def _global_stats(x: torch.Tensor, eps: float, group: dist.ProcessGroup | None):
         sums = torch.cat([mean * local, m2 + mean * mean * local, mean.new_full((1,), local)])
     else:
         sums = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)
-    dist.all_reduce(sums, group=group)
+    with watched("SyncBatchNorm forward", (sums,), group, shadow=_sum_shadow(sums)):
+        dist.all_reduce(sums, group=group)
     count = int(sums[-1].item())
     if count == 1:
         raise ValueError(
@@ -126,7 +135,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         grad_x = None
         if need_x:
             sums = torch.cat([sum_dy, sum_dy_xmu]).double()
-            dist.all_reduce(sums, group=ctx.group)
+            with watched("SyncBatchNorm backward", (sums,), ctx.group, shadow=_sum_shadow(sums)):
+                dist.all_reduce(sums, group=ctx.group)
             grad_x = _input_grad(dy, xmu, weight, invstd, sums / max(ctx.count, 1))
             grad_x = grad_x.to(ctx.x_dtype)
         return grad_x, grad_weight, grad_bias, None, None, None, None

@@ -54,7 +54,8 @@ def _record(model: nn.Module, bucket_cap_mb: float, rank: int, steps: int = 2, *
     original = dist.all_reduce
 
     def recording_all_reduce(tensor, *args, **kwargs):
-        events.append(("launch", buffers.index(tensor.data_ptr())))
+        if tensor.data_ptr() in buffers:  # a bucket (not the forward's diagnostics check)
+            events.append(("launch", buffers.index(tensor.data_ptr())))
         return original(tensor, *args, **kwargs)
 
     dist.all_reduce = recording_all_reduce

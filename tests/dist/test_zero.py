@@ -475,9 +475,9 @@ def test_errors_name_what_is_wrong():
         assert "call ddp.shard_gradients(zero) on every rank" in errors["overlap"]
         assert errors["flag"] == "TypeError: parameters_as_bucket_view must be a bool, got str 'yes'"
         assert errors["join"] == errors["join_device"] == errors["join_group"] == (
-            "NotImplementedError: ZeroRedundancyOptimizer does not support torch's Join (uneven "
-            "inputs across ranks), as phalanx's DDP does not: give every rank the same number of "
-            "batches, e.g. with phalanx.DistributedSampler (padding, or drop_last=True)")
+            "NotImplementedError: ZeroRedundancyOptimizer joins phalanx's join, not torch's Join: "
+            "for uneven inputs use `with phalanx.join(model, optimizer):` "
+            "(phalanx.Join([model, optimizer]))")
         assert errors["not_dict"] == ("TypeError: state_dict must be a dict as returned by "
                                       "ZeroRedundancyOptimizer.state_dict(), got list")
         assert errors["keys"].startswith("ValueError: state_dict lacks ['param_groups']")

@@ -17,6 +17,7 @@ import pytest
 from phalanx.errors import PREEMPTED_EXIT_CODE
 from tests.e2e.launch_helpers import (
     BEHAVE,
+    SCRIPTS,
     alive,
     finish,
     phalanx_cmd,
@@ -233,3 +234,15 @@ def test_log_dir_files_redirects_and_filters_per_rank(tmp_path):
     assert (second / "attempt_0" / "rank1.stdout.log").read_text().endswith("worker 1 done\n")
     assert (first / "attempt_0" / "rank0.stdout.log").read_text() == out0
     assert again.out.splitlines() == ["worker 1 attempt 0 ready", "worker 1 done"]
+
+
+def test_a_hang_names_the_late_rank_as_the_root_cause():
+    res = run(phalanx_cmd("--standalone", "--nproc-per-node", "2", "--watchdog", "5",
+                          "--shutdown-timeout", "5", str(SCRIPTS / "hang.py")), timeout=60)
+    assert res.code == 1, res.err
+    assert res.seconds < 30, res.seconds  # the 5 s limit, the report, the shutdown
+    assert "root cause: rank(s) 1, named by the hang report" in res.err, res.err
+    assert "the hang report:" in res.err
+    assert "Late: rank(s) 1 never reached it" in res.err
+    assert "hang.py:12 in <module>; in #2 check before barrier (hang.py:12)" in res.err
+    assert "rank 1 (" in res.err and "at hang.py:14 in <module>; never reached #2" in res.err

@@ -149,3 +149,42 @@ def test_a_failing_write_leaves_no_temporary_and_keeps_the_previous(tmp_path):
         cf.write_checkpoint(path, {"x": Unsaveable()})
     assert os.listdir(tmp_path) == [path.name]
     assert path.read_bytes() == before
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs (needs root; skipped otherwise), unmounted afterwards."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    where = tmp_path / "small"
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], capture_output=True)
+
+
+def test_a_full_disk_is_named_and_the_previous_checkpoint_stays(small_disk):
+    from phalanx import Checkpointer
+
+    model = torch.nn.Linear(8, 8)
+    ckpt = Checkpointer(small_disk, model)
+    first = ckpt.save(0, 1)
+    before = first.read_bytes()
+    model.weight = torch.nn.Parameter(torch.zeros(256, 1024))  # 1 MiB: more than the disk
+    with pytest.raises(phalanx.CheckpointError) as caught:
+        ckpt.save(0, 2)
+    message = str(caught.value)
+    assert message.startswith(f"Cannot write checkpoint {small_disk}/ckpt-000000000002.ckpt: "
+                              "no space left on device (errno 28) after "), message
+    assert "bytes free of 262144 on that file system" in message
+    assert "inline_container" not in message
+    assert first.read_bytes() == before
+    assert sorted(os.listdir(small_disk)) == [first.name]  # no temporary left behind

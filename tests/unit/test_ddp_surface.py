@@ -43,8 +43,9 @@ def test_the_audit_names_every_public_item_of_torchs_ddp():
     # every refused attribute has its message in the wrapper, and the audit says so
     refused = {name for name, verdict in rows.items() if verdict == "refused"}
     assert set(TORCH_ONLY_ATTRIBUTES) <= refused
-    for name in ("register_comm_hook", "_register_builtin_comm_hook", "join", "join_hook"):
+    for name in ("register_comm_hook", "_register_builtin_comm_hook"):
         assert rows[name] == "coming", name
+    assert rows["join"] == "supported" and rows["join_hook"] == "refused"
 
 
 def test_no_process_group_is_a_value_error_as_in_torch():

@@ -26,9 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ddp import DistributedDataParallel
+from ..diagnostics import monitor
 from .ranks import RESULT_FLAG, serve
 
-IMPLEMENTATIONS = ("bare", "phalanx", "torch")
+# "phalanx-nodiag": phalanx's DDP with its diagnostics switched off during its steps, to
+# measure what the always-on checks cost (benchmarks/bench_diagnostics.py).
+IMPLEMENTATIONS = ("bare", "phalanx", "torch", "phalanx-nodiag")
 
 
 def mlp(width: int = 2048, depth: int = 3, inputs: int = 1024, classes: int = 10) -> nn.Module:
@@ -69,7 +72,7 @@ def build(model: str, impl: str, bucket_cap_mb: float | None = None, seed: int =
         raise ValueError(f"impl must be one of {', '.join(IMPLEMENTATIONS)}, got {impl!r}")
     torch.manual_seed(seed)
     net = MODELS[model][0]()
-    if impl == "phalanx":
+    if impl in ("phalanx", "phalanx-nodiag"):
         return DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb)
     if impl == "torch":
         return torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb)
@@ -79,13 +82,26 @@ def build(model: str, impl: str, bucket_cap_mb: float | None = None, seed: int =
 class Trainer:
     """One implementation's model, optimizer and batch; :meth:`step` times one training step."""
 
-    def __init__(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def __init__(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+                 diagnostics: bool = True) -> None:
         self.net = net
         self.opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
         self.batch = batch
+        self.diagnostics = diagnostics
 
     def step(self, sync: bool = True) -> float:
-        """Seconds for zero_grad, forward, loss, backward, optimizer step (``sync=False``: in ``no_sync()``)."""
+        """Seconds for zero_grad, forward, loss, backward, optimizer step (``sync=False``: in
+        ``no_sync()``), with this process's diagnostics on or off as the trainer says."""
+        diag = monitor.current() if not self.diagnostics else None
+        if diag is not None:
+            diag.enabled = False
+        try:
+            return self._step(sync)
+        finally:
+            if diag is not None:
+                diag.enabled = True
+
+    def _step(self, sync: bool) -> float:
         x, y = self.batch
         start = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
@@ -121,7 +137,8 @@ def compare(
     out: dict[str, dict[str, list[float]]] = {impl: {"sync": [], "no_sync": []} for impl in impls}
     modes = ["sync", "no_sync"] if with_no_sync else ["sync"]
     for _ in range(repeats):
-        trainers = {impl: Trainer(build(model, impl, bucket_cap_mb), batch) for impl in impls}
+        trainers = {impl: Trainer(build(model, impl, bucket_cap_mb), batch, impl != "phalanx-nodiag")
+                    for impl in impls}
         for trainer in trainers.values():
             for _ in range(warmup):
                 trainer.step()

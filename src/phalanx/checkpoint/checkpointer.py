@@ -51,6 +51,8 @@ import torch.distributed as dist
 from .. import comm, process_group
 from .._logging import get_logger
 from ..agreement import agree
+from ..diagnostics import monitor
+from ..diagnostics.monitor import watched
 from ..errors import CheckpointError, RankMismatchError
 from .file import (
     checkpoint_name,
@@ -85,6 +87,8 @@ DAMAGED_SUFFIX = ".damaged"
 # Layout of the saved dict; the file format around it has its own version.
 STATE_VERSION = 1
 _OPTIONAL = ("optimizer", "scheduler", "scaler", "sampler")
+# What a Checkpointer shadows on a rank that has joined (phalanx.join): a save.
+_SAVE = 1
 
 
 @dataclass(frozen=True)
@@ -225,18 +229,40 @@ class Checkpointer:
         _check_count("step", step)
         if extra is not None and not isinstance(extra, Mapping):
             raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
+        diag = monitor.current()
+        shadow = None if diag is None else diag.joinable(self, _SAVE, epoch, step)
+        with watched("Checkpointer.save", group=self.group, check=True, shadow=shadow):
+            return self._save(epoch, step, consumed, extra)
+
+    def _save(self, epoch: int, step: int, consumed: int | None, extra: Mapping | None) -> Path:
+        writer = _writer()
         if hasattr(self.optimizer, "consolidate_state_dict"):
-            self.optimizer.consolidate_state_dict(to=0)
-        gathered = gather_to_writer((epoch, step, capture_rng_state()), self.group)
+            self.optimizer.consolidate_state_dict(to=writer)
+        gathered = gather_to_writer((epoch, step, capture_rng_state()), self.group, writer)
         path = self.directory / checkpoint_name(step)
         error = None
         if gathered is not None:
             try:
                 self._write(path, gathered, consumed, dict(extra or {}))
             except Exception as e:
-                error = as_shared(e, f"Saving checkpoint {path} failed on rank 0: ", SAVE_ERRORS)
-        agree(f"Saving checkpoint {path}", self.group, problem=error, decided_by=0, keep=self._last)
+                error = as_shared(e, f"Saving checkpoint {path} failed on rank {writer}: ", SAVE_ERRORS)
+        agree(f"Saving checkpoint {path}", self.group, problem=error, decided_by=writer, keep=self._last)
         return path
+
+    # phalanx.join: a rank that has joined takes part in the others' saves (the highest active
+    # rank writes: its model is current; a joined rank's may be stale).
+    def join_begin(self, join: Any) -> None:
+        """Nothing to set up."""
+
+    def join_shadow(self, action: int, verdict: Any) -> None:
+        epoch, step = verdict.announce[3:5]
+        self._save(epoch, step, None, None)
+
+    def join_end(self, join: Any, last: int) -> None:
+        """Nothing to sync."""
+
+    def join_leave(self) -> None:
+        """Nothing to restore."""
 
     def _write(self, path: Path, gathered: list, consumed: int | None, extra: dict) -> None:
         epoch, step, _ = gathered[0]
@@ -299,13 +325,14 @@ class Checkpointer:
         mine = None
         if is_writer(self.group):
             mine = [str(p) for p in reversed(self.checkpoints())] if auto else [os.fspath(resume)]
-        candidates = broadcast_from_writer(mine, self.group)
-        if not candidates:
-            _log0.info("no checkpoint in %s: starting fresh", self.directory)
-            return None
-        state, path = self._read_first_usable([Path(c) for c in candidates], auto)
-        _, problem = attempt(self._apply, state, path)
-        agree(f"Loading {path}", self.group, problem=problem)
+        with watched("Checkpointer.load", group=self.group, check=True):
+            candidates = broadcast_from_writer(mine, self.group)
+            if not candidates:
+                _log0.info("no checkpoint in %s: starting fresh", self.directory)
+                return None
+            state, path = self._read_first_usable([Path(c) for c in candidates], auto)
+            _, problem = attempt(self._apply, state, path)
+            agree(f"Loading {path}", self.group, problem=problem)
         return TrainingState(epoch=state["epoch"], step=state["step"], path=path,
                              world_size=state["world_size"], extra=state["extra"])
 
@@ -374,6 +401,12 @@ class Checkpointer:
         else:
             _log.info("checkpoint %s was saved by %d ranks: rank %d keeps its own RNG state",
                       path, len(saved), rank)
+
+
+def _writer() -> int:
+    """Who writes: rank 0, or while ranks have joined (phalanx.join) the highest still active."""
+    diag = monitor.current()
+    return 0 if diag is None or diag.join is None else diag.join.authoritative()
 
 
 def _check_count(name: str, value: Any) -> None:

@@ -30,6 +30,7 @@ import mmap
 import os
 import pickle
 import re
+import shutil
 import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -142,6 +143,7 @@ def write_checkpoint(path: str | os.PathLike, state: Any) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
     f = open(tmp, "xb")  # exclusive creation: never another writer's file
+    writer = None
     try:
         with f, ThreadPoolExecutor(1) as pool:
             # Held until the file is closed: tells clean_stale_temps this writer is alive.
@@ -154,11 +156,38 @@ def write_checkpoint(path: str | os.PathLike, state: Any) -> int:
             f.flush()
             os.fsync(f.fileno())
             os.replace(tmp, path)  # still open and locked: no cleaner can take it meanwhile
-    except BaseException:
+    except BaseException as e:
         _remove(tmp)
-        raise
+        disk = _os_error(e)
+        if disk is None:
+            raise
+        written = HEADER_SIZE + (writer.size if writer is not None else 0)
+        raise CheckpointError(
+            f"Cannot write checkpoint {path}: {disk.strerror.lower()} (errno {disk.errno}) after "
+            f"{written} bytes; {_free(path.parent)}. The checkpoints already there are untouched"
+        ) from e
     fsync_path(path.parent)
     return HEADER_SIZE + writer.size
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The OSError behind ``error``: itself, or the one torch's writer turned into
+    "enforce fail at inline_container.cc ... unexpected pos" (it is kept as the context)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno is not None:
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _free(directory: Path) -> str:
+    try:
+        usage = shutil.disk_usage(directory)
+    except OSError:
+        return "free space unknown"
+    return f"{usage.free} bytes free of {usage.total} on that file system"
 
 
 def fsync_path(path: str | os.PathLike) -> None:

@@ -1,4 +1,5 @@
-"""How the ranks of a save or a load exchange data with the writer, the group's rank 0.
+"""How the ranks of a save or a load exchange data with the writer: the group's rank 0, or
+while ranks have joined (phalanx.join) the highest rank still active.
 
 Every helper takes the ``group`` (``None``: the world) and is a no-op exchange when there is
 no process group or it has one rank. The ranks' verdicts travel through
@@ -39,26 +40,27 @@ def distributed(group: dist.ProcessGroup | None) -> bool:
     return dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def is_writer(group: dist.ProcessGroup | None) -> bool:
-    return not dist.is_initialized() or dist.get_rank(group) == 0
+def is_writer(group: dist.ProcessGroup | None, writer: int = 0) -> bool:
+    """Whether this process is the writer: rank ``writer`` of ``group`` (or alone)."""
+    return not dist.is_initialized() or dist.get_rank(group) == writer
 
 
-def writer_global_rank(group: dist.ProcessGroup | None) -> int:
-    return 0 if group is None else dist.get_global_rank(group, 0)
+def writer_global_rank(group: dist.ProcessGroup | None, writer: int = 0) -> int:
+    return writer if group is None else dist.get_global_rank(group, writer)
 
 
-def gather_to_writer(obj: Any, group: dist.ProcessGroup | None) -> list | None:
-    """Every rank's ``obj`` on the group's rank 0 (``None`` elsewhere)."""
+def gather_to_writer(obj: Any, group: dist.ProcessGroup | None, writer: int = 0) -> list | None:
+    """Every rank's ``obj`` on the writer (``None`` elsewhere)."""
     if not distributed(group):
         return [obj]
-    out = [None] * dist.get_world_size(group) if is_writer(group) else None
-    dist.gather_object(obj, out, dst=writer_global_rank(group), group=group)
+    out = [None] * dist.get_world_size(group) if is_writer(group, writer) else None
+    dist.gather_object(obj, out, dst=writer_global_rank(group, writer), group=group)
     return out
 
 
-def broadcast_from_writer(obj: Any, group: dist.ProcessGroup | None) -> Any:
+def broadcast_from_writer(obj: Any, group: dist.ProcessGroup | None, writer: int = 0) -> Any:
     if not distributed(group):
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=writer_global_rank(group), group=group)
+    dist.broadcast_object_list(box, src=writer_global_rank(group, writer), group=group)
     return box[0]

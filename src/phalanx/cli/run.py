@@ -95,6 +95,11 @@ worker's status (128 + N for signal N). A worker exiting with 75
 (``phalanx.errors.PREEMPTED_EXIT_CODE``) was preempted after saving its checkpoint: not a
 failure, no restart; the launcher exits 75.
 
+**Hangs.** A collective that waits longer than ``--watchdog`` seconds (default 300; a
+script's ``init_process_group(timeout=...)`` overrides it) ends in a hang report on every
+rank: which ranks never arrived, and where each rank is. The summary then names the late rank
+as the root cause (not the rank that gave up waiting first) and shows the report.
+
 **Signals.** SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to the launcher are forwarded to every
 worker's main process (as torchrun does: its DataLoader workers and other children are left to
 it); after ``--shutdown-timeout`` the rest are killed, with every process they started, and the
@@ -152,6 +157,9 @@ def add_run(commands: argparse._SubParsersAction) -> None:
         default=DEFAULT_MONITOR_INTERVAL, help="seconds between health checks (default %(default)s)")
     add("--shutdown-timeout", "--shutdown_timeout", type=float,
         default=DEFAULT_SHUTDOWN_TIMEOUT, help="seconds from SIGTERM to SIGKILL (default %(default)s)")
+    add("--watchdog", type=float, default=None, metavar="S",
+        help="seconds a collective may wait before every rank reports where it is and the run "
+             "fails naming the late rank (default 300: init_process_group(timeout=...))")
     add("--rdzv-timeout", "--rdzv_timeout", type=float, default=None,
         help=f"seconds to wait for the master and the other nodes (default {DEFAULT_RDZV_TIMEOUT:g})")
     add("--job-secret-file", default=None, metavar="PATH",
@@ -207,6 +215,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
         shutdown_timeout=args.shutdown_timeout,
+        watchdog=args.watchdog,
         run_id=args.rdzv_id,
         log_dir=args.log_dir,
         redirects=_streams(args.redirects, "--redirects"),

@@ -17,6 +17,12 @@ The files, in the order data flows through them:
     plans the buckets, installs the reducer; each forward runs before / the module / after.
 ``pickling.py``
     What ``torch.save``/``pickle``/``deepcopy`` keep of a DDP, and what is rebuilt on load.
+``checkin.py``
+    Each forward's part in :mod:`phalanx.diagnostics`: a sync point before the step's
+    collectives, the step clock, straggler reports.
+``joining.py``
+    Its part in :mod:`phalanx.uneven` (join): an active rank's divisor and buffer source, a
+    joined rank's shadow of the buckets and buffers, the final sync.
 ``bucketing.py``
     Pure planning: which parameter's gradient goes where in which flat buffer (no
     communication; testable alone), and each bucket's buffer at run time.

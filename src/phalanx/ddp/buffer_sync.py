@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..diagnostics.monitor import watched
 
 
 class BufferSync:
@@ -26,23 +29,31 @@ class BufferSync:
         self.module = module
         self.group = group
         self.src = src
-        self.is_src = dist.get_rank() == src
         self._last = comm.LastWorks()
 
-    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        pending = comm.broadcast_async(tensors, src=self.src, group=self.group)
-        pending.wait()
+    def _broadcast(self, tensors: list[torch.Tensor], src: int, shadow: Any) -> None:
+        with watched("DDP buffer broadcast", tensors, self.group, shadow=shadow):
+            pending = comm.broadcast_async(tensors, src=src, group=self.group)
+            pending.wait()
         self._last.hold(pending)
 
-    def sync(self, fresh: bool) -> None:
+    def sync(self, fresh: bool, src: int | None = None, shadow: Any = None) -> None:
+        """Broadcast rank ``src``'s buffers (default: the constructor's). ``shadow``: how a
+        rank that has joined takes part (phalanx.join: :meth:`receive`)."""
+        src = self.src if src is None else src
         buffers = list(self.module.buffers())
-        if not fresh or self.is_src:  # rank src only reads its buffers
-            self._broadcast(buffers)
+        if not fresh or dist.get_rank() == src:  # rank src only reads its buffers
+            self._broadcast(buffers, src, shadow)
             return
         received = [torch.empty_like(b) for b in buffers]
-        self._broadcast(received)
+        self._broadcast(received, src, shadow)
         replace = {id(old): new for old, new in zip(buffers, received)}
         for sub in self.module.modules():
             for name, old in sub._buffers.items():
                 if old is not None and id(old) in replace:
                     sub._buffers[name] = replace[id(old)]
+
+    def receive(self, src: int) -> None:
+        """A rank that has joined (phalanx.join): take rank ``src``'s buffers, as the others do."""
+        with torch.no_grad():
+            comm.broadcast_async(list(self.module.buffers()), src=src, group=self.group).wait()

@@ -190,7 +190,12 @@ _ONE_DEVICE = ("with one device per process inputs are moved to device_ids[0], n
 _CAPS = "phalanx keeps the arguments (bucket_cap_mb, bucket_cap_mb_list); the planned buckets are in bucket_plan"
 _WHERE = "the module's parameters say where it is (next(ddp.parameters()).device)"
 _BUFFERS = "phalanx broadcasts every buffer of the module: module.buffers(), module.named_buffers()"
+_TORCH_JOIN = ("it serves torch's Join; phalanx's DDP joins phalanx.Join: `with model.join():` or "
+               "`with phalanx.join(model, optimizer, ...):`")
 TORCH_ONLY_ATTRIBUTES = {
+    "join_hook": _TORCH_JOIN,
+    "join_device": _TORCH_JOIN,
+    "join_process_group": _TORCH_JOIN,
     "reducer": "it is torch's C++ dist.Reducer; phalanx's reducer is its own and private (the buckets "
                "are in bucket_plan)",
     "logger": _LOGGING,

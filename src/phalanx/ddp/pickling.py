@@ -20,7 +20,7 @@ from ..errors import UsageError
 from .options import is_default_group
 
 # Rebuilt after loading (see the module notes); stored as these values.
-_REBUILT = {"_reducer": None, "_buffer_sync": None, "bucket_plan": []}
+_REBUILT = {"_reducer": None, "_buffer_sync": None, "bucket_plan": [], "_check": None}
 
 
 class _ProcessLocal:

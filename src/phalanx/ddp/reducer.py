@@ -61,9 +61,12 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..diagnostics import monitor, syncpoint
+from ..diagnostics.log import Record, call_site
 from ..errors import UnusedParametersError
 from .bucket_comm import BucketComm
 from .bucketing import Bucket, BucketSpec
+from .checkin import BUCKET, SPARSE
 from .graph_walk import reachable_params
 from .problems import problem_message
 from .sparse import SparseGradients
@@ -132,6 +135,11 @@ class Reducer:
         self._known_unused: set[int] | None = None  # static_graph: learned in the first backward
         self._works: list[dist.Work] = []
         self._sparse_works: list[dist.Work] = []
+        self._diag: monitor.Diagnostics | None = None
+        self._site = ""
+        # Called at the end of each synchronising backward that succeeded (DDP's step clock).
+        self.on_backward_done: Any = None
+        self.join_index: int | None = None  # this DDP's place in a running phalanx.join
         self._last = comm.LastWorks()  # the last backward's, until the next one's
         self._reset()
 
@@ -159,6 +167,7 @@ class Reducer:
         self._sparse.reset()
         self._next = 0
         self._works = []
+        self._records: list[Record | None] = []  # the buckets' in the collective log
         self._sparse_works = []
         for bucket in self._buckets:
             bucket.pending = len(bucket.spec.slots)
@@ -204,6 +213,8 @@ class Reducer:
     def _start_backward(self) -> None:
         self._started = True
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        self._diag = monitor.current()  # records each bucket: phalanx.diagnostics
+        self._site = call_site(1) if self._diag is not None else ""
         if self.walk_graph and self._reached is not None:
             unused = [k for k in range(len(self.params)) if k not in self._reached]
         elif self.static_graph and self._known_unused:
@@ -261,8 +272,29 @@ class Reducer:
                 if not final:
                     return
                 self._write_tail(bucket.tail)
+            self._records.append(self._record(f"DDP bucket {self._next}", bucket.buffer, BUCKET, self._next))
             self._works.append(self.bucket_comm.launch(self._next, bucket.buffer))
             self._next += 1
+
+    def _record(self, op: str, tensor: torch.Tensor | None, *shadow: int) -> Record | None:
+        """Record a collective (:mod:`phalanx.diagnostics`); ``shadow``: the action and
+        arguments a joined rank shadows it with (:mod:`phalanx.uneven`)."""
+        diag = self._diag
+        if diag is None:
+            return None
+        announce = None if self.join_index is None else (syncpoint.JOINABLE, self.join_index, *shadow)
+        return diag.begin(op, () if tensor is None else (tensor,), self.bucket_comm.group,
+                          self._site, shadow=announce)
+
+    def set_divisor(self, divisor: int) -> None:
+        """Average over ``divisor`` ranks from the next gradient on (a join: the active ones)."""
+        self.bucket_comm.divisor = self._sparse.divisor = divisor
+
+    def _wait(self, work: dist.Work, record: Record | None) -> None:
+        if self._diag is None:
+            work.wait()
+        else:
+            self._diag.wait(work, record)
 
     def _write_tail(self, tail: torch.Tensor) -> None:
         sparse = self._sparse
@@ -280,15 +312,18 @@ class Reducer:
             for k in left:
                 self._assume_unused(k)
             self._launch_ready()  # every bucket but the last, before the sparse all-reduces
+            sparse = self._record("DDP sparse gradients", None, SPARSE) if self._sparse.params else None
             self._sparse_works = self._sparse.launch()
             self._launch_ready(final=True)
             last = len(self._buckets) - 1
-            for b, work in enumerate(self._works):
-                work.wait()
+            for b, (work, record) in enumerate(zip(self._works, self._records)):
+                self._wait(work, record)
                 if b < last and not self.allow_unused:
                     self._write_back(b, None)
             for work in self._sparse_works:
-                work.wait()
+                self._wait(work, None)
+            if sparse is not None:
+                self._diag.end(sparse)
             tail = self._buckets[last].tail
             if tail[0].item() > 0:
                 self._raise_problems()  # every rank sees the sum: all raise, none hangs
@@ -300,6 +335,8 @@ class Reducer:
                 self._attach_graphs(used)
             if self.static_graph and self._known_unused is None:
                 self._known_unused = set(left)
+            if self.on_backward_done is not None:
+                self.on_backward_done()
         finally:
             self.awaiting_backward = False
             self._reset()

@@ -86,13 +86,14 @@ class SparseGradients:
     def missing(self) -> list[str]:
         return [name for name, got in zip(self.names, self.got) if not got]
 
-    def launch(self) -> list[dist.Work]:
+    def launch(self, nothing: bool = False) -> list[dist.Work]:
         """Start the all-reduce of each parameter's contribution (its ``.grad`` divided for
-        the average, or an empty sparse tensor), in parameter order."""
+        the average, or an empty sparse tensor; always empty with ``nothing``: a rank that has
+        joined, phalanx.join), in parameter order."""
         works = []
         with torch.no_grad():
             for j, param in enumerate(self.params):
-                grad = param.grad
+                grad = None if nothing else param.grad
                 self.had_grad[j] = grad is not None
                 contribution = _as_sparse(grad, param) / self.divisor
                 self._reduced.append(contribution)

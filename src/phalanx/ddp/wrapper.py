@@ -21,9 +21,13 @@ from torch import nn
 
 from .. import comm
 from .._logging import get_logger
+from ..diagnostics import syncpoint
+from ..uneven import Join
+from . import joining
 from .bucket_comm import AllReduceMean, ReduceToOwner
 from .bucketing import BucketSpec, describe, plan_buckets
 from .buffer_sync import BufferSync
+from .checkin import BUFFERS, StepCheck
 from .checks import (
     GradientOwners,
     agree_on_owners,
@@ -251,6 +255,9 @@ class DistributedDataParallel(nn.Module):
         self._buffer_sync: BufferSync | None = None
         self.bucket_plan: list[BucketSpec] = []
         group = self.process_group
+        self._check = StepCheck(group)
+        self._join_index: int | None = None  # this DDP's place in a running phalanx.join
+        self._join_divide_initial = True
         if dist.get_world_size(group) == 1:
             return
         self._build_reducer(None)
@@ -284,6 +291,7 @@ class DistributedDataParallel(nn.Module):
             static_graph=self.static_graph,
             sparse_params=[named[i] for i in sparse],
         )
+        self._reducer.on_backward_done = self._check.backward_done
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._device is not None:
@@ -291,13 +299,49 @@ class DistributedDataParallel(nn.Module):
         if self._reducer is None:
             return self.module(*inputs, **kwargs)
         refuse_distributed_autograd()
-        if self._sync_buffers_next and self.forward_sync_buffers and self._buffer_sync is not None:
-            self._buffer_sync.sync(fresh=self._reducer.awaiting_backward)
-        output = self.module(*inputs, **kwargs)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        broadcasts = self._sync_buffers_next and self.forward_sync_buffers and self._buffer_sync is not None
+        verdict = self._check.forward(sync, broadcasts, self._join_index)
+        src = joining.step_settings(self, verdict)  # while ranks have joined (phalanx.join)
+        if broadcasts:
+            shadow = None if src is None else (syncpoint.JOINABLE, self._join_index, BUFFERS, src)
+            self._buffer_sync.sync(fresh=self._reducer.awaiting_backward, src=src, shadow=shadow)
+        output = self.module(*inputs, **kwargs)
         self._sync_buffers_next = sync
         self._reducer.prepare(sync, output)
         return output
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Context manager for uneven inputs across ranks: torch's ``DistributedDataParallel.join``.
+
+        ``with model.join(): <training loop>``: a rank that runs out of batches leaves the block
+        and shadows the others' steps until every rank has (:mod:`phalanx.uneven`; to include a
+        ZeroRedundancyOptimizer, a Checkpointer or a PreemptionHandler, use
+        ``phalanx.join(model, optimizer, ...)``).
+
+        Args:
+            divide_by_initial_world_size (bool): average over the initial world size even when
+                some ranks have joined (their contribution is zero), as torch; ``False``: over
+                the ranks still active. Default ``True``.
+            enable (bool): ``False`` does nothing (inputs must be even). Default ``True``.
+            throw_on_early_termination (bool): raise on every rank as soon as one runs out,
+                naming it. Default ``False``.
+        """
+        return Join([self], enable=enable, throw_on_early_termination=throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_begin(self, join: Join) -> None:
+        joining.begin(self, join)
+
+    def join_shadow(self, action: int, verdict: Any) -> None:
+        joining.shadow(self, action, verdict)
+
+    def join_end(self, join: Join, last: int) -> None:
+        joining.end(self, last)
+
+    def join_leave(self) -> None:
+        joining.leave(self)
 
     @property
     def broadcast_buffers(self) -> bool:

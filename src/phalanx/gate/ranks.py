@@ -40,13 +40,15 @@ def host_bound(host: str, port: int, world_size: int, timeout: timedelta) -> Any
 
 
 def host_gated(host: str, port: int, key: bytes, timeout: timedelta, warn) -> Any:
-    """Rank 0: the store on loopback behind a gate on ``host:port``; returns the store's own
-    client, which rank 0 uses directly."""
+    """Rank 0: the store on loopback behind a gate on ``host:port``; rank 0 reaches it through
+    a door of its own, like every other rank (the store's signed loopback port takes no
+    unsigned connection, so a client of its own could not be cloned)."""
     gate = listen(host, port)
     inner = InnerStore(timeout.total_seconds(), warn)
     refused = lambda message: warn(f"rank 0's store gate {message}")  # noqa: E731
     Gate(gate, key, lambda store: inner.connect(), lambda node: None, refused)
-    return inner.store  # the gate's thread keeps the gate and the inner store alive
+    # the gate's and the door's threads keep the inner store alive
+    return _through_own_door(inner.connect, timeout, warn)
 
 
 def reach_gated(host: str, port: int, key: bytes, timeout: timedelta, warn) -> Any:
@@ -56,10 +58,15 @@ def reach_gated(host: str, port: int, key: bytes, timeout: timedelta, warn) -> A
     Raises:
         handshake.Refused: rank 0's gate refused the secret. TimeoutError: no gate answered.
     """
+    wait_for_gate(host, port, key, time.monotonic() + timeout.total_seconds())
+    return _through_own_door(lambda: dial_gate(host, port, key, "workers"), timeout, warn)
+
+
+def _through_own_door(dial, timeout: timedelta, warn) -> Any:
+    """A ``TCPStore`` client whose connections (its clones' too) go through a loopback door
+    that only this process may use, and that ``dial`` connects onwards."""
     import torch.distributed as dist
 
-    wait_for_gate(host, port, key, time.monotonic() + timeout.total_seconds())
     me = os.getpid()
-    door = Door(listen(LOOPBACK, 0), lambda: [me], lambda: dial_gate(host, port, key, "workers"),
-                warn, "phalanx-door")
+    door = Door(listen(LOOPBACK, 0), lambda: [me], dial, warn, "phalanx-door")
     return dist.TCPStore(LOOPBACK, door.port, None, False, timeout)

@@ -44,7 +44,7 @@ from .environment import worker_environ
 from .events import FORWARD_SIGNALS, STOP_SIGNALS, Pump, SignalInbox
 from .membership import Layout
 from .outcome import RoundEnd
-from .output import WorkerOutput, recorded_error, traceback_tail
+from .output import WorkerOutput, read_diagnosis, recorded_error, traceback_tail
 from .rendezvous import Interrupted, meet
 from .workers import Guardian, Worker, describe_exit, first_failure, shell_status, spawn
 
@@ -94,7 +94,7 @@ class Agent:
                 self._release(record)
                 return status
             self.console.note(
-                f"attempt {restarts + 1} of {last + 1} failed: {record.who()}: "
+                f"attempt {restarts + 1} of {last + 1} failed: {record.cause()}: "
                 f"{describe_exit(record.returncode)}"
                 f"{_last_line(record.traceback)}; restarting every worker "
                 f"({last - restarts} restart(s) left)"
@@ -171,7 +171,7 @@ class Agent:
         env = worker_environ(
             dist_env, group_world_size=layout.nnodes, max_restarts=config.max_restarts,
             run_id=layout.run_id, error_file=os.path.join(error_dir, "error.json"),
-            role=config.role, rank_prefix=config.rank_prefix,
+            role=config.role, rank_prefix=config.rank_prefix, watchdog=config.watchdog,
         )
         logs = {}
         if self._log_dir is not None:
@@ -200,7 +200,7 @@ class Agent:
                 self.store.check()
             failed = first_failure(workers)
             if failed is not None:
-                return self.board.publish_end(round_, self._exit_record(failed))
+                return self.board.publish_end(round_, self._exit_record(failed, workers))
             if not reported_done and all(w.returncode == 0 for w in workers):
                 self.board.report_done(round_)
                 reported_done = True
@@ -215,10 +215,14 @@ class Agent:
                 if change is not None:
                     return self.board.publish_end(round_, change)
 
-    def _exit_record(self, worker: Worker) -> RoundEnd:
+    def _exit_record(self, worker: Worker, workers: list[Worker]) -> RoundEnd:
         self._pump.drain([worker])  # its last words may still sit in the pipe
         code = worker.returncode
         recorded = recorded_error(worker.error_file)
+        # a hang report blames a rank: the failing worker's own, else one its peers here wrote
+        diagnosis = next(filter(None, map(read_diagnosis, [worker.error_file] + [
+            w.error_file for w in workers if w is not worker])), None)
+        culprits, report = (diagnosis[1], diagnosis[0]) if diagnosis else ([], "")
         return RoundEnd(
             "preempted" if code == PREEMPTED_EXIT_CODE else "failed",
             node=self.node_rank, host=self._host, rank=worker.rank,
@@ -226,6 +230,7 @@ class Agent:
             traceback=(traceback_tail(recorded, self._entry) if recorded
                        else worker.output.traceback(self._entry)),
             source="error file (torch elastic @record)" if recorded else "stderr",
+            culprits=culprits, report=report,
         )
 
     def _forward(self, workers: list[Worker], signum: int) -> None:
@@ -297,8 +302,10 @@ class Agent:
         """The report of a failed run; the root cause's traceback is in it unless the console
         has shown it already, as the worker printed it (the traceback appears once)."""
         name = self.config.entrypoint
-        cause = f"root cause: {record.who()}: {describe_exit(record.returncode)}"
-        if self._shown_live(record, workers):
+        cause = f"root cause: {record.cause()}: {describe_exit(record.returncode)}"
+        if record.report:
+            trace = [cause, "the hang report:", *("  " + line for line in record.report.splitlines())]
+        elif self._shown_live(record, workers):
             trace = [f"{cause}{_last_line(record.traceback)}; its traceback is above, as rank "
                      f"{record.rank} printed it"]
         else:

@@ -115,6 +115,9 @@ class LaunchConfig:
         max_restarts (int): restarts of the whole group after a failure. Default ``0``.
         monitor_interval (float): seconds between health checks. Default ``0.1``.
         shutdown_timeout (float): seconds between SIGTERM and SIGKILL. Default ``30``.
+        watchdog (float, optional): seconds a collective may wait before every rank reports
+            where it is (the workers' ``init_process_group(timeout=...)`` default). Default
+            ``None``: phalanx's 5 minutes.
         rdzv_timeout (float): seconds to wait for the master and the other nodes. Default ``600``.
         last_call_timeout (float): elastic: once ``min_nnodes`` are there for the first round,
             seconds to wait for more. Default ``3``.
@@ -156,6 +159,7 @@ class LaunchConfig:
     max_restarts: int = 0
     monitor_interval: float = DEFAULT_MONITOR_INTERVAL
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    watchdog: float | None = None
     rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
     last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT
     job_secret: str | None = field(default=None, repr=False)
@@ -205,6 +209,8 @@ class LaunchConfig:
         _at_least("--max-restarts", self.max_restarts, 0)
         _positive("--monitor-interval", self.monitor_interval)
         _positive("--rdzv-timeout", self.rdzv_timeout)
+        if self.watchdog is not None:
+            _positive("--watchdog", self.watchdog)
         if self.shutdown_timeout < 0:
             raise LaunchConfigError(
                 f"Invalid --shutdown-timeout {self.shutdown_timeout}: expected seconds >= 0"

@@ -13,7 +13,13 @@ import os
 import re
 from typing import Mapping
 
-from ..env import JOB_SECRET_VAR, RANK_PREFIX_VAR, DistEnv, launcher_environ
+from ..env import (
+    JOB_SECRET_VAR,
+    RANK_PREFIX_VAR,
+    WATCHDOG_VAR,
+    DistEnv,
+    launcher_environ,
+)
 from ..errors import LaunchConfigError
 from .events import STOP_SIGNALS
 
@@ -81,6 +87,7 @@ def worker_environ(
     cpus: int | None = None,
     role: str = "default",
     rank_prefix: bool = True,
+    watchdog: float | None = None,
 ) -> dict[str, str]:
     """A worker's whole environment: ``base`` (default: this process's), the launcher
     variables of :func:`launcher_environ`, and defaults for what the user left unset.
@@ -93,8 +100,11 @@ def worker_environ(
       would otherwise hold ``print`` output back in 8 KiB blocks.
 
     And ``PHALANX_RANK_PREFIX=1`` when the launcher prefixes console lines with the rank
-    (``rank_prefix``; see :func:`~phalanx.env.launcher_prefixes_output`). The job secret
-    (``PHALANX_JOB_SECRET``) is left out: workers reach the store through their launcher.
+    (``rank_prefix``; see :func:`~phalanx.env.launcher_prefixes_output`), and
+    ``PHALANX_WATCHDOG`` when ``watchdog`` seconds are given (``phalanx run --watchdog``: the
+    default of ``init_process_group(timeout=...)``, see :func:`~phalanx.env.watchdog_seconds`).
+    The job secret (``PHALANX_JOB_SECRET``) is left out: workers reach the store through their
+    launcher.
     """
     base = os.environ if base is None else base
     out = dict(base)
@@ -113,6 +123,8 @@ def worker_environ(
             run_id=run_id, error_file=error_file, role=role,
         )
     )
+    if watchdog is not None:
+        out[WATCHDOG_VAR] = f"{watchdog:g}"
     if rank_prefix:
         out[RANK_PREFIX_VAR] = "1"
     else:

@@ -7,7 +7,7 @@ and the first one published wins: every node acts on the same ending.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 Kind = Literal["succeeded", "failed", "preempted", "signal", "lost", "membership"]
@@ -32,6 +32,9 @@ class RoundEnd:
         source: where the traceback was found: ``"stderr"`` or the ``@record`` error file.
         signal: the stop signal's name (``signal``).
         detail: what happened, in words (``membership``, ``lost``).
+        culprits: the ranks a hang report names as the cause (``failed``): late, or gone,
+            while ``rank`` timed out waiting for them (:mod:`phalanx.diagnostics`).
+        report: that hang report.
     """
 
     kind: Kind
@@ -44,6 +47,8 @@ class RoundEnd:
     source: str = ""
     signal: str = ""
     detail: str = ""
+    culprits: list[int] = field(default_factory=list)
+    report: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -55,3 +60,12 @@ class RoundEnd:
     def who(self) -> str:
         """``"rank 3 (local rank 1) on node 1 (host)"``: the worker that ended the round."""
         return f"rank {self.rank} (local rank {self.local_rank}) on node {self.node} ({self.host})"
+
+    def cause(self) -> str:
+        """The root cause in a few words: the ranks a hang report blames, else the worker."""
+        if not self.culprits:
+            return self.who()
+        late = ", ".join(map(str, self.culprits))
+        if self.rank in self.culprits:
+            return f"rank(s) {late}, named by the hang report: {self.who()}"
+        return f"rank(s) {late}, named by the hang report ({self.who()} stopped waiting for it)"

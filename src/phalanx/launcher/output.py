@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from ..env import DIAGNOSIS_NAME
 from .config import STDERR
 from .console import Console
 
@@ -141,3 +142,15 @@ def recorded_error(path: str) -> str | None:
     if isinstance(message, dict):  # torch's ErrorHandler.record_exception writes this shape
         message = (message.get("extraInfo") or {}).get("py_callstack") or message.get("message")
     return message if isinstance(message, str) and message.strip() else None
+
+
+def read_diagnosis(error_file: str) -> tuple[str, list[int]] | None:
+    """The hang report a worker wrote beside its ``TORCHELASTIC_ERROR_FILE`` before it failed
+    (:mod:`phalanx.diagnostics.hang`): ``(report, the ranks it blames)``, or ``None``."""
+    path = os.path.join(os.path.dirname(error_file), DIAGNOSIS_NAME)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return str(data["report"]), [int(r) for r in data["culprits"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

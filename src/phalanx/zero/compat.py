@@ -10,9 +10,8 @@ from typing import Any, Callable
 from torch.optim import Optimizer
 
 NO_JOIN = (
-    "ZeroRedundancyOptimizer does not support torch's Join (uneven inputs across ranks), as "
-    "phalanx's DDP does not: give every rank the same number of batches, e.g. with "
-    "phalanx.DistributedSampler (padding, or drop_last=True)"
+    "ZeroRedundancyOptimizer joins phalanx's join, not torch's Join: for uneven inputs use "
+    "`with phalanx.join(model, optimizer):` (phalanx.Join([model, optimizer]))"
 )
 
 

@@ -23,6 +23,8 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..agreement import agree
+from ..diagnostics import monitor
+from ..diagnostics.monitor import watched
 from ..errors import NotInitializedError
 from . import clip as _clip
 from . import state as _state
@@ -34,6 +36,9 @@ from .compat import (
     with_state_dict_hooks,
 )
 from .partition import partition_by_size
+
+# What a ZeroRedundancyOptimizer shadows on a rank that has joined (phalanx.join): a step.
+_STEP = 1
 
 
 class ZeroRedundancyOptimizer(Optimizer):
@@ -253,7 +258,15 @@ class ZeroRedundancyOptimizer(Optimizer):
             loss = self.optim.step(**kwargs)
         else:
             loss = self.optim.step(closure, **kwargs)
-        # every owner's broadcasts in flight at once, then wait for all
+        diag = monitor.current()
+        shadow = None if diag is None else diag.joinable(self, _STEP)
+        with watched("ZeroRedundancyOptimizer.step", group=self.process_group, check=True,
+                     shadow=shadow):
+            self._broadcast_owned()
+        return loss
+
+    def _broadcast_owned(self) -> None:
+        """Every owner's parameters to every rank: all broadcasts in flight at once."""
         if self._buckets:
             broadcasts = [dist.broadcast(flat, src, self.process_group, async_op=True)
                           for flat, src in self._buckets]
@@ -263,7 +276,21 @@ class ZeroRedundancyOptimizer(Optimizer):
         for broadcast in broadcasts:
             broadcast.wait()
         self._last.hold(*broadcasts)
-        return loss
+
+    # phalanx.join: a rank that has joined steps the shard it owns, with the average of the
+    # active ranks' gradients (DDP's shadow writes it into .grad), and broadcasts it.
+    def join_begin(self, join: Any) -> None:
+        """Nothing to set up."""
+
+    def join_shadow(self, action: int, verdict: Any) -> None:
+        self.optim.step()
+        self._broadcast_owned()
+
+    def join_end(self, join: Any, last: int) -> None:
+        """Nothing to sync: every step's broadcasts kept the replicas equal."""
+
+    def join_leave(self) -> None:
+        """Nothing to restore."""
 
     def join_hook(self, **kwargs: Any) -> Any:
         """Refused: torch's ``Join`` (uneven inputs across ranks) is not supported."""

@@ -1,0 +1,65 @@
+"""DDP's part in :mod:`phalanx.diagnostics`: a sync point at every forward that leads to
+collectives, the step clock, and the straggler reports.
+
+The check of a forward is started, not waited for: the first collective after it (the buffer
+broadcast, a SyncBatchNorm's statistics, or the first bucket, well into the backward) waits
+for it, so on a model without buffers its latency hides behind the forward. A rank that ran out
+of batches and went elsewhere (an evaluation, a checkpoint, the end of the script) is named
+there, before any bucket of the wrong size reaches Gloo.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from ..diagnostics import monitor, syncpoint
+from ..diagnostics.log import call_site
+from ..diagnostics.straggler import StepClock
+
+CHECK = "DistributedDataParallel forward"
+# What a DDP shadows on a rank that has joined (phalanx.join): a forward's check, the buffer
+# broadcast, a bucket, the sparse gradients.
+FORWARD, BUFFERS, BUCKET, SPARSE = 1, 2, 3, 4
+
+
+class StepCheck:
+    """One DDP model's sync points and step clock.
+
+    Args:
+        group: the DDP's process group (``None``: the world).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.clock: StepClock | None = None
+        self._reported_at = 0
+
+    def forward(self, sync: bool, broadcasts: bool, join_index: int | None = None) -> Any:
+        """Before a forward: ``sync`` (its backward will average), ``broadcasts`` (it sends
+        rank 0's buffers first). While ranks have joined (:mod:`phalanx.uneven`) the check is
+        waited for and announces this DDP's step (``join_index``: its place in the join);
+        returns the verdict then (who is still active), else ``None``."""
+        diag = monitor.current()
+        if diag is None or not (sync or broadcasts):
+            return None
+        report = False
+        if sync:
+            if self.clock is None:
+                self.clock = StepClock(diag.straggler_every)
+            report = self.clock.due() and self._reported_at != self.clock.steps
+            self.clock.forward(diag.waited_s)
+        what = CHECK + (" with a straggler report" if report else "")
+        announce = () if join_index is None else (syncpoint.JOINABLE, join_index, FORWARD)
+        verdict = diag.sync_point(what, self.group, wait=report, site=call_site(1), announce=announce)
+        if report:
+            self._reported_at = self.clock.steps
+            diag.exchange_step_times(self.clock.take(), self.clock.steps, self.group)
+        return verdict if diag.join is not None else None
+
+    def backward_done(self) -> None:
+        """A synchronising backward's gradients are averaged (the reducer calls this)."""
+        diag = monitor.current()
+        if diag is not None and self.clock is not None:
+            self.clock.backward_done(diag.waited_s)

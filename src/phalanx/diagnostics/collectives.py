@@ -1,0 +1,108 @@
+"""torch.distributed's group collectives as ``phalanx.X``: each one checked, then recorded.
+
+``import phalanx as dist`` gives a script these in place of torch's. Each takes torch's
+arguments and returns what torch's returns; before the payload moves, the ranks meet at a
+sync point (:meth:`~phalanx.diagnostics.monitor.Diagnostics.sync_point`) that compares what
+every rank is about to issue (op, dtype, shape, root rank, reduction, group) and everything
+since the last point. A mismatch raises :class:`~phalanx.errors.CollectiveMismatchError` on
+every rank instead of reaching Gloo, which aborts the process when sizes differ. The cost is
+one small extra all-reduce per call; torch.distributed's own functions skip both.
+
+Point-to-point calls (``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``) involve
+two ranks, not a group, and are passed through unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from . import syncpoint
+from .log import call_site, describe_tensors
+from .monitor import current
+
+# Per collective: the arguments holding the tensor whose dtype and shape every rank must
+# agree on, and the arguments every rank must pass alike. The *_object collectives move
+# objects of any size, and all_to_all takes a list per rank: only their op and root count.
+_SPEC: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "all_reduce": (("tensor",), ("op",)),
+    "broadcast": (("tensor",), ("src",)),
+    "reduce": (("tensor",), ("dst", "op")),
+    "all_gather": (("tensor",), ()),
+    "all_gather_into_tensor": (("input_tensor",), ()),
+    "all_gather_single": (("input_tensor",), ()),
+    "reduce_scatter": (("output",), ("op",)),
+    "reduce_scatter_tensor": (("output",), ("op",)),
+    "all_to_all_single": ((), ()),
+    "all_to_all": ((), ()),
+    "gather": (("tensor",), ("dst",)),
+    "scatter": (("tensor",), ("src",)),
+    "all_gather_object": ((), ()),
+    "gather_object": ((), ("dst",)),
+    "broadcast_object_list": ((), ("src",)),
+    "scatter_object_list": ((), ("src",)),
+    "monitored_barrier": ((), ()),
+}
+CHECKED = frozenset(_SPEC)
+
+
+def _value(value: Any) -> str:
+    return getattr(value, "name", None) or str(value)
+
+
+@functools.cache
+def checked(name: str) -> Callable[..., Any]:
+    """torch.distributed's ``name``, checked and recorded by this process's diagnostics (when
+    it has any: a process group of several ranks, diagnostics on)."""
+    fn = getattr(dist, name)
+    signature = inspect.signature(fn)
+    tensor_args, alike = _SPEC[name]
+
+    @functools.wraps(fn)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        diag = current()
+        bound = signature.bind(*args, **kwargs)
+        group = bound.arguments.get("group")
+        if diag is None or dist.get_world_size(group) == 1 or dist.get_rank(group) < 0:
+            return fn(*args, **kwargs)
+        tensors = [bound.arguments[a] for a in tensor_args if a in bound.arguments]
+        dtype, shape = describe_tensors(tensors)
+        what = name + ("" if dtype == "-" else f" {dtype}{list(shape)}")
+        bound.apply_defaults()  # an argument left at its default and one passed alike agree
+        what += "".join(f" {a}={_value(bound.arguments[a])}" for a in alike
+                        if bound.arguments[a] != signature.parameters[a].default)
+        if group is not None and group is not dist.group.WORLD:
+            what += f" on {diag.group_name(group)}"
+        site = call_site(2)
+        diag.sync_point(what, group, site=site, announce=_shadow(name, bound.arguments))
+        op = name + (" (async)" if bound.arguments.get("async_op") else "")
+        with diag.collective(op, tensors, group, site, announced=True):
+            return fn(*args, **kwargs)
+
+    return collective
+
+
+def _shadow(name: str, arguments: dict[str, Any]) -> tuple[int, ...]:
+    """How a rank that has joined (phalanx.join) takes part in this collective."""
+    a = arguments
+    if name == "all_reduce":
+        op = _value(a["op"])
+        if op not in syncpoint.REDUCE_OPS:
+            return (syncpoint.UNSHADOWABLE,)
+        return syncpoint.tensor_shadow(syncpoint.ALL_REDUCE, a["tensor"], syncpoint.REDUCE_OPS.index(op))
+    if name == "broadcast":
+        return syncpoint.tensor_shadow(syncpoint.BROADCAST, a["tensor"], a["src"])
+    if name in ("all_gather_into_tensor", "all_gather_single"):
+        return syncpoint.tensor_shadow(syncpoint.ALL_GATHER_INTO_TENSOR, a["input_tensor"])
+    if name == "all_gather_object":
+        return (syncpoint.ALL_GATHER_OBJECT,)
+    if name == "broadcast_object_list":
+        return (syncpoint.BROADCAST_OBJECT, a["src"], len(a["object_list"]))
+    if name == "gather_object":
+        return (syncpoint.GATHER_OBJECT, a["dst"])
+    if name == "monitored_barrier":
+        return (syncpoint.BARRIER,)
+    return (syncpoint.UNSHADOWABLE,)

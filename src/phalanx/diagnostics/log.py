@@ -1,0 +1,130 @@
+"""The collective log: what this rank's collectives were, where they came from, how they went.
+
+Every collective phalanx issues, and every one a script calls through ``phalanx.all_reduce``
+and its siblings, is recorded here: a sequence number, the op, dtype and shape, the group,
+the script's own line that led to it (the first frame outside phalanx, torch and the
+standard library's plumbing), and when it started and ended. The last
+:data:`LOG_CAPACITY` records are kept; a running fingerprint (CRC-32 over op, dtype, shape
+and group) summarises the ones since the last sync point, for the ranks to compare.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+# Enough to see what led up to a hang or a mismatch (a DDP step is a handful of collectives:
+# buckets, a buffer broadcast, SyncBatchNorm's two per layer), small enough to send to the
+# store and print in full: 64 records of about 100 bytes each.
+LOG_CAPACITY = 64
+
+# A call site is the first frame outside these: phalanx, torch, the standard library.
+_PHALANX = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+
+
+def _is_plumbing(path: str, torch_dir: str | None) -> bool:
+    return (path.startswith(_PHALANX) or path.startswith("<")
+            or (torch_dir is not None and path.startswith(torch_dir))
+            or (path.startswith(_STDLIB) and "site-packages" not in path))
+
+
+def call_site(depth: int = 2) -> str:
+    """``"train.py:41"``: the first frame, from ``depth`` frames up, outside phalanx, torch and
+    the standard library; ``"?"`` if there is none."""
+    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+    torch_dir = os.path.dirname(torch_file) + os.sep if torch_file else None
+    frame = sys._getframe(depth)
+    while frame is not None:
+        if not _is_plumbing(frame.f_code.co_filename, torch_dir):
+            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+def describe_tensors(tensors: Iterable[Any]) -> tuple[str, tuple[int, ...]]:
+    """``(dtype, shape)`` of what a collective moves: one tensor's, or for several, the first
+    one's dtype and ``(n, total elements)``; ``("-", ())`` for none."""
+    tensors = [t for t in tensors if hasattr(t, "dtype")]
+    if not tensors:
+        return "-", ()
+    dtype = str(tensors[0].dtype).removeprefix("torch.")
+    if len(tensors) == 1:
+        return dtype, tuple(tensors[0].shape)
+    return dtype, (len(tensors), sum(t.numel() for t in tensors))
+
+
+@dataclass
+class Record:
+    """One collective as this rank issued it. ``end`` is ``None`` while it is in flight."""
+
+    seq: int
+    op: str
+    dtype: str
+    shape: tuple[int, ...]
+    group: str
+    site: str
+    start: float
+    end: float | None = None
+    failed: bool = False
+
+    def signature(self) -> str:
+        """What must be identical on every rank: op, dtype, shape, group."""
+        return f"{self.op} {self.dtype}{list(self.shape)} on {self.group}"
+
+    def describe(self, now: float | None = None) -> str:
+        """``"#12 all_reduce float32[20] (train.py:41), waiting 10.0 s"``."""
+        shape = "" if self.dtype == "-" else f" {self.dtype}{list(self.shape)}"
+        group = "" if self.group == "world" else f" on {self.group}"
+        if self.end is not None:
+            state = "failed" if self.failed else f"done in {self.end - self.start:.3f} s"
+        else:
+            state = f"waiting {(now or time.monotonic()) - self.start:.1f} s"
+        return f"#{self.seq} {self.op}{shape}{group} ({self.site}), {state}"
+
+
+class CollectiveLog:
+    """This rank's last collectives and the fingerprint of those since the last sync point.
+
+    Args:
+        capacity: records kept. Default :data:`LOG_CAPACITY`.
+    """
+
+    def __init__(self, capacity: int = LOG_CAPACITY) -> None:
+        self.records: deque[Record] = deque(maxlen=capacity)
+        self.next_seq = 0
+        self.fingerprint = 0  # CRC-32 of the signatures since the last sync point
+        self.since_check: list[str] = []  # those signatures, described (for a mismatch report)
+
+    def begin(self, op: str, dtype: str, shape: tuple[int, ...], group: str, site: str) -> Record:
+        record = Record(self.next_seq, op, dtype, shape, group, site, time.monotonic())
+        self.next_seq += 1
+        self.records.append(record)
+        self.fingerprint = zlib.crc32(record.signature().encode(), self.fingerprint)
+        self.since_check.append(f"{record.signature()} ({site})")
+        return record
+
+    @staticmethod
+    def end(record: Record, failed: bool = False) -> None:
+        record.end = time.monotonic()
+        record.failed = failed
+
+    def checked(self) -> None:
+        """A sync point passed: the next fingerprint starts afresh."""
+        self.fingerprint = 0
+        self.since_check = []
+
+    def in_flight(self) -> Record | None:
+        """The oldest collective still in flight, if any."""
+        return next((r for r in self.records if r.end is None), None)
+
+    def tail(self, n: int = 8) -> list[str]:
+        """The last ``n`` records, described."""
+        now = time.monotonic()
+        return [r.describe(now) for r in list(self.records)[-n:]]

@@ -1,0 +1,124 @@
+"""Stragglers: the rank consistently slower than the others, although DDP's all-reduce makes
+every rank's step last as long as the slowest one's.
+
+Each synchronising DDP step, every rank splits its time three ways:
+
+* **compute**: from the start of the forward to the end of the backward, less the time spent
+  waiting for collectives within it;
+* **wait**: time blocked in collectives (the forward's sync point, the end-of-backward wait
+  for the buckets): the fast ranks' share of a straggler;
+* **between**: from the end of one backward to the start of the next forward: data loading,
+  the optimizer step, logging, whatever the script does between steps.
+
+A slow rank shows in compute or between; the others in wait. Every ``every`` steps the ranks
+exchange the medians of their last ``every`` steps, and rank 0 logs one line per rank whose
+compute + between is above :data:`SLOW_RATIO` times the median of the other ranks' and more
+than :data:`MIN_GAP_S` above it. :func:`phalanx.straggler_report` returns the last figures.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+# A rank this much slower than the others holds the whole job back by as much; smaller gaps
+# are within the jitter of ranks sharing a machine (measured here: two ranks on two cores
+# differ by up to ~10% step to step, much less in medians over a window).
+SLOW_RATIO = 1.25
+# ...and at least this many seconds per step slower, so that microsecond steps (a tiny model
+# on an idle machine) never name a rank for noise.
+MIN_GAP_S = 0.005
+# Default report interval in steps: a line at most every few hundred steps, and medians over
+# enough steps to be steady.
+DEFAULT_EVERY = 200
+PHASES = ("compute", "wait", "between")
+
+
+@dataclass
+class StepTimes:
+    """One rank's time per phase in the current window (seconds per step)."""
+
+    compute: list[float] = field(default_factory=list)
+    wait: list[float] = field(default_factory=list)
+    between: list[float] = field(default_factory=list)
+
+    def medians(self) -> list[float]:
+        return [statistics.median(getattr(self, p)) if getattr(self, p) else 0.0 for p in PHASES]
+
+
+class StepClock:
+    """Times this rank's synchronising DDP steps (see the module notes).
+
+    The DDP wrapper calls :meth:`forward` when a synchronising forward starts and
+    :meth:`backward_done` when the backward's gradients are averaged, each with the seconds
+    this process has waited in collectives so far (:attr:`Diagnostics.waited_s`).
+    :meth:`due` says when the window is full.
+
+    Args:
+        every: steps per window; ``0`` switches the report off. Default :data:`DEFAULT_EVERY`.
+    """
+
+    def __init__(self, every: int = DEFAULT_EVERY) -> None:
+        self.every = every
+        self.window = StepTimes()
+        self.steps = 0
+        self._start: float | None = None
+        self._last_end: float | None = None
+        self._waited_before = 0.0
+
+    def forward(self, waited_s: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self._last_end is not None and self._start is None:
+            self.window.between.append(now - self._last_end)
+        self._start, self._waited_before = now, waited_s
+
+    def backward_done(self, waited_s: float, now: float | None = None) -> None:
+        if self._start is None:  # a backward without a timed forward (no_sync() first)
+            return
+        now = time.monotonic() if now is None else now
+        waited = waited_s - self._waited_before
+        self.window.compute.append(max(0.0, now - self._start - waited))
+        self.window.wait.append(waited)
+        self._start, self._last_end = None, now
+        self.steps += 1
+
+    def due(self) -> bool:
+        """Whether the next forward's sync point should carry a report (every rank agrees: the
+        ranks' step counts are equal, or the sync point itself fails first)."""
+        return self.every > 0 and self.steps > 0 and self.steps % self.every == 0
+
+    def take(self) -> list[float]:
+        """This window's medians (compute, wait, between), and a fresh window."""
+        medians, self.window = self.window.medians(), StepTimes()
+        return medians
+
+
+def assess(per_rank: list[list[float]], steps: int) -> dict:
+    """The report for every rank's medians ``[compute, wait, between]``: the figures, and the
+    ranks found slow with a sentence each."""
+    ranks = {r: dict(zip(PHASES, values)) for r, values in enumerate(per_rank)}
+    busy = {r: v["compute"] + v["between"] for r, v in ranks.items()}
+    slow, lines = [], []
+    for r, mine in busy.items():
+        others = [b for q, b in busy.items() if q != r]
+        if not others:
+            continue
+        typical = statistics.median(others)
+        if mine > SLOW_RATIO * typical and mine - typical > MIN_GAP_S:
+            slow.append(r)
+            lines.append(_sentence(r, ranks, typical, mine))
+    return {"steps": steps, "ranks": ranks, "slow": slow, "lines": lines}
+
+
+def _sentence(rank: int, ranks: dict, typical: float, mine: float) -> str:
+    figures = ranks[rank]
+    others = [v for q, v in ranks.items() if q != rank]
+    gaps = {p: figures[p] - statistics.median(o[p] for o in others) for p in ("compute", "between")}
+    phase = max(gaps, key=gaps.get)
+    where = "forward+backward" if phase == "compute" else "time between steps (data, optimizer, logging)"
+    ratio = mine / typical if typical > 0 else float("inf")
+    return (f"rank {rank} is {ratio:.1f}x slower than the median of the other ranks, in {where}: "
+            f"{figures[phase]:.3f} s per step (others {figures[phase] - gaps[phase]:.3f} s); "
+            f"forward+backward {figures['compute']:.3f} s, between steps {figures['between']:.3f} s, "
+            f"waiting {figures['wait']:.3f} s")

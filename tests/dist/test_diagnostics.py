@@ -1,0 +1,180 @@
+"""Diagnostics on real ranks: mismatched collectives named before Gloo aborts, hangs and lost
+ranks reported with the late rank and every rank's place."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+import phalanx
+from tests.harness import error_of, run_ranks
+
+WATCHDOG_S = 10.0
+
+
+def _line(marker: str) -> str:
+    """``test_diagnostics.py:N`` of the line in this file that ends with ``# marker``."""
+    with open(__file__) as f:
+        for number, text in enumerate(f, 1):
+            if text.rstrip().endswith(f"# {marker}"):
+                return f"test_diagnostics.py:{number}"
+    raise LookupError(marker)
+
+
+def _mismatches(rank, world_size):
+    out = {}
+    t = torch.ones(20 if rank == 0 else 12)
+    out["shapes"] = error_of(lambda: phalanx.all_reduce(t))  # shapes
+    if rank == 0:
+        out["ops"] = error_of(lambda: phalanx.all_reduce(torch.ones(4)))  # op all_reduce
+    else:
+        out["ops"] = error_of(lambda: phalanx.broadcast(torch.ones(4), src=0))  # op broadcast
+    # after a mismatch is named, the ranks are still in step: training can go on
+    ok = torch.tensor([float(rank)])
+    phalanx.all_reduce(ok)
+    out["after"] = ok.item()
+    out["async"] = phalanx.all_reduce(torch.ones(2), async_op=True).wait()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_mismatched_collectives_raise_on_every_rank_naming_each(world_size):
+    results = run_ranks(_mismatches, world_size)
+    others = ", ".join(map(str, range(1, world_size)))
+    plural = "ranks" if world_size > 2 else "rank"
+    verb = "are" if world_size > 2 else "is"
+    for out in results:
+        assert out["shapes"] == ("CollectiveMismatchError", (
+            "The ranks are at different collectives: rank 0 is at all_reduce float32[20] "
+            f"({_line('shapes')}); {plural} {others} {verb} at all_reduce float32[12] "
+            f"({_line('shapes')})"))
+        assert out["ops"] == ("CollectiveMismatchError", (
+            "The ranks are at different collectives: rank 0 is at all_reduce float32[4] "
+            f"({_line('op all_reduce')}); {plural} {others} {verb} at broadcast "
+            f"float32[4] src=0 ({_line('op broadcast')})"))
+        assert out["after"] == sum(range(world_size)) and out["async"]
+
+
+def _extra_barrier(rank, world_size):
+    phalanx.init_process_group(backend="gloo", timeout=timedelta(seconds=WATCHDOG_S))
+    phalanx.all_reduce(torch.ones(1))
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            phalanx.barrier()  # extra barrier
+        else:
+            time.sleep(3 * WATCHDOG_S)  # rank 1 is elsewhere
+        return ("no error", time.monotonic() - start)
+    except phalanx.CollectiveTimeoutError as e:
+        return (type(e).__name__, str(e), e.culprits, time.monotonic() - start)
+    finally:
+        phalanx.destroy_process_group()
+
+
+def test_a_rank_that_never_arrives_is_named_on_every_rank_within_the_limit():
+    results = run_ranks(_extra_barrier, 2, init=False, timeout=60)
+    for rank, (kind, message, culprits, took) in enumerate(results):
+        assert kind == "CollectiveTimeoutError" and culprits == [1], message
+        assert WATCHDOG_S - 1 < took < WATCHDOG_S + 6, took
+        assert ("Collective timed out: rank 0 waited 10 s (the watchdog limit: "
+                "init_process_group(timeout=...), phalanx run --watchdog) in #2 check before "
+                f"barrier ({_line('extra barrier')})") in message
+        assert "Late: rank(s) 1 never reached it" in message
+        assert f"rank 1 (" in message and f"at {_line('rank 1 is elsewhere')} in _extra_barrier" in message
+        assert "never reached #2: its last collective was #1 all_reduce float32[1]" in message
+        assert "Stacks of the late rank(s):" in message and "time.sleep" in message
+    assert results[1][1].startswith("Rank 1 was stopped: another rank gave up waiting for it.")
+
+
+def _early_exit(rank, world_size):
+    phalanx.init_process_group(backend="gloo", timeout=timedelta(seconds=WATCHDOG_S))
+    phalanx.all_reduce(torch.ones(1))
+    if rank == world_size - 1:
+        import os
+
+        os._exit(0)  # leaves mid-training, exit status 0
+    start = time.monotonic()
+    try:
+        phalanx.all_reduce(torch.ones(1))
+    except phalanx.RankExitedError as e:
+        return (type(e).__name__, str(e), e.culprits, time.monotonic() - start)
+    finally:
+        phalanx.destroy_process_group()
+
+
+def test_a_rank_that_exits_mid_training_is_named():
+    results = run_ranks(_early_exit, 3, init=False, timeout=60, return_exceptions=True)
+    for rank in (0, 1):
+        kind, message, culprits, took = results[rank]
+        assert kind == "RankExitedError" and culprits == [2], message
+        assert took < WATCHDOG_S, took
+        assert "Rank(s) 2 did not answer: gone" in message
+
+
+def _uneven(rank, world_size):
+    torch.manual_seed(0)
+    model = phalanx.DistributedDataParallel(torch.nn.Linear(4, 2))
+    out = {}
+    try:
+        for _ in range(3 + 2 * rank):  # rank 0 runs out of batches first
+            model(torch.randn(8, 4)).sum().backward()  # ddp step
+        phalanx.all_reduce(torch.ones(1))  # evaluation
+    except phalanx.CollectiveMismatchError as e:
+        out["error"] = str(e)
+    # named before Gloo saw a bucket of the wrong size: the ranks can still talk
+    out["after"] = phalanx.all_reduce(torch.ones(1)) or True
+    return out
+
+
+def test_a_rank_that_runs_out_of_batches_is_named_on_every_rank():
+    for out in run_ranks(_uneven, 2):
+        assert out["error"] == (
+            "The ranks are at different collectives: rank 0 is at all_reduce float32[1] "
+            f"({_line('evaluation')}); rank 1 is at DistributedDataParallel forward "
+            f"({_line('ddp step')}). A rank that runs out of batches before the others stops "
+            "joining DDP's steps: give every rank as many batches (DistributedSampler, "
+            "drop_last) or wrap the loop in `with model.join():`")
+        assert out["after"]
+
+
+def _straggling(rank, world_size, slow_rank):
+    import logging
+
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logging.getLogger("phalanx.diagnostics").addHandler(Keep())
+    phalanx.init_process_group(backend="gloo", straggler_every=10)
+    try:
+        torch.manual_seed(0)
+        model = phalanx.DistributedDataParallel(torch.nn.Linear(16, 16))
+        for _ in range(31):
+            if rank == slow_rank:
+                time.sleep(0.5)  # slow data loading on one rank
+            model(torch.randn(32, 16)).sum().backward()
+        return seen, phalanx.straggler_report()
+    finally:
+        phalanx.destroy_process_group()
+
+
+@pytest.mark.parametrize("slow_rank", [1, None])
+def test_a_slow_rank_is_named_although_every_step_takes_as_long(slow_rank):
+    results = run_ranks(_straggling, 3 if slow_rank is None else 2, slow_rank, init=False)
+    (lines, report), others = results[0], results[1:]
+    assert report["steps"] == 30 and sorted(report["ranks"]) == list(range(len(results)))
+    if slow_rank is None:
+        assert report["slow"] == [] and lines == []
+        return
+    assert report["slow"] == [1]
+    between = report["ranks"][1]["between"]
+    assert 0.5 <= between < 0.7 and report["ranks"][0]["wait"] > 0.3, report
+    assert len(lines) == 3  # one line per report: after 10, 20 and 30 steps
+    assert lines[-1].startswith("straggler: rank 1 is ") and "slower than the median of the " \
+        "other ranks, in time between steps (data, optimizer, logging): 0.5" in lines[-1]
+    assert all(seen == [] for seen, _ in others)  # rank 0 logs; the others keep quiet
