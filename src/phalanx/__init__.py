@@ -35,6 +35,7 @@ __version__ = "0.1.0"
 # the workers start. Export a new name by adding it here, to the TYPE_CHECKING block and to
 # __all__; tests/e2e/test_launch_cli.py checks that the launcher's start stays torch-free.
 _LAZY = {
+    "accumulation_steps": "batch",
     "Checkpointer": "checkpoint",
     "TrainingState": "checkpoint",
     "PreemptionHandler": "checkpoint",
@@ -58,6 +59,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
+    from .batch import accumulation_steps
     from .checkpoint import Checkpointer, PreemptionHandler, TrainingState
     from .ddp import DistributedDataParallel
     from .diagnostics import straggler_report
@@ -135,6 +137,7 @@ __all__ = [
     "UnusedParametersError",
     "UsageError",
     "ZeroRedundancyOptimizer",
+    "accumulation_steps",
     "barrier",
     "destroy_process_group",
     "get_device",
