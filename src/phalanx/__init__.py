@@ -35,6 +35,7 @@ __version__ = "0.1.0"
 # the workers start. Export a new name by adding it here, to the TYPE_CHECKING block and to
 # __all__; tests/e2e/test_launch_cli.py checks that the launcher's start stays torch-free.
 _LAZY = {
+    "accumulation_steps": "batch",
     "Checkpointer": "checkpoint",
     "TrainingState": "checkpoint",
     "PreemptionHandler": "checkpoint",
@@ -61,6 +62,7 @@ _LAZY = {
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from . import comm_hooks
+    from .batch import accumulation_steps
     from .checkpoint import Checkpointer, PreemptionHandler, TrainingState
     from .comm_hooks import DiLoCo, LocalSGD
     from .ddp import DistributedDataParallel
@@ -147,6 +149,7 @@ __all__ = [
     "UnusedParametersError",
     "UsageError",
     "ZeroRedundancyOptimizer",
+    "accumulation_steps",
     "barrier",
     "comm_hooks",
     "destroy_process_group",

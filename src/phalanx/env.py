@@ -269,6 +269,16 @@ def launcher_environ(
 # Set by `phalanx run` in every worker: the launcher prefixes each line of their console
 # output with "[rankN]: " itself, so phalanx's log lines leave the rank out.
 RANK_PREFIX_VAR = "PHALANX_RANK_PREFIX"
+# The job secret the launchers of several nodes share, and that processes started without a
+# launcher (srun) prove to rank 0's store (see phalanx.gate). Workers under `phalanx run` do
+# not get it: they reach the store through their launcher's door.
+JOB_SECRET_VAR = "PHALANX_JOB_SECRET"
+
+
+def job_secret(environ: Mapping[str, str] | None = None) -> str | None:
+    """``PHALANX_JOB_SECRET``, or ``None`` when it is unset or empty."""
+    environ = os.environ if environ is None else environ
+    return environ.get(JOB_SECRET_VAR) or None
 
 
 def launcher_prefixes_output(environ: Mapping[str, str] | None = None) -> bool:

@@ -24,11 +24,22 @@ import torch
 import torch.distributed as dist
 
 from . import env as _env
+from ._logging import get_logger
 from .diagnostics import monitor, syncpoint
 from .diagnostics.log import call_site
 from .diagnostics.monitor import Diagnostics
 from .diagnostics.straggler import DEFAULT_EVERY
-from .errors import AlreadyInitializedError, NotInitializedError, RendezvousError
+from .errors import (
+    AlreadyInitializedError,
+    EnvironmentConfigError,
+    NotInitializedError,
+    RendezvousError,
+)
+from .gate import ranks
+from .gate.handshake import Refused
+from .gate.secret import check_secret
+
+_log = get_logger(__name__)
 
 # torch's backend names; anything else is refused before c10d sees it.
 _KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "fake")
@@ -81,18 +92,13 @@ def _make_store(env: _env.DistEnv, timeout: timedelta) -> dist.Store:
     is_master = env.rank == 0 and not env.use_agent_store
     where = f"{env.master_addr}:{env.master_port}"
     try:
-        # wait_for_workers=False: _wait_for_all below names the ranks that never came,
-        # where TCPStore would only count them.
-        store = dist.TCPStore(
-            env.master_addr,
-            env.master_port,
-            env.world_size,
-            is_master=is_master,
-            timeout=timeout,
-            wait_for_workers=False,
-            multi_tenant=True,
-        )
-    except (RuntimeError, TimeoutError) as e:  # DistNetworkError/DistStoreError are RuntimeErrors
+        store = _open_store(env, timeout, is_master)
+    except Refused as e:
+        raise EnvironmentConfigError(
+            f"Rank {env.rank}: rank 0's store at {where} refused this process's "
+            f"PHALANX_JOB_SECRET ({e}); give every rank the same secret"
+        ) from None
+    except (RuntimeError, OSError) as e:  # DistNetworkError/DistStoreError; TimeoutError, bind
         if is_master:
             raise RendezvousError(
                 f"Rank 0 could not listen on {where} (MASTER_ADDR:MASTER_PORT): {e}. "
@@ -106,6 +112,23 @@ def _make_store(env: _env.DistEnv, timeout: timedelta) -> dist.Store:
     _wait_for_all(dist.PrefixStore(f"phalanx/join/{env.restart_count}", store), env, timeout, where)
     # As torch does for env://: keep the group's keys apart from other users of the store.
     return dist.PrefixStore("default_pg", store)
+
+
+def _open_store(env: _env.DistEnv, timeout: timedelta, is_master: bool) -> dist.Store:
+    """torch's TCPStore: rank 0's bound to MASTER_ADDR's interface only; behind the gate
+    when the job has a secret and no launcher hosts the store (see :mod:`phalanx.gate.ranks`)."""
+    host, port = env.master_addr, env.master_port
+    secret = None if env.use_agent_store else _env.job_secret()
+    if secret is not None:
+        key = check_secret(secret, _env.JOB_SECRET_VAR, EnvironmentConfigError)
+        meet = ranks.host_gated if is_master else ranks.reach_gated
+        return meet(host, port, key, timeout, _log.warning)
+    if is_master:
+        return ranks.host_bound(host, port, env.world_size, timeout)
+    # wait_for_workers=False: _wait_for_all names the ranks that never came, where TCPStore
+    # would only count them.
+    return dist.TCPStore(host, port, env.world_size, is_master=False, timeout=timeout,
+                         wait_for_workers=False, multi_tenant=True)
 
 
 def _wait_for_all(store: dist.Store, env: _env.DistEnv, timeout: timedelta, where: str) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -10,11 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+import pytest
+
+from phalanx.bench import netns
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 BEHAVE = str(SCRIPTS / "behave.py")
 TRAIN = str(SCRIPTS / "train_tiny.py")
 ROOT = Path(__file__).resolve().parents[2]
+# The job secret the launchers of several nodes share in these tests (PHALANX_JOB_SECRET).
+SECRET = "phalanx-tests-job-secret-0123456789"
 
 
 @dataclass
@@ -26,7 +33,8 @@ class Finished:
 
 
 def base_env(**extra: str | None) -> dict[str, str]:
-    """This environment, without launcher variables a test runner may carry, plus ``extra``."""
+    """This environment, without launcher variables a test runner may carry, plus ``extra``
+    (``PHALANX_JOB_SECRET`` among the variables dropped: pass it when a test needs it)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TORCHELASTIC_", "PET_", "PHALANX_")) and k not in (
                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -38,6 +46,11 @@ def base_env(**extra: str | None) -> dict[str, str]:
         else:
             env[key] = value
     return env
+
+
+def node_env(**extra: str | None) -> dict[str, str]:
+    """:func:`base_env` with the tests' job secret, for launchers of several nodes."""
+    return base_env(PHALANX_JOB_SECRET=SECRET, **extra)
 
 
 def phalanx_cmd(*args: str) -> list[str]:
@@ -91,3 +104,57 @@ def wait_all_gone(pids: list[int], timeout: float) -> list[int]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def veth_namespaces():
+    """Two network namespaces joined by a veth pair: (ns, interface, address) for each
+    (phalanx.bench.netns, which the slow-link benchmark uses too); skips without root."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    if shutil.which("ip") is None:
+        pytest.skip("the `ip` command (iproute2) is not installed")
+    try:
+        with netns.veth_namespaces("phx", "10.213.0") as nodes:
+            yield nodes
+    except netns.NamespaceError as e:
+        if e.nothing_created:  # root, but not allowed to (no CAP_SYS_ADMIN, say)
+            pytest.skip(f"cannot create a network namespace: {e}")
+        raise
+
+
+def in_namespace(ns: str, cmd: list[str]) -> list[str]:
+    """``cmd`` run inside network namespace ``ns`` (``ip netns exec`` execs it: same pid)."""
+    return ["ip", "netns", "exec", ns, *cmd]
+
+
+def listening_addresses(ss_output: str) -> list[tuple[str, int]]:
+    """``(address, port)`` of each listening socket in ``ss -ltnH`` output (IPv6 without
+    brackets; ``*`` and ``::``/``0.0.0.0`` are the wildcards)."""
+    found = []
+    for line in ss_output.splitlines():
+        fields = line.split()
+        if len(fields) >= 4:
+            host, _, port = fields[3].rpartition(":")
+            found.append((host.strip("[]").split("%")[0], int(port)))
+    return found
+
+
+WILDCARDS = ("0.0.0.0", "::", "*")
+
+
+def tree_listeners(pid: int) -> list[tuple[int, str, int]]:
+    """``(pid, address, port)`` of every listening TCP socket of ``pid`` and its descendants."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for proc in procs:
+        try:
+            found += [(proc.pid, c.laddr[0], c.laddr[1]) for c in proc.net_connections(kind="tcp")
+                      if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
+            continue
+    return found

@@ -15,12 +15,13 @@ import time
 import pytest
 
 from phalanx import cli
+from phalanx.errors import RendezvousError
 from phalanx.launcher import LaunchConfig, StreamChoice, rendezvous
 from phalanx.launcher import console as console_module
 from phalanx.launcher.console import Console
 from phalanx.launcher.output import recorded_error, traceback_tail
 from phalanx.launcher.workers import Worker, first_failure
-from tests.e2e.launch_helpers import BEHAVE, ROOT, base_env
+from tests.e2e.launch_helpers import BEHAVE, ROOT, SECRET, base_env
 from tests.harness import free_port
 
 
@@ -33,7 +34,13 @@ def _config(*argv: str) -> LaunchConfig:
     return cli.config_from_args(cli.build_parser().parse_args(["run", *argv]))
 
 
-def test_dashed_and_underscored_spellings_mean_the_same():
+@pytest.fixture
+def secret(monkeypatch):
+    """A job secret in this process's environment, as launchers of several nodes need."""
+    monkeypatch.setenv("PHALANX_JOB_SECRET", SECRET)
+
+
+def test_dashed_and_underscored_spellings_mean_the_same(secret):
     dashed = _config("--nproc-per-node", "3", "--nnodes", "2", "--node-rank", "1",
                      "--master-addr", "10.1.2.3", "--master-port", "1234", "--max-restarts", "2",
                      "--monitor-interval", "0.5", "--shutdown-timeout", "7", "--rdzv-timeout", "9",
@@ -88,10 +95,18 @@ def test_defaults_module_mode_and_stream_choices():
     (["--log-dir", "d", "--tee", "9", BEHAVE], "Invalid --tee '9'"),
     (["--bogus", BEHAVE], "unrecognized arguments: --bogus; not an option of phalanx's nor of "
                           "torchrun's (phalanx run -h lists them all)"),
-    (["--nnodes", "two", BEHAVE], "Invalid --nnodes 'two': expected a number of nodes N (or N:N)"),
-    (["--nnodes", "1:2", BEHAVE], "--nnodes 1:2: elastic membership (a range MIN:MAX of nodes) "
-                                  "is not supported yet; it comes in its own issue. Give a fixed "
-                                  "number: --nnodes 2 (or 2:2)"),
+    (["--nnodes", "two", BEHAVE], "Invalid --nnodes 'two': expected a number of nodes N, or "
+                                  "MIN:MAX (elastic: the job runs on MIN to MAX nodes)"),
+    (["--nnodes", "3:2", BEHAVE], "Invalid --nnodes 3:2: expected MIN:MAX with 1 <= MIN <= MAX, "
+                                  "got MIN 3 and MAX 2"),
+    (["--nnodes", "0:2", BEHAVE], "Invalid --nnodes 0:2: expected MIN:MAX with 1 <= MIN <= MAX"),
+    (["--nnodes", "1:", BEHAVE], "Invalid --nnodes '1:': expected a number of nodes N, or MIN:MAX"),
+    (["--nnodes", "1:2", BEHAVE], "--nnodes 1:2: several nodes need a job secret, the same on "
+                                  "every node, so that no one else can join or write the job's "
+                                  "store: set PHALANX_JOB_SECRET or pass --job-secret-file PATH"),
+    (["--nnodes", "2", "--node-rank", "1", BEHAVE], "--nnodes 2: several nodes need a job secret"),
+    (["--nnodes", "2", "--job-secret-file", "/no/such/file", BEHAVE],
+     "Cannot read the job secret file '/no/such/file': No such file or directory"),
     ([], "phalanx run: error: script is required: phalanx run [options] script.py [script args...]"),
     (["--nproc-per-node", "2"], "script is required"),
     (["--no-python", "-m", "json.tool"], "--no-python runs a command, -m a Python module"),
@@ -111,6 +126,12 @@ def test_bad_input_exits_2_with_a_clear_message(capsys, argv, message):
 @pytest.mark.parametrize("argv, expected", [
     (["--rdzv-backend", "c10d", "--rdzv-endpoint", "10.1.2.3:1234", "--nnodes", "2",
       "--node-rank", "1"], {"master_addr": "10.1.2.3", "master_port": 1234, "nnodes": 2, "node_rank": 1}),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--nnodes", "2"],  # numbered by arrival
+     {"min_nnodes": 2, "nnodes": 2, "node_rank": None}),
+    (["--nnodes", "1:4", "--rdzv-conf", "last_call_timeout=0.5"],  # elastic
+     {"min_nnodes": 1, "nnodes": 4, "node_rank": None, "last_call_timeout": 0.5}),
+    (["--nnodes", "2:4", "--node-rank", "3"], {"min_nnodes": 2, "nnodes": 4, "node_rank": 3}),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1"], {"node_rank": 0}),  # static: --node-rank 0
     (["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0"], {"standalone": True}),  # = --standalone
     (["--rdzv-backend", "c10d", "--rdzv-endpoint", "node0"], {"master_addr": "node0", "master_port": 29400}),
     (["--rdzv-endpoint", "[::1]:5", "--rdzv-conf", "join_timeout=900"],
@@ -122,7 +143,7 @@ def test_bad_input_exits_2_with_a_clear_message(capsys, argv, message):
     (["--no-rank-prefix", "--local-ranks-filter", "1, 3"],
      {"rank_prefix": False, "local_ranks_filter": (1, 3)}),
 ])
-def test_torchruns_options_with_torchruns_meaning(argv, expected):
+def test_torchruns_options_with_torchruns_meaning(secret, argv, expected):
     config = _config(*argv, BEHAVE)
     assert {key: getattr(config, key) for key in expected} == expected
     assert _config("--no-python", "true", "x").command == ["true", "x"]
@@ -132,10 +153,9 @@ def test_torchruns_options_with_torchruns_meaning(argv, expected):
 @pytest.mark.parametrize("argv, message", [
     (["--rdzv-backend", "etcd-v2"], "--rdzv-backend 'etcd-v2' is not supported: phalanx's "
                                     "rendezvous is a TCPStore hosted by node 0's launcher"),
-    (["--rdzv-endpoint", "h:1", "--nnodes", "2"], "give each node its --node-rank, 0 on h"),
     (["--rdzv-endpoint", "h:1", "--master-port", "2"], "--rdzv-endpoint names node 0's address"),
     (["--rdzv-endpoint", "h"], "--rdzv-endpoint 'h' has no port"),
-    (["--rdzv-conf", "last_call_timeout=5"], "--rdzv-conf last_call_timeout: not supported"),
+    (["--rdzv-conf", "read_timeout=5"], "--rdzv-conf read_timeout: not supported"),
     (["--rdzv-conf", "timeout=5", "--rdzv-timeout", "3"], "say the same: give one"),
     (["--local-addr", "10.0.0.2"], "torchrun's --local-addr is not supported: phalanx needs no "
                                    "address of the local node"),
@@ -191,7 +211,7 @@ def test_master_address_not_of_this_host(capsys):
     assert "Master address 192.0.2.1 (192.0.2.1) is not an address of this machine" in err
 
 
-def test_unreachable_master_fails_within_the_timeout_naming_it(capsys):
+def test_unreachable_master_fails_within_the_timeout_naming_it(capsys, secret):
     port = free_port()  # nothing listens there
     began = time.monotonic()
     code, err = _main(capsys, "run", "--nnodes", "2", "--node-rank", "1", "--master-addr",
@@ -380,23 +400,16 @@ def test_recorded_error_reads_what_torchs_record_writes(tmp_path, monkeypatch):
 
 
 def test_a_failed_rendezvous_gives_node_0s_ports_back(monkeypatch):
-    opened = []
-
-    def bind(host, port):
-        opened.append(real_bind(host, port))
-        return opened[-1]
-
     def no_store(*args):
         raise RuntimeError("store failed")
 
-    real_bind = rendezvous.bind_listener
-    monkeypatch.setattr(rendezvous, "bind_listener", bind)
     monkeypatch.setattr(rendezvous, "_tcp_store", no_store)
-    config = LaunchConfig(BEHAVE, nnodes=2, node_rank=0, master_port=free_port())
-    with pytest.raises(RuntimeError, match="store failed"):
-        rendezvous.meet(config, 1, lambda: None, guardian=None)
-    assert len(opened) == 2  # the rendezvous port and the workers' store port
-    assert [sock.fileno() for sock in opened] == [-1, -1]  # both closed
+    port = free_port()
+    config = LaunchConfig(BEHAVE, nnodes=2, node_rank=0, master_port=port, job_secret=SECRET)
+    with pytest.raises(RendezvousError, match="could not reach its store helper .store failed"):
+        rendezvous.meet(config, 1, lambda: None, guardian=None, note=print)
+    with socket.socket() as again:  # the gate's port is free at once: its helper is gone
+        again.bind(("127.0.0.1", port))
 
 
 def test_the_failure_named_is_the_first_exit_seen_not_the_lowest_rank():

@@ -80,7 +80,7 @@ def test_torch_ddp_script_runs_and_restarts_under_phalanx(tmp_path):
     # Plain torch.distributed + torch DDP, rank 1 dying after a step of the first attempt:
     # the restarted group must meet in a fresh store (torchrun's restart reuses its store and
     # the new Gloo group can dial the dead attempt's addresses).
-    out, listeners = tmp_path / "params.pt", tmp_path / "listeners.json"
+    out, listeners = tmp_path / "params.pt", tmp_path / "listeners"
     res = run(phalanx_cmd("--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
                           TRAIN, "--ddp", "torch", "--fail-once-rank", "1", "--out", str(out),
                           "--listeners", str(listeners)))
@@ -89,9 +89,9 @@ def test_torch_ddp_script_runs_and_restarts_under_phalanx(tmp_path):
     saved = torch.load(out)
     assert saved["attempt"] == 1 and saved["world"] == 2
     _assert_close(saved, _local_training())
-    # --standalone: the launcher's socket and its store host listen on loopback only
-    found = json.loads(listeners.read_text())
-    assert {a for addrs in found.values() for a in addrs} == {"127.0.0.1"}, found
+    # --standalone: the launcher's store helper (its door, the store) listens on loopback only
+    found = json.loads((tmp_path / "listeners.launcher.rank0").read_text())
+    assert found and set(found) == {"127.0.0.1"}, found
 
 
 def test_phalanx_script_runs_under_torchrun(tmp_path):

@@ -8,24 +8,23 @@ stores must use the master address, and node 0's stores must listen on it alone)
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import shutil
 import signal
 
 import pytest
 import torch
 
-from phalanx.bench.netns import NamespaceError, veth_namespaces
 from tests.e2e.launch_helpers import (
     BEHAVE,
+    SECRET,
     TRAIN,
     base_env,
     finish,
+    listening_addresses,
+    node_env,
     phalanx_cmd,
     run,
     start,
+    veth_namespaces,
     wait_for_files,
 )
 from tests.harness import free_port
@@ -46,7 +45,7 @@ def _two_nodes(addr, port, nprocs, outs, wrap=(None, None), envs=(None, None)):
         cmd = phalanx_cmd("--nnodes", "2", "--node-rank", str(node), "--master-addr", addr,
                           "--master-port", str(port), "--nproc-per-node", str(nprocs[node]),
                           "--rdzv-timeout", "120", TRAIN, *outs[node])
-        procs.append(start((wrap[node] or []) + cmd, envs[node]))
+        procs.append(start((wrap[node] or []) + cmd, envs[node] or node_env()))
     return [finish(p, timeout=240) for p in reversed(procs)]
 
 
@@ -67,45 +66,30 @@ def test_two_nodes_on_loopback_equal_one_node(tmp_path, reference):
     _assert_same(torch.load(out), reference)
 
 
-@contextlib.contextmanager
-def _veth_namespaces():
-    """Two network namespaces joined by a veth pair: (ns, interface, address) for each."""
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    if shutil.which("ip") is None:
-        pytest.skip("the `ip` command (iproute2) is not installed")
-    try:
-        with veth_namespaces("phx", "10.213.0") as nodes:
-            yield nodes
-    except NamespaceError as e:
-        if e.nothing_created:  # root, but not allowed to (no CAP_SYS_ADMIN, say)
-            pytest.skip(f"cannot create a network namespace: {e}")
-        raise
-
-
 def test_two_nodes_in_network_namespaces_equal_one_node(tmp_path, reference):
-    out, listeners = tmp_path / "params.pt", tmp_path / "listeners.json"
-    with _veth_namespaces() as nodes:
-        (ns0, dev0, addr0), (ns1, dev1, _) = nodes
+    out, listeners = tmp_path / "params.pt", tmp_path / "listeners"
+    with veth_namespaces() as nodes:
+        (ns0, dev0, addr0), (ns1, dev1, addr1) = nodes
         # Gloo picks its interface from the hostname, which resolves to loopback here; on a
         # real cluster one sets GLOO_SOCKET_IFNAME (or NCCL_SOCKET_IFNAME) the same way.
-        envs = (base_env(GLOO_SOCKET_IFNAME=dev0), base_env(GLOO_SOCKET_IFNAME=dev1))
+        envs = (node_env(GLOO_SOCKET_IFNAME=dev0), node_env(GLOO_SOCKET_IFNAME=dev1))
         # node 0 runs 1 worker, node 1 runs 3: the nodes agree on rank offsets 0 and 1
         node0, node1 = _two_nodes(
             addr0, 29500, (1, 3),
-            (["--out", str(out), "--listeners", str(listeners)], ["--out", str(tmp_path / "x")]),
+            (["--out", str(out), "--listeners", str(listeners)],
+             ["--out", str(tmp_path / "x"), "--listeners", str(listeners)]),
             wrap=(["ip", "netns", "exec", ns0], ["ip", "netns", "exec", ns1]), envs=envs,
         )
     assert node0.code == 0 and node1.code == 0, node0.err + node1.err
     assert "[rank0]: rank 0/4" in node0.out
     assert all(f"[rank{r}]: rank {r}/4" in node1.out for r in (1, 2, 3))
     _assert_same(torch.load(out), reference)
-    # node 0's launcher (rendezvous store, workers' store socket) and its store host listen
-    # on the master address only, never on every interface
-    found = json.loads(listeners.read_text())
-    assert len(found) == 2 and all(found.values()), found
-    assert {addr for addrs in found.values() for addr in addrs} == {addr0}, found
-
+    # `ss -ltn` in each namespace while the job ran: no wildcard listener; node 0's gate on
+    # the master address, Gloo on each node's own address, the rest on loopback
+    for rank, addr in ((0, addr0), (1, addr1)):
+        found = listening_addresses((tmp_path / f"listeners.rank{rank}").read_text())
+        assert found and {a for a, _ in found} <= {addr, "127.0.0.1"}, found
+    assert (addr0, 29500) in listening_addresses((tmp_path / "listeners.rank0").read_text())
 
 
 def _behaving_nodes(tmp_path, *worker_args, opts=()):
@@ -113,7 +97,7 @@ def _behaving_nodes(tmp_path, *worker_args, opts=()):
     port = str(free_port())
     return [start(phalanx_cmd("--nnodes", "2", "--node-rank", str(node), "--master-addr",
                               "127.0.0.1", "--master-port", port, *opts, BEHAVE,
-                              "--record", str(tmp_path), *worker_args))
+                              "--record", str(tmp_path), *worker_args), node_env())
             for node in (0, 1)]
 
 
@@ -154,9 +138,48 @@ def test_launchers_started_with_different_options_both_refuse(tmp_path):
     port = str(free_port())
     procs = [start(phalanx_cmd("--nnodes", "2", "--node-rank", str(node), "--master-addr",
                                "127.0.0.1", "--master-port", port, "--max-restarts", str(node),
-                               BEHAVE, "--record", str(tmp_path)))
+                               BEHAVE, "--record", str(tmp_path)), node_env())
              for node in (0, 1)]
     for res in [finish(p, timeout=60) for p in procs]:
         assert res.code == 1, res.err
         assert "disagree on --max-restarts: node 0 has 0, node 1 has 1" in res.err
     assert not (tmp_path / "attempts.log").exists()  # no worker started anywhere
+
+
+def test_a_node_rank_held_by_a_live_launcher_is_refused_a_replacement_is_let_in(tmp_path):
+    """--nnodes 2 (fixed): a second launcher with node 1's rank is refused while node 1 runs,
+    one with another secret too (exit 2); once node 1's launcher is killed, the same command
+    again takes its place at the next round, with no restart used."""
+    port, record = str(free_port()), tmp_path / "record"
+    record.mkdir()
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET + "\n")
+    secret_file.chmod(0o600)
+
+    def node(rank: int, env: dict | None = None):
+        return start(phalanx_cmd("--nnodes", "2", "--node-rank", str(rank), "--master-addr",
+                                 "127.0.0.1", "--master-port", port, "--rdzv-timeout", "60",
+                                 "--job-secret-file", str(secret_file), BEHAVE, "--record",
+                                 str(record), "--first-sleep", "60", "--on-sigterm-exit", "0"),
+                     env or base_env())
+
+    node0, node1 = node(0), node(1)
+    wait_for_files([record / "pid.0", record / "pid.1"])
+    twin = finish(node(1), timeout=60)
+    assert twin.code == 1, twin.err
+    assert f"Node rank 1 is already taken at 127.0.0.1:{port} by the launcher on" in twin.err
+    stranger = finish(start(phalanx_cmd(
+        "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", port,
+        BEHAVE, "--record", str(record)), base_env(PHALANX_JOB_SECRET="not-this-jobs-secret-42")))
+    assert stranger.code == 2, stranger.err
+    assert (f"Node 1: node 0's launcher at 127.0.0.1:{port} refused this node's job secret"
+            in stranger.err)
+    node1.send_signal(signal.SIGKILL)
+    finish(node1)
+    replacement = finish(node(1), timeout=120)
+    first = finish(node0, timeout=60)
+    assert first.code == 0 and replacement.code == 0, first.err + replacement.err
+    assert "left: the nodes meet again (no restart used)" in first.err
+    assert "round 1: 2 node(s)" in first.err
+    assert sorted((record / "attempts.log").read_text().splitlines()) == [
+        "attempt 0 rank 0", "attempt 0 rank 1", "attempt 1 rank 0", "attempt 1 rank 1"]

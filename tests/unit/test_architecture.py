@@ -13,33 +13,35 @@ ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "phalanx"
 
 # What each part of phalanx may import from phalanx (a part: a top-level module or package).
-# Bottom to top; the launcher stack (launcher, cli) shares only env, errors, _logging with the
-# training stack. The package __init__ (lazy public names) may import anything.
+# Bottom to top; the launcher stack (launcher, cli) shares only env, errors, _logging and gate
+# (the store's authenticating gate and doors, which both sides host) with the training stack. The package __init__ (lazy public names) may import anything.
 ALLOWED = {
     "errors": set(),
     "env": {"errors"},
     "_logging": {"env"},
     "comm": set(),
+    "gate": set(),
     "diagnostics": {"errors", "_logging", "comm"},
     "uneven": {"diagnostics", "errors", "comm"},
     "metrics": {"diagnostics"},
-    "process_group": {"env", "errors", "diagnostics"},
+    "process_group": {"env", "errors", "gate", "_logging", "diagnostics"},
     "agreement": {"comm", "errors"},
     "sampler": {"process_group"},
+    "batch": {"process_group", "_logging"},
     "sync_batchnorm": {"diagnostics"},
     "ddp": {"comm", "agreement", "errors", "_logging", "diagnostics", "uneven"},
     "zero": {"comm", "agreement", "errors", "diagnostics"},
     "comm_hooks": {"comm", "ddp", "diagnostics"},
     "checkpoint": {"comm", "agreement", "process_group", "errors", "_logging", "ddp",
                    "diagnostics"},
-    "launcher": {"env", "errors", "_logging"},
+    "launcher": {"env", "errors", "_logging", "gate"},
     "bench": {"ddp", "comm_hooks", "process_group", "launcher", "diagnostics"},
     "cli": {"launcher", "errors", "bench"},
     "__main__": {"cli"},
 }
 # Parts that must not import torch when imported (the launcher starts before its workers and
 # must not pay torch's seconds of import first); imports inside functions are allowed.
-TORCH_FREE = {"errors", "env", "_logging", "launcher", "cli", "__main__", "bench.report",
+TORCH_FREE = {"errors", "env", "_logging", "gate", "launcher", "cli", "__main__", "bench.report",
               "bench.ranks", "bench.options", "bench.netns", "bench"}
 
 
@@ -96,7 +98,7 @@ def layering_violations(src: Path) -> list[str]:
                 problems.append(f"{module} imports {target}: {part} may import only "
                                 f"{sorted(ALLOWED.get(part, set()))}")
         name = module.removeprefix("phalanx.")
-        if name in TORCH_FREE or part in {"launcher", "cli", "__main__"}:
+        if name in TORCH_FREE or part in {"launcher", "cli", "__main__", "gate"}:
             torch = [t for t in _imports(path, module, top_level_only=True)
                      if t == "torch" or t.startswith("torch.")]
             if torch:
@@ -123,7 +125,7 @@ def test_the_check_catches_a_launcher_that_imports_ddp(tmp_path):
         (fake / name).write_text(text)
     assert layering_violations(fake) == [
         "phalanx.launcher.agent imports phalanx.ddp: launcher may import only "
-        "['_logging', 'env', 'errors']",
+        "['_logging', 'env', 'errors', 'gate']",
         "phalanx.launcher.agent imports torch.distributed at module level",
     ]
 

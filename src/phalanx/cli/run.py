@@ -8,34 +8,66 @@
 **One node.** ``phalanx run --standalone --nproc-per-node 4 train.py`` (a free port on
 loopback), or ``--master-port P`` to choose the port.
 
-**Several nodes.** On every node, with the same options except ``--node-rank``::
+**Several nodes.** On every node, with the same options except ``--node-rank``, and the
+same job secret (``PHALANX_JOB_SECRET``, or ``--job-secret-file PATH``, a file of mode 0600)::
 
+    export PHALANX_JOB_SECRET=...                               # the same on every node
     phalanx run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \\
                 --nproc-per-node 8 train.py                     # on 10.0.0.1
     phalanx run --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 \\
                 --nproc-per-node 8 train.py                     # on the other node
 
-Node 0's launcher hosts the rendezvous store (torch's ``TCPStore``) at the master address and
-port, listening on that interface only. The other nodes wait for it up to ``--rdzv-timeout``
-seconds, then fail naming the address, the port and the timeout. The launchers agree on the
-world size and on each node's first rank; nodes may run different numbers of workers.
+Node 0's launcher hosts the rendezvous store (torch's ``TCPStore``) behind a gate at the
+master address and port, listening on that interface only: a connection gets through only
+once it has proved the job secret. The other nodes wait for it up to ``--rdzv-timeout``
+seconds, then fail naming the address, the port and the timeout; a node with another secret
+is refused (exit 2). Node 0 decides each round's nodes, world size and each node's first
+rank; nodes may run different numbers of workers. Workers need no secret: each launcher lets
+its own workers (and no other process) reach the store, at ``MASTER_ADDR=127.0.0.1`` and a
+port of its own.
+
+**Elastic** (``--nnodes MIN:MAX``): the job starts once MIN nodes have joined (the first round
+waits ``--rdzv-conf last_call_timeout=S``, 3 s by default, for up to MAX); when a node is lost
+(its launcher exits or is killed; a dead machine is noticed within ~11 s) or a new node joins
+while fewer than MAX run, every worker is stopped (SIGTERM: a script with
+``phalanx.PreemptionHandler`` checkpoints first) and the nodes meet again, at least MIN, and
+start the workers at the new ``WORLD_SIZE``. A membership change uses no ``--max-restarts``.
+Nodes may omit ``--node-rank``: they are numbered as they join, node 0 being the one that
+can listen at the master address (torchrun's c10d host). A node beyond MAX waits for a place.
+The script resumes from its last checkpoint (``phalanx.Checkpointer``; the sampler's global
+cursor serves every remaining sample once at any world size; ``phalanx.accumulation_steps``
+keeps the global batch).
+
+**Replacing a node.** A launcher started again with the same command (and ``--node-rank``, or
+none under elastic) takes the place of one that is gone, at the next round; with a fixed
+``--nnodes N`` node 0 waits up to ``--rdzv-timeout`` for it. A launcher claiming the rank of a
+node that still runs, or whose loss is not noticed yet, is refused. Node 0 itself, which hosts the store, cannot be replaced:
+when it goes, the job ends (the others exit 1, "lost the rendezvous store").
+
+**End of the job.** When every worker of every node has exited 0, every launcher exits 0:
+node 0's store stays up after its launcher has exited (at most 30 s) until each node has
+learned it.
 
 **torchrun's options.** Every option also has torchrun's underscored spelling
 (``--nproc_per_node``...), and torchrun's other options are understood:
 ``--rdzv-backend static|c10d`` with ``--rdzv-endpoint HOST:PORT`` (node 0's address, as
-``--master-addr``/``--master-port``), ``--rdzv-conf join_timeout=S``, ``--nnodes N:N``,
-``--role``, ``--no-python``, ``--run-path``, ``--start-method``, ``--local-ranks-filter``,
-``--redirects``/``--tee``. The rest (elastic ``--nnodes MIN:MAX``, etcd, ``--local-addr``,
+``--master-addr``/``--master-port``; with c10d, nodes without ``--node-rank`` are numbered as
+they join), ``--rdzv-id``, ``--rdzv-conf join_timeout=S,last_call_timeout=S``,
+``--nnodes MIN:MAX``, ``--role``, ``--no-python``, ``--run-path``, ``--start-method``,
+``--local-ranks-filter``, ``--redirects``/``--tee``. The rest (etcd, ``--local-addr``,
 ``--numa-binding``...) are refused with what to do instead.
 
 **Definitions.** A *node* is one machine (one launcher); a *worker* is one process running
-the script; a *round* is one attempt of the whole group, so restart *k* is round *k*.
+the script; a *round* is one attempt of the whole group: the first, each restart after a
+failure, and each new meeting after a membership change.
 
 **Worker environment** (the names torchrun uses, so scripts move freely between the two):
 ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (node rank),
 ``GROUP_WORLD_SIZE`` (nodes), ``ROLE_RANK``, ``ROLE_WORLD_SIZE``, ``ROLE_NAME`` (``--role``),
 ``MASTER_ADDR``/``MASTER_PORT`` (the workers' store, hosted by node 0's launcher, fresh every
-round: ``TORCHELASTIC_USE_AGENT_STORE=True``), ``TORCHELASTIC_RESTART_COUNT`` (the round),
+round, reached through this launcher: the master address and port on one node, loopback on
+several; ``TORCHELASTIC_USE_AGENT_STORE=True``), ``TORCHELASTIC_RESTART_COUNT`` (the round,
+membership changes included; torchrun counts failures only),
 ``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_ERROR_FILE``,
 ``TORCHELASTIC_SIGNALS_TO_HANDLE``, ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``. When unset:
 ``OMP_NUM_THREADS`` = usable cores / local workers (at least 1; torchrun sets 1) and
@@ -77,8 +109,10 @@ parent-death signal, and a small guardian process kills each worker's whole proc
 the launcher is gone.
 
 **Exit status.** 0 success; a worker's status; 75 preempted; 128 + N after signal N (130
-after Ctrl-C); 1 the nodes could not meet; 2 bad input (unknown option, missing script or
-module, ``--nproc-per-node 0``, ``--node-rank`` >= ``--nnodes``, master port in use).
+after Ctrl-C); 1 the nodes could not meet (or node 0 was lost, or refused this node's rank);
+2 bad input (unknown option, missing script or module, ``--nproc-per-node 0``,
+``--node-rank`` >= ``--nnodes``, ``--nnodes`` MIN above MAX, several nodes without a job
+secret or with another one than node 0's, master port in use).
 """
 
 from __future__ import annotations
@@ -94,6 +128,7 @@ from ..launcher.config import (
     DEFAULT_MONITOR_INTERVAL,
     DEFAULT_RDZV_TIMEOUT,
     DEFAULT_SHUTDOWN_TIMEOUT,
+    resolve_secret,
 )
 from . import torchrun
 from .text import add_manual_parser
@@ -107,8 +142,10 @@ def add_run(commands: argparse._SubParsersAction) -> None:
     add = parser.add_argument
     add("--nproc-per-node", "--nproc_per_node", "--nproc", default="1", metavar="N|auto|cpu|gpu",
         help="workers on this node (default 1)")
-    add("--nnodes", default="1", metavar="N", help="number of nodes (default 1; torchrun's N:N too)")
-    add("--node-rank", "--node_rank", type=int, default=None, help="this node's rank (default 0)")
+    add("--nnodes", default="1", metavar="N|MIN:MAX",
+        help="number of nodes (default 1); MIN:MAX: elastic, from MIN to MAX nodes")
+    add("--node-rank", "--node_rank", type=int, default=None,
+        help="this node's rank (default 0; elastic or c10d: numbered as the nodes join)")
     add("--master-addr", "--master_addr", default=None,
         help=f"node 0's address (default {DEFAULT_MASTER_ADDR})")
     add("--master-port", "--master_port", type=int, default=None,
@@ -125,6 +162,9 @@ def add_run(commands: argparse._SubParsersAction) -> None:
              "fails naming the late rank (default 300: init_process_group(timeout=...))")
     add("--rdzv-timeout", "--rdzv_timeout", type=float, default=None,
         help=f"seconds to wait for the master and the other nodes (default {DEFAULT_RDZV_TIMEOUT:g})")
+    add("--job-secret-file", default=None, metavar="PATH",
+        help="several nodes: the job secret, in a file only you may read (mode 0600); "
+             "default: PHALANX_JOB_SECRET")
     add("--rdzv-id", "--rdzv_id", "--run-id", "--run_id", default="",
         help="the job's id, TORCHELASTIC_RUN_ID (default: drawn at random)")
     add("--log-dir", "--log_dir", default=None,
@@ -155,13 +195,13 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                 "(without it every stream goes to the console)"
             )
     torchrun.check_accepted(args)
-    nnodes = torchrun.parse_nnodes(args.nnodes)
+    min_nnodes, nnodes = torchrun.parse_nnodes(args.nnodes)
     settings = {
         "master_addr": args.master_addr or DEFAULT_MASTER_ADDR,
         "master_port": DEFAULT_MASTER_PORT if args.master_port is None else args.master_port,
         "standalone": args.standalone,
         "rdzv_timeout": DEFAULT_RDZV_TIMEOUT if args.rdzv_timeout is None else args.rdzv_timeout,
-        **torchrun.rendezvous(args, nnodes),
+        **torchrun.rendezvous(args),
     }
     return LaunchConfig(
         entrypoint=args.script,
@@ -169,7 +209,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         module=args.module,
         nproc_per_node=resolve_nproc(args.nproc_per_node),
         nnodes=nnodes,
-        node_rank=args.node_rank or 0,
+        min_nnodes=min_nnodes,
+        node_rank=torchrun.node_rank(args, (min_nnodes, nnodes)),
+        job_secret=resolve_secret(args.job_secret_file),
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
         shutdown_timeout=args.shutdown_timeout,

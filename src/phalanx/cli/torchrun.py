@@ -21,8 +21,10 @@ C10D_DEFAULT_PORT = 29400
 # The signals phalanx run handles, whatever --signals-to-handle says (launcher/events.py):
 # the first four stop the workers, the last two are forwarded to them.
 _HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
-# --rdzv-conf keys phalanx understands: both mean "how long to wait for the other nodes".
+# --rdzv-conf keys phalanx understands: the first two mean "how long to wait for the other
+# nodes" (--rdzv-timeout); last_call_timeout is torchrun's elastic last call.
 _TIMEOUT_KEYS = ("join_timeout", "timeout")
+_LAST_CALL_KEY = "last_call_timeout"
 
 # torchrun options phalanx refuses, with what it does instead (option names, nargs, message).
 _REFUSED: tuple[tuple[tuple[str, ...], int | None, str], ...] = (
@@ -60,12 +62,13 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     add = group.add_argument
     add("--rdzv-backend", "--rdzv_backend", default=None, metavar="static|c10d",
         help="both mean node 0 hosts the store at --rdzv-endpoint (or --master-addr/port); "
-             "every node needs its --node-rank")
+             "with c10d, nodes without --node-rank are numbered as they join")
     add("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST[:PORT]",
         help=f"node 0's address and port, as --master-addr/--master-port (c10d's port "
              f"{C10D_DEFAULT_PORT} when none is given)")
     add("--rdzv-conf", "--rdzv_conf", default=None, metavar="KEY=VALUE,...",
-        help="join_timeout=S or timeout=S: as --rdzv-timeout S; other keys are refused")
+        help="join_timeout=S or timeout=S: as --rdzv-timeout S; last_call_timeout=S: elastic's "
+             "wait for more nodes; other keys are refused")
     add("--role", default="default", help="the workers' ROLE_NAME (default %(default)s)")
     add("--no-python", "--no_python", action="store_true",
         help="run the entry point as a command, not with python (e.g. a wrapper script)")
@@ -85,18 +88,20 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         add(*names, nargs=nargs, action=_refusal(message), help=argparse.SUPPRESS)
 
 
-def parse_nnodes(spec: str) -> int:
-    """``--nnodes``: ``N``, or torchrun's ``N:N`` (fixed membership); ``MIN:MAX`` is refused."""
+def parse_nnodes(spec: str) -> tuple[int, int]:
+    """``--nnodes``: ``N`` (fixed), or torchrun's ``MIN:MAX`` (elastic when MIN < MAX);
+    returns ``(MIN, MAX)``."""
     match = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(spec))
     if not match:
-        raise LaunchConfigError(f"Invalid --nnodes {spec!r}: expected a number of nodes N (or N:N)")
-    low, high = int(match.group(1)), int(match.group(2) or match.group(1))
-    if low != high:
         raise LaunchConfigError(
-            f"--nnodes {spec}: elastic membership (a range MIN:MAX of nodes) is not supported "
-            f"yet; it comes in its own issue. Give a fixed number: --nnodes {high} (or {high}:{high})"
-        )
-    return low
+            f"Invalid --nnodes {spec!r}: expected a number of nodes N, or MIN:MAX (elastic: the "
+            "job runs on MIN to MAX nodes), e.g. --nnodes 2 or --nnodes 1:4")
+    low, high = int(match.group(1)), int(match.group(2) or match.group(1))
+    if low < 1 or low > high:
+        raise LaunchConfigError(
+            f"Invalid --nnodes {spec}: expected MIN:MAX with 1 <= MIN <= MAX, got MIN {low} "
+            f"and MAX {high}")
+    return low, high
 
 
 def local_ranks(spec: str | None) -> tuple[int, ...] | None:
@@ -131,9 +136,18 @@ def check_accepted(args: argparse.Namespace) -> None:
         raise LaunchConfigError("--run-path runs a script file, -m a module: give one of them")
 
 
-def rendezvous(args: argparse.Namespace, nnodes: int) -> dict[str, Any]:
-    """``master_addr``/``master_port``/``standalone``/``rdzv_timeout`` from torchrun's
-    ``--rdzv-*`` options; only what they set (empty when none is given)."""
+def node_rank(args: argparse.Namespace, nnodes: tuple[int, int]) -> int | None:
+    """``--node-rank``, or ``None`` (numbered by arrival) for several nodes under elastic
+    membership or torchrun's c10d; else node 0, as torchrun's static rendezvous."""
+    if args.node_rank is not None:
+        return args.node_rank
+    several = nnodes[1] > 1
+    return None if several and (nnodes[0] < nnodes[1] or args.rdzv_backend == "c10d") else 0
+
+
+def rendezvous(args: argparse.Namespace) -> dict[str, Any]:
+    """``master_addr``/``master_port``/``standalone``/``rdzv_timeout``/``last_call_timeout``
+    from torchrun's ``--rdzv-*`` options; only what they set (empty when none is given)."""
     backend = args.rdzv_backend
     if backend is not None and backend not in ("static", "c10d"):
         raise LaunchConfigError(
@@ -151,13 +165,7 @@ def rendezvous(args: argparse.Namespace, nnodes: int) -> dict[str, Any]:
             "--master-addr/--master-port or --standalone"
         )
     host, port = _endpoint(args.rdzv_endpoint, C10D_DEFAULT_PORT if backend == "c10d" else None)
-    if nnodes > 1 and args.node_rank is None:
-        raise LaunchConfigError(
-            "phalanx does not number nodes in the order they join (that is elastic "
-            "membership, which comes in its own issue): give each node its --node-rank, "
-            f"0 on {host}"
-        )
-    if port == 0 and nnodes == 1:  # torchrun's --standalone is c10d on localhost:0
+    if port == 0 and parse_nnodes(args.nnodes) == (1, 1):  # torchrun's --standalone is c10d on localhost:0
         return {**out, "standalone": True}
     return {**out, "master_addr": host, "master_port": port}
 
@@ -178,16 +186,19 @@ def _conf(spec: str, *, timeout_given: bool) -> dict[str, Any]:
     for item in filter(None, (part.strip() for part in spec.split(","))):
         key, _, value = item.partition("=")
         key = key.strip()
-        if key not in _TIMEOUT_KEYS:
+        if key not in (*_TIMEOUT_KEYS, _LAST_CALL_KEY):
             raise LaunchConfigError(
-                f"--rdzv-conf {key}: not supported. phalanx's nodes meet once, each with its "
-                "--node-rank (no elastic membership), so it understands only join_timeout=S "
-                "and timeout=S, which are --rdzv-timeout S"
+                f"--rdzv-conf {key}: not supported. phalanx understands join_timeout=S and "
+                "timeout=S, which are --rdzv-timeout S, and last_call_timeout=S (elastic: how "
+                "long the first round waits for more nodes once MIN are there)"
             )
         try:
             seconds = float(value)
         except ValueError:
             raise LaunchConfigError(f"Invalid --rdzv-conf {item!r}: expected {key}=SECONDS") from None
+        if key == _LAST_CALL_KEY:
+            out["last_call_timeout"] = seconds
+            continue
         if timeout_given:
             raise LaunchConfigError(f"--rdzv-conf {key} and --rdzv-timeout say the same: give one")
         out["rdzv_timeout"] = seconds

@@ -7,9 +7,14 @@ A *round* is one attempt of the whole group. It ends with the first of
 * a stop signal (SIGINT, SIGTERM, SIGHUP, SIGQUIT) reaching a launcher: ``signal``;
 * every worker of every node exiting 0: ``succeeded``.
 
+* on several nodes, node 0 seeing a node leave, or a newcomer waiting for a place:
+  ``membership``.
+
 The first ending published wins and every node acts on it: workers still running get SIGTERM
 (or the signal the launcher received) in their main process, then their whole process trees
-SIGKILL after ``shutdown_timeout``. A failed round is followed by a new one while restarts are
+SIGKILL after ``shutdown_timeout``. A membership change, or a failure in which nodes were
+lost, is followed by a new round on the nodes still there (and any newcomer), at the new world
+size, without using a restart. A failed round is followed by a new one while restarts are
 left; otherwise the launcher prints a summary naming the node, rank, exit code or signal and
 the end of that worker's traceback, and exits with that worker's status.
 
@@ -32,13 +37,15 @@ import time
 
 from ..env import DistEnv
 from ..errors import PREEMPTED_EXIT_CODE, RendezvousError
+from .board import LeaderBoard
 from .config import STDERR, STDOUT, LaunchConfig
 from .console import Console
 from .environment import worker_environ
 from .events import FORWARD_SIGNALS, STOP_SIGNALS, Pump, SignalInbox
+from .membership import Layout
 from .outcome import RoundEnd
 from .output import WorkerOutput, read_diagnosis, recorded_error, traceback_tail
-from .rendezvous import Interrupted, Layout, meet
+from .rendezvous import Interrupted, meet
 from .workers import Guardian, Worker, describe_exit, first_failure, shell_status, spawn
 
 _RULE = "=" * 64
@@ -47,37 +54,74 @@ _RULE = "=" * 64
 class Agent:
     """Runs the rounds of one node. Built by :func:`launch`; see the module docstring."""
 
-    def __init__(self, config: LaunchConfig, layout: Layout, board, store, console: Console,
+    def __init__(self, config: LaunchConfig, board, store, console: Console,
                  inbox: SignalInbox, guardian: Guardian, scratch: str) -> None:
-        self.config, self.layout, self.board, self.store = config, layout, board, store
+        self.config, self.board, self.store = config, board, store
         self.console, self.inbox, self.guardian = console, inbox, guardian
+        self.layout: Layout | None = None  # this node's place in the current round
         self._pump = Pump(inbox)
         self._scratch = scratch  # torch's per-worker error files; the guardian removes it
         # the file the frames of the worker's own traceback name (a module's: found by its frames)
         self._entry = None if config.module else os.path.abspath(config.entrypoint)
         self._host = socket.gethostname()
-        self._checked_out = False
-        self._log_dir = None if config.log_dir is None else _run_log_dir(config.log_dir, layout.run_id)
-        if self._log_dir is not None:
-            console.note(f"worker logs: {self._log_dir}")
+        self._log_dir = None
+
+    @property
+    def node_rank(self) -> int:
+        """This node's rank in the current round (``GROUP_RANK``)."""
+        return self.layout.node_rank
 
     def run(self) -> int:
         """All rounds; returns the launcher's exit status."""
-        last, round_ = self.config.max_restarts, 0
+        last, restarts, changed = self.config.max_restarts, 0, True
         while True:
-            record, workers = self._round(round_)
-            if not self._restarts(record, round_):
-                status = self._finish(record, workers, round_)
+            layout = self.board.next_round(self.layout, restarts)
+            if isinstance(layout, RoundEnd):  # the job ended while this node waited for a place
+                return self._ended_without_us(layout)
+            self._begin(layout, changed)
+            restarts, changed = layout.restarts, False
+            record, workers = self._round(layout.round)
+            lost = self.board.lost_in(layout.round) if record.kind == "failed" else []
+            if record.kind == "membership" or lost:
+                why = record.detail or f"{', '.join(lost)} lost ({record.who()} failed)"
+                self.console.note(f"{why}: the nodes meet again (no restart used)")
+                self._release(record)
+                changed = True
+                continue
+            if not self._restarts(record, restarts):
+                status = self._finish(record, workers, restarts)
+                self.board.finish(record)
                 self._release(record)
                 return status
             self.console.note(
-                f"attempt {round_ + 1} of {last + 1} failed: {record.cause()}: "
+                f"attempt {restarts + 1} of {last + 1} failed: {record.cause()}: "
                 f"{describe_exit(record.returncode)}"
                 f"{_last_line(record.traceback)}; restarting every worker "
-                f"({last - round_} restart(s) left)"
+                f"({last - restarts} restart(s) left)"
             )
             self._release(record)
-            round_ += 1
+            restarts += 1
+
+    def _begin(self, layout: Layout, changed: bool) -> None:
+        """Take this node's place in a new round; say where when the nodes changed."""
+        self.layout = layout
+        if self._log_dir is None and self.config.log_dir is not None:
+            self._log_dir = _run_log_dir(self.config.log_dir, layout.run_id)
+            self.console.note(f"worker logs: {self._log_dir}")
+        if self.board.multi and changed:
+            self.console.note(
+                f"round {layout.round}: {layout.nnodes} node(s) ({', '.join(layout.members)}), "
+                f"world size {layout.world_size}; this is node {layout.node_rank}, ranks "
+                f"{layout.rank_offset}-{layout.rank_offset + self.config.nproc_per_node - 1}")
+
+    def _ended_without_us(self, record: RoundEnd) -> int:
+        """The status of a job that ended while this node waited for a place in it."""
+        if record.kind == "lost":
+            raise RendezvousError(record.detail)
+        self.console.note(f"the job ended ({record.kind}) before this node had a place in it")
+        if record.kind in ("succeeded", "preempted"):
+            return 0 if record.kind == "succeeded" else PREEMPTED_EXIT_CODE
+        return 128 + signal.Signals[record.signal] if record.signal else shell_status(record.returncode)
 
     def _release(self, record: RoundEnd) -> None:
         """Show what the other workers wrote after the failure (held back by :meth:`_round`)."""
@@ -87,25 +131,18 @@ class Agent:
         self.console.release("what the other workers wrote after the failure:")
         self._pump.close()
 
-    def _restarts(self, record: RoundEnd, round_: int) -> bool:
-        return (record.kind == "failed" and round_ < self.config.max_restarts
+    def _restarts(self, record: RoundEnd, restarts: int) -> bool:
+        return (record.kind == "failed" and restarts < self.config.max_restarts
                 and self.inbox.pending_stop() is None)
 
-    def _check_out(self) -> None:
-        if not self._checked_out:
-            self._checked_out = True
-            self.board.check_out()
-
     def _round(self, round_: int) -> tuple[RoundEnd, list[Worker]]:
-        if self.board.nnodes > 1:
-            # Other nodes' workers start once the barrier passes: the fresh store must be up.
-            self.board.start_round(round_, self.store.open_round if self.store else None)
+        # Several nodes: node 0 opened the round's store before it published the round.
         workers: list[Worker] = []
         try:
             for local_rank in range(self.config.nproc_per_node):
                 workers.append(self._spawn(round_, local_rank))
-            if self.board.nnodes == 1:
-                # The socket already listens; its server starts while the workers import torch.
+            if not self.board.multi:
+                # The door already listens; the store opens while the workers import torch.
                 self.store.open_round()
             try:
                 record = self._watch(workers, round_)
@@ -113,9 +150,8 @@ class Agent:
                 self._stop(workers, RoundEnd("lost"))
                 raise
             if record.kind == "failed":  # the root cause is reported first, then the rest
+                self.board.acknowledge(round_)
                 self.console.hold(w.rank for w in workers if w.rank != record.rank)
-            if not self._restarts(record, round_):
-                self._check_out()  # before stopping: node 0 may close the store after this
             self._stop(workers, record)
         finally:
             self._clean_up(workers)
@@ -126,7 +162,7 @@ class Agent:
         rank = layout.rank_offset + local_rank
         dist_env = DistEnv(
             rank=rank, world_size=layout.world_size, local_rank=local_rank,
-            local_world_size=config.nproc_per_node, node_rank=config.node_rank,
+            local_world_size=config.nproc_per_node, node_rank=layout.node_rank,
             master_addr=layout.store_host, master_port=layout.store_port,
             restart_count=round_, use_agent_store=True, source="launcher",
         )
@@ -158,7 +194,7 @@ class Agent:
                 if signum in STOP_SIGNALS:
                     return self.board.publish_end(round_, RoundEnd(
                         "signal", signal=signal.Signals(signum).name,
-                        node=self.config.node_rank, host=self._host))
+                        node=self.node_rank, host=self._host))
                 self._forward(workers, signum)
             if self.store is not None:
                 self.store.check()
@@ -174,7 +210,10 @@ class Agent:
                 if record is not None:
                     return record
                 if reported_done and self.board.all_done(round_):
-                    return RoundEnd("succeeded")
+                    return RoundEnd("succeeded")  # first: a node that saw it may be gone already
+                change = self.board.membership(round_)
+                if change is not None:
+                    return self.board.publish_end(round_, change)
 
     def _exit_record(self, worker: Worker, workers: list[Worker]) -> RoundEnd:
         self._pump.drain([worker])  # its last words may still sit in the pipe
@@ -186,7 +225,7 @@ class Agent:
         culprits, report = (diagnosis[1], diagnosis[0]) if diagnosis else ([], "")
         return RoundEnd(
             "preempted" if code == PREEMPTED_EXIT_CODE else "failed",
-            node=self.config.node_rank, host=self._host, rank=worker.rank,
+            node=self.node_rank, host=self._host, rank=worker.rank,
             local_rank=worker.local_rank, returncode=code,
             traceback=(traceback_tail(recorded, self._entry) if recorded
                        else worker.output.traceback(self._entry)),
@@ -202,7 +241,7 @@ class Agent:
     def _stop(self, workers: list[Worker], record: RoundEnd) -> None:
         """Signal the running workers, give them ``shutdown_timeout``, then SIGKILL."""
         signum = signal.SIGTERM
-        if record.kind == "signal" and record.node == self.config.node_rank:
+        if record.kind == "signal" and record.node == self.node_rank:
             signum = signal.Signals[record.signal]
         self._forward(workers, signum)
         deadline = time.monotonic() + self.config.shutdown_timeout
@@ -232,7 +271,7 @@ class Agent:
             self.store.close_round()
 
     def _finish(self, record: RoundEnd, workers: list[Worker], round_: int) -> int:
-        self._check_out()
+        self.board.check_out()  # node 0 may be gone by now: fine
         kind = record.kind
         if kind == "succeeded":
             if round_ > 0:
@@ -276,7 +315,7 @@ class Agent:
             _RULE,
             f"{name} failed on attempt {round_ + 1} of {self.config.max_restarts + 1}",
             *trace,
-            f"workers on node {self.config.node_rank}: {states}",
+            f"workers on node {self.node_rank}: {states}",
             _RULE,
         ])
 
@@ -284,7 +323,7 @@ class Agent:
         """Whether this node's console showed the end of ``record``'s traceback as the
         worker printed it on stderr."""
         lines = record.traceback.strip().splitlines()
-        if record.node != self.config.node_rank or not lines:
+        if record.node != self.node_rank or not lines:
             return False
         worker = next((w for w in workers if w.rank == record.rank), None)
         if worker is None or not worker.output.console_streams & STDERR:
@@ -335,13 +374,28 @@ def _meet_and_run(config: LaunchConfig, console: Console, inbox: SignalInbox,
                   guardian: Guardian, scratch: str) -> int:
     store = board = agent = None
     try:
-        board, store, layout = meet(config, config.nproc_per_node, inbox.pending_stop, guardian)
-        agent = Agent(config, layout, board, store, console, inbox, guardian, scratch)
+        board, store = meet(config, config.nproc_per_node, inbox.pending_stop, guardian,
+                            console.note)
+        agent = Agent(config, board, store, console, inbox, guardian, scratch)
+        board.start()
         return agent.run()
     except Interrupted as e:
         console.note(f"{signal.Signals(e.signum).name} received while waiting for the other nodes")
         return 128 + e.signum
     finally:
+        if board is not None:
+            _leave(board, store)
         for part in (agent, board, store):
             if part is not None:
                 part.close()
+
+
+def _leave(board, store) -> None:
+    """Check out; node 0's store stays up (bounded) until the others have too, so that they
+    learn how the job ended even once this launcher is gone."""
+    board.check_out()
+    if isinstance(board, LeaderBoard):
+        try:
+            store.linger(board.expected_check_outs())
+        except RendezvousError:  # its own store helper is gone: nobody to wait for
+            pass

@@ -14,7 +14,9 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 
+from .. import env
 from ..errors import LaunchConfigError
+from ..gate.secret import HOW_TO_MAKE, check_secret, read_secret_file
 
 # torchrun's defaults for a node started without --standalone
 # (torch/distributed/run.py: --master-addr 127.0.0.1; MASTER_PORT 29500 is torch's own default).
@@ -27,6 +29,10 @@ DEFAULT_MONITOR_INTERVAL = 0.1
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 # torchrun's static rendezvous waits 600 s for the other nodes (static_tcp_rendezvous.py).
 DEFAULT_RDZV_TIMEOUT = 600.0
+# Elastic: once MIN nodes are there for the first round, wait this much longer for more, up
+# to MAX (torchrun's last_call_timeout is 30 s; nodes of one job start within seconds, and a
+# node that comes later is let in at the next round anyway).
+DEFAULT_LAST_CALL_TIMEOUT = 3.0
 
 # The streams of a worker, as bits, in torchrun's --redirects/--tee numbering.
 STDOUT, STDERR = 1, 2
@@ -80,9 +86,12 @@ class LaunchConfig:
     r"""A validated request to run a script on ``nproc_per_node`` workers on each of ``nnodes`` nodes.
 
     One launcher runs on every node. Node 0's launcher hosts the rendezvous store (torch's
-    ``TCPStore``) at ``master_addr:master_port``, bound to that address's interface only;
-    the other nodes' launchers register there and agree on the world size and rank offsets.
-    Each worker gets torchrun's environment variables (see
+    ``TCPStore``) behind a gate at ``master_addr:master_port``, bound to that address's
+    interface only, which lets in only launchers that prove ``job_secret``; the other nodes'
+    launchers register there and node 0 decides each round's nodes, world size and rank
+    offsets. With ``min_nnodes`` below ``nnodes`` the membership is elastic: the job starts
+    with ``min_nnodes`` nodes and meets again, at the new world size, whenever a node leaves
+    or joins. Each worker gets torchrun's environment variables (see
     :func:`phalanx.launcher.environment.worker_environ`).
 
     .. note::
@@ -94,8 +103,12 @@ class LaunchConfig:
         args (tuple of str): the script's own arguments. Default ``()``.
         module (bool): run ``python -m entrypoint``. Default ``False``.
         nproc_per_node (int): workers on this node. Default ``1``.
-        nnodes (int): number of nodes. Default ``1``.
-        node_rank (int): this node's index, in ``[0, nnodes)``. Default ``0``.
+        nnodes (int): number of nodes; with ``min_nnodes``, the most. Default ``1``.
+        min_nnodes (int, optional): the fewest nodes the job runs on (torchrun's ``--nnodes
+            MIN:MAX``). Default ``None``: ``nnodes``, a fixed membership.
+        node_rank (int, optional): this node's index, in ``[0, nnodes)``; ``None``: numbered
+            by arrival, node 0 being the launcher that can listen at the master's address.
+            Default ``0``.
         master_addr (str): node 0's address. Default ``"127.0.0.1"``.
         master_port (int): node 0's rendezvous port. Default ``29500``.
         standalone (bool): one node on loopback, on a free port. Default ``False``.
@@ -106,6 +119,10 @@ class LaunchConfig:
             where it is (the workers' ``init_process_group(timeout=...)`` default). Default
             ``None``: phalanx's 5 minutes.
         rdzv_timeout (float): seconds to wait for the master and the other nodes. Default ``600``.
+        last_call_timeout (float): elastic: once ``min_nnodes`` are there for the first round,
+            seconds to wait for more. Default ``3``.
+        job_secret (str, optional): the secret every launcher of several nodes proves to node
+            0's gate (see :func:`resolve_secret`); at least 16 characters. Default ``None``.
         run_id (str): the job's id (``TORCHELASTIC_RUN_ID``); ``""`` draws one. Default ``""``.
         log_dir (str, optional): write each worker's stdout and stderr to files in a new
             folder here, named after the run id. Default ``None``.
@@ -134,7 +151,8 @@ class LaunchConfig:
     module: bool = False
     nproc_per_node: int = 1
     nnodes: int = 1
-    node_rank: int = 0
+    min_nnodes: int | None = None
+    node_rank: int | None = 0
     master_addr: str = DEFAULT_MASTER_ADDR
     master_port: int = DEFAULT_MASTER_PORT
     standalone: bool = False
@@ -143,6 +161,8 @@ class LaunchConfig:
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     watchdog: float | None = None
     rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
+    last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT
+    job_secret: str | None = field(default=None, repr=False)
     run_id: str = ""
     log_dir: str | None = None
     redirects: StreamChoice = field(default_factory=StreamChoice)
@@ -155,15 +175,32 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         _at_least("--nproc-per-node", self.nproc_per_node, 1)
         _at_least("--nnodes", self.nnodes, 1)
-        if not 0 <= self.node_rank < self.nnodes:
+        if self.min_nnodes is None:
+            object.__setattr__(self, "min_nnodes", self.nnodes)
+        _at_least("--nnodes MIN", self.min_nnodes, 1)
+        if self.min_nnodes > self.nnodes:
+            raise LaunchConfigError(
+                f"Invalid --nnodes {self.min_nnodes}:{self.nnodes}: MIN ({self.min_nnodes}) is "
+                f"above MAX ({self.nnodes}); expected MIN:MAX with 1 <= MIN <= MAX"
+            )
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise LaunchConfigError(
                 f"Invalid --node-rank {self.node_rank}: with --nnodes {self.nnodes} it must be "
                 f"in [0, {self.nnodes - 1}]"
             )
-        if self.standalone and self.nnodes != 1:
+        if self.standalone and self.multi_node:
             raise LaunchConfigError(
-                f"--standalone runs one node, but --nnodes is {self.nnodes}; drop one of them"
+                f"--standalone runs one node, but --nnodes is {self._nnodes_spec}; drop one of them"
             )
+        if self.multi_node:
+            if self.job_secret is None:
+                raise LaunchConfigError(
+                    f"--nnodes {self._nnodes_spec}: several nodes need a job secret, the same on "
+                    "every node, so that no one else can join or write the job's store: set "
+                    f"PHALANX_JOB_SECRET or pass --job-secret-file PATH (mode 0600); {HOW_TO_MAKE}"
+                )
+            check_secret(self.job_secret, "PHALANX_JOB_SECRET/--job-secret-file", LaunchConfigError)
+        _positive("--rdzv-conf last_call_timeout", self.last_call_timeout, zero=True)
         low = 0 if self.standalone else 1
         if not low <= self.master_port <= 65535:
             raise LaunchConfigError(
@@ -193,6 +230,15 @@ class LaunchConfig:
         _check_entrypoint(self.entrypoint, self.module, self.no_python)
 
     @property
+    def multi_node(self) -> bool:
+        """Several nodes may take part (``nnodes > 1``, or an elastic range)."""
+        return self.nnodes > 1
+
+    @property
+    def _nnodes_spec(self) -> str:
+        return str(self.nnodes) if self.min_nnodes == self.nnodes else f"{self.min_nnodes}:{self.nnodes}"
+
+    @property
     def command(self) -> list[str]:
         """The worker's command line."""
         if self.no_python:
@@ -216,9 +262,22 @@ def _at_least(option: str, value: int, low: int) -> None:
         raise LaunchConfigError(f"Invalid {option} {value}: expected {kind}")
 
 
-def _positive(option: str, value: float) -> None:
-    if not value > 0:
-        raise LaunchConfigError(f"Invalid {option} {value}: expected a number of seconds > 0")
+def _positive(option: str, value: float, zero: bool = False) -> None:
+    if not (value >= 0 if zero else value > 0):
+        raise LaunchConfigError(
+            f"Invalid {option} {value}: expected a number of seconds {'>=' if zero else '>'} 0")
+
+
+def resolve_secret(secret_file: str | None = None) -> str | None:
+    """The job secret a launcher uses: ``secret_file``'s contents (a file of this user's,
+    mode 0600), else ``PHALANX_JOB_SECRET``, else ``None``.
+
+    Raises:
+        LaunchConfigError: the file cannot be read, or others may read it.
+    """
+    if secret_file is not None:
+        return read_secret_file(secret_file, LaunchConfigError)
+    return env.job_secret()
 
 
 def _check_entrypoint(entrypoint: str, module: bool, no_python: bool = False) -> None:

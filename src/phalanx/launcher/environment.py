@@ -13,7 +13,13 @@ import os
 import re
 from typing import Mapping
 
-from ..env import RANK_PREFIX_VAR, WATCHDOG_VAR, DistEnv, launcher_environ
+from ..env import (
+    JOB_SECRET_VAR,
+    RANK_PREFIX_VAR,
+    WATCHDOG_VAR,
+    DistEnv,
+    launcher_environ,
+)
 from ..errors import LaunchConfigError
 from .events import STOP_SIGNALS
 
@@ -97,9 +103,12 @@ def worker_environ(
     (``rank_prefix``; see :func:`~phalanx.env.launcher_prefixes_output`), and
     ``PHALANX_WATCHDOG`` when ``watchdog`` seconds are given (``phalanx run --watchdog``: the
     default of ``init_process_group(timeout=...)``, see :func:`~phalanx.env.watchdog_seconds`).
+    The job secret (``PHALANX_JOB_SECRET``) is left out: workers reach the store through their
+    launcher.
     """
     base = os.environ if base is None else base
     out = dict(base)
+    out.pop(JOB_SECRET_VAR, None)
     defaults = {
         "OMP_NUM_THREADS": str(default_omp_threads(env.local_world_size, cpus)),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",

@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-Kind = Literal["succeeded", "failed", "preempted", "signal", "lost"]
+Kind = Literal["succeeded", "failed", "preempted", "signal", "lost", "membership"]
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,8 @@ class RoundEnd:
         kind: ``"succeeded"`` (every worker everywhere exited 0), ``"failed"`` (a worker
             exited non-zero or died of a signal), ``"preempted"`` (a worker exited with
             :data:`~phalanx.errors.PREEMPTED_EXIT_CODE`), ``"signal"`` (a launcher received a
-            stop signal) or ``"lost"`` (the other nodes are gone).
+            stop signal), ``"lost"`` (the other nodes are gone) or ``"membership"`` (a node
+            left or joined: the nodes meet again, and no restart is used).
         node: the node of the launcher that saw it (``failed``, ``preempted``, ``signal``).
         host: that node's host name.
         rank: the worker that ended the round (``failed``, ``preempted``).
@@ -30,6 +31,7 @@ class RoundEnd:
         traceback: the end of its traceback.
         source: where the traceback was found: ``"stderr"`` or the ``@record`` error file.
         signal: the stop signal's name (``signal``).
+        detail: what happened, in words (``membership``, ``lost``).
         culprits: the ranks a hang report names as the cause (``failed``): late, or gone,
             while ``rank`` timed out waiting for them (:mod:`phalanx.diagnostics`).
         report: that hang report.
@@ -44,6 +46,7 @@ class RoundEnd:
     traceback: str = ""
     source: str = ""
     signal: str = ""
+    detail: str = ""
     culprits: list[int] = field(default_factory=list)
     report: str = ""
 

@@ -81,19 +81,22 @@ class Worker:
 
 
 def start_tied(command: list[str], env: dict[str, str] | None = None, pipe_output: bool = True,
-               pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
-    """Start a child that dies with the launcher: its own session, parent-death SIGKILL,
-    stdin from /dev/null, stdout/stderr piped back (or inherited)."""
-    pipe = subprocess.PIPE if pipe_output else None
+               pass_fds: tuple[int, ...] = (), control: bool = False,
+               die_with_parent: bool = True) -> subprocess.Popen:
+    """Start a child that dies with the launcher: its own session, parent-death SIGKILL
+    (unless ``die_with_parent`` is False: it must then end itself when the launcher goes),
+    stdin from /dev/null, stdout/stderr piped back (or inherited). ``control``: stdin and
+    stdout are pipes to the launcher instead, stderr is inherited."""
+    pipe = subprocess.PIPE if pipe_output and not control else None
     return subprocess.Popen(
         command,
         env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=pipe,
+        stdin=subprocess.PIPE if control else subprocess.DEVNULL,
+        stdout=subprocess.PIPE if control else pipe,
         stderr=pipe,
         start_new_session=True,
         pass_fds=pass_fds,
-        preexec_fn=_die_with_parent(os.getpid()),
+        preexec_fn=_die_with_parent(os.getpid()) if die_with_parent else None,
     )
 
 

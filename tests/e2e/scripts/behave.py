@@ -17,6 +17,7 @@ import time
 p = argparse.ArgumentParser()
 p.add_argument("--record", required=True)
 p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--first-sleep", type=float, default=None, help="on attempt 0, sleep this instead")
 p.add_argument("--fail-rank", type=int, default=None)
 p.add_argument("--fail-after", type=float, default=0.0)
 p.add_argument("--only-first-attempt", action="store_true")
@@ -101,5 +102,5 @@ if failing:
     if args.exit_code is not None:
         sys.exit(args.exit_code)
     raise ValueError(f"boom from rank {rank} on attempt {attempt}")
-time.sleep(args.sleep)
+time.sleep(args.sleep if attempt or args.first_sleep is None else args.first_sleep)
 print(f"worker {rank} done", flush=True)

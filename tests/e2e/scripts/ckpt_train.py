@@ -11,9 +11,12 @@ At the end rank 0 saves a final checkpoint (step = total steps), which the tests
 --kill-at-step K   attempt 0 only: rank 1 SIGKILLs itself right after step K (a crash)
 --preempt-at-step K  attempt 0 only: rank 0 sends itself SIGUSR1 after step K (preemption)
 --step-delay S     sleep S seconds per step (to leave time to signal the launcher)
+--global-batch G   accumulate micro-batches of --batch so that every step trains on G samples
+                   at any world size (phalanx.accumulation_steps)
 """
 
 import argparse
+import contextlib
 import os
 import signal
 import time
@@ -34,12 +37,14 @@ p.add_argument("--save-every", type=int, default=5)
 p.add_argument("--kill-at-step", type=int, default=None)
 p.add_argument("--preempt-at-step", type=int, default=None)
 p.add_argument("--step-delay", type=float, default=0.0)
+p.add_argument("--global-batch", type=int, default=None)
 args = p.parse_args()
 
 torch.set_num_threads(1)
 phalanx.init_process_group(backend="gloo")
 rank, world = phalanx.get_rank(), phalanx.get_world_size()
 attempt = detect().restart_count
+steps = phalanx.accumulation_steps(args.global_batch, args.batch) if args.global_batch else 1
 
 data = torch.Generator().manual_seed(7)
 dataset = TensorDataset(torch.randn(args.samples, 8, generator=data),
@@ -66,14 +71,21 @@ log.flush()
 with phalanx.PreemptionHandler() as preemption:
     for epoch in range(epoch, args.epochs):
         sampler.set_epoch(epoch)
+        pending = []
         for i, (x, y, index) in enumerate(loader):
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
+            last = (i + 1) % steps == 0 or i + 1 == len(loader)
+            with contextlib.nullcontext() if last else model.no_sync():
+                (torch.nn.functional.cross_entropy(model(x), y) / steps).backward()
+            pending += index.tolist()
+            if not last:
+                continue
             optimizer.step()
+            optimizer.zero_grad()
             scheduler.step()
             step += 1
-            log.write("".join(f"S {attempt} {epoch} {step} {j}\n" for j in index.tolist()))
+            log.write("".join(f"S {attempt} {epoch} {step} {j}\n" for j in pending))
             log.flush()
+            pending = []
             time.sleep(args.step_delay)
             if attempt == 0 and step == args.kill_at_step and rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)

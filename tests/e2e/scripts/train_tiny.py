@@ -3,11 +3,12 @@
 --ddp phalanx: phalanx.init_process_group + phalanx.DistributedDataParallel.
 --ddp torch:   only torch.distributed and torch's DistributedDataParallel (torchrun-style).
 --fail-once-rank R: rank R exits 3 after the first step of attempt 0 (restart tests).
---listeners FILE: rank 0 also records the TCP addresses its launcher's process tree listens on.
+--listeners FILE: each rank writes FILE.rankR: `ss -ltnH`, the listening TCP sockets of its
+                  network namespace, while every process of the job runs; and
+                  FILE.launcher.rankR: the addresses its launcher and store helper listen on.
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -49,19 +50,20 @@ for step in range(args.steps):
 if rank == 0:
     state = {k.removeprefix("module."): v for k, v in model.state_dict().items()}
     torch.save({"state": state, "world": world, "attempt": attempt}, args.out)
-    if args.listeners:
-        import psutil
+if args.listeners:
+    import json
+    import subprocess
 
-        launcher = psutil.Process(os.getppid())
-        hosts = [c for c in launcher.children() if "phalanx.launcher.storehost" in c.cmdline()]
-        tree = [launcher] + hosts
-        found = {}
-        for proc in tree:
-            conns = proc.net_connections(kind="tcp")
-            found[" ".join(proc.cmdline()[-4:])] = [
-                c.laddr[0] for c in conns if c.status == psutil.CONN_LISTEN]
-        with open(args.listeners, "w") as f:
-            json.dump(found, f)
+    import psutil
+
+    ss = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True, check=True).stdout
+    with open(f"{args.listeners}.rank{rank}", "w") as f:
+        f.write(ss)
+    launcher = psutil.Process(os.getppid())
+    helpers = [c for c in launcher.children() if "phalanx.launcher.storehost" in c.cmdline()]
+    with open(f"{args.listeners}.launcher.rank{rank}", "w") as f:
+        json.dump([c.laddr[0] for proc in [launcher, *helpers]
+                   for c in proc.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN], f)
 print(f"rank {rank}/{world} attempt {attempt} trained", flush=True)
 dist.barrier()
 dist.destroy_process_group()

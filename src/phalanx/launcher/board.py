@@ -1,0 +1,349 @@
+"""The nodes' board: the verbs the agent uses to meet the other nodes round after round.
+
+:class:`LocalBoard` is one node alone (no store). :class:`NodeBoard` is a follower of
+several nodes, :class:`LeaderBoard` node 0, which decides; the protocol and its keys are in
+:mod:`phalanx.launcher.membership`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, replace
+from typing import Callable
+
+from ..errors import RendezvousError
+from .config import LaunchConfig
+from .membership import (
+    ACK_WAIT_S,
+    CHECKED_OUT,
+    GONE_COUNT,
+    POLL_S,
+    Layout,
+    Node,
+    Store,
+    _key,
+    gone_key,
+    layout_for,
+)
+from .outcome import RoundEnd
+
+Interrupted = Callable[[], None]  # raises when a stop signal has arrived
+
+
+class LocalBoard:
+    """One node: rounds follow each other, how each ended is kept in memory."""
+
+    multi = False
+
+    def __init__(self, layout: Layout) -> None:
+        self._first = layout
+        self._ends: dict[int, RoundEnd] = {}
+        self._done: set[int] = set()
+
+    def start(self) -> None:
+        """Nobody to meet."""
+
+    def next_round(self, previous: Layout | None, restarts: int) -> Layout:
+        if previous is None:
+            return self._first
+        return replace(previous, round=previous.round + 1, restarts=restarts)
+
+    def membership(self, round_: int) -> RoundEnd | None:
+        return None
+
+    def acknowledge(self, round_: int) -> None:
+        """Nobody to tell."""
+
+    def lost_in(self, round_: int) -> list[str]:
+        return []
+
+    def publish_end(self, round_: int, record: RoundEnd) -> RoundEnd:
+        """Record how ``round_`` ended unless it already is; return the record that stands."""
+        return self._ends.setdefault(round_, record)
+
+    def end_record(self, round_: int) -> RoundEnd | None:
+        return self._ends.get(round_)
+
+    def report_done(self, round_: int) -> None:
+        self._done.add(round_)
+
+    def all_done(self, round_: int) -> bool:
+        return round_ in self._done
+
+    def finish(self, record: RoundEnd) -> None:
+        """Nobody waits outside a round."""
+
+    def check_out(self) -> None:
+        """Nothing to tell anyone."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class NodeBoard:
+    """A node that is not node 0: registers, then takes the place node 0 gives it."""
+
+    multi = True
+
+    def __init__(self, store: Store, me: Node, config: LaunchConfig, interrupted: Interrupted,
+                 workers_port: int, note: Callable[[str], None]) -> None:
+        self._s, self.me, self._config = store, me, config
+        self._raise_if, self._note = interrupted, note
+        self._workers_port = workers_port
+        self._timeout = config.rdzv_timeout
+        self.members: list[Node] = []
+        self.run_id = ""
+        self._checked_out = self._refused = False
+
+    def _options(self) -> dict:
+        c = self._config
+        spec = str(c.nnodes) if c.min_nnodes == c.nnodes else f"{c.min_nnodes}:{c.nnodes}"
+        return {"nnodes": spec, "max_restarts": c.max_restarts}
+
+    def _wait_for(self, key: str, what: str) -> str:
+        deadline = time.monotonic() + self._timeout
+        while (value := self._s.read(key)) is None:
+            self._raise_if()
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"{self.me.label()}: node 0 did not {what} within "
+                                      f"{self._timeout:g} s (--rdzv-timeout) at {self._s.where}")
+            time.sleep(POLL_S)
+        return value
+
+    def start(self) -> None:
+        """Register with node 0."""
+        self.run_id = json.loads(self._wait_for("job", "start the job"))["run_id"]
+        self._register()
+
+    def _register(self) -> None:
+        arrival = int(self._s.add("joins", 1))
+        self.me = replace(self.me, arrival=arrival)
+        entry = {"node": asdict(self.me), "options": self._options()}
+        self._s.set(f"join/{arrival}", json.dumps(entry))
+
+    def _layout(self, decision: dict) -> Layout | None:
+        layout = layout_for(self.me, decision, "127.0.0.1", self._workers_port, self.run_id)
+        if layout is not None:
+            self.members = [Node(**n) for n in decision["nodes"]]
+        return layout
+
+    def next_round(self, previous: Layout | None, restarts: int) -> Layout | RoundEnd:
+        """Wait for a round with a place for this node; or the job's end (a record)."""
+        expect = 0 if previous is None else previous.round + 1
+        if previous is not None:
+            self._s.set(_key(expect, f"ready/{self.me.id}"), "1")
+        while True:
+            self._raise_if()
+            latest = self._s.read("latest")
+            if latest is not None and int(latest) >= expect:
+                decision = json.loads(self._s.read(_key(int(latest), "layout")))
+                layout = self._layout(decision)
+                if layout is not None:
+                    return layout
+                if previous is not None:
+                    self._note(f"round {latest} has no place for {self.me.label()} (--nnodes "
+                               f"{self._options()['nnodes']}); waiting for one")
+                elif expect == 0:
+                    self._note(f"the job runs round {latest}: {self.me.label()} joins at a "
+                               "later one")
+                expect = int(latest) + 1
+            refusal = self._s.read(f"refused/{self.me.id}")
+            if refusal is not None:
+                self._refused = True
+                raise RendezvousError(refusal)
+            final = self._s.read("final")
+            if final is not None:
+                return RoundEnd.from_json(final)
+            time.sleep(POLL_S)
+
+    def membership(self, round_: int) -> RoundEnd | None:
+        """Node 0 watches the membership; the others learn of a change by the round's end."""
+        return None
+
+    def acknowledge(self, round_: int) -> None:
+        """Say that this node saw round ``round_`` fail and is still here."""
+        self._s.set(_key(round_, f"ack/{self.me.id}"), "1")
+
+    def lost_in(self, round_: int) -> list[str]:
+        """The nodes lost in failed round ``round_``, as node 0 decided."""
+        return json.loads(self._wait_for(_key(round_, "lost"), f"say who is left after round {round_}"))
+
+    def publish_end(self, round_: int, record: RoundEnd) -> RoundEnd:
+        won = self._s.compare_set(_key(round_, "end"), "", record.to_json())
+        return RoundEnd.from_json(won)
+
+    def end_record(self, round_: int) -> RoundEnd | None:
+        text = self._s.read(_key(round_, "end"))
+        return None if text is None else RoundEnd.from_json(text)
+
+    def report_done(self, round_: int) -> None:
+        self._s.add(_key(round_, "done"), 1)
+
+    def all_done(self, round_: int) -> bool:
+        return int(self._s.add(_key(round_, "done"), 0)) >= len(self.members)
+
+    def finish(self, record: RoundEnd) -> None:
+        """Node 0 tells the nodes outside a round how the job ended."""
+
+    def check_out(self) -> None:
+        """This node needs the store no more (node 0's may be gone already: fine). Once; not
+        by a node node 0 refused, which node 0 does not wait for."""
+        if self._checked_out or self._refused:
+            return
+        self._checked_out = True
+        try:
+            self._s.add(CHECKED_OUT, 1)
+        except RendezvousError:
+            pass
+
+    def close(self) -> None:
+        self._s.release()
+
+
+class LeaderBoard(NodeBoard):
+    """Node 0: writes the job's options, admits or refuses each launcher, decides each
+    round's nodes (see :mod:`phalanx.launcher.membership`)."""
+
+    def __init__(self, *args, open_store: Callable[[], None], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._open_store = open_store
+        self._known: dict[str, Node] = {}
+        self._seen = 0  # registrations reviewed
+        self._gone_seen, self._gone = -1, set()
+        self._problems: list[str] = []
+        self._started = False
+
+    def start(self) -> None:
+        self.run_id = self._config.run_id or self.me.id
+        self._s.set("job", json.dumps({**self._options(), "run_id": self.run_id}))
+        self._register()
+
+    def _gone_ids(self) -> set[str]:
+        count = int(self._s.add(GONE_COUNT, 0))
+        if count != self._gone_seen:  # one look at the counter; the marks only when it moved
+            self._gone_seen = count
+            self._gone = {i for i in self._known if self._s.check([gone_key(i)])}
+        return self._gone
+
+    def _review(self) -> None:
+        """Admit or refuse the launchers that registered since the last look."""
+        count = int(self._s.add("joins", 0))
+        while self._seen < count:
+            raw = self._s.read(f"join/{self._seen + 1}")
+            if raw is None:  # counted, not written yet: at the next look
+                return
+            self._seen += 1
+            entry = json.loads(raw)
+            node = replace(Node(**entry["node"]), leader=entry["node"]["id"] == self.me.id)
+            problem = self._problem(node, entry["options"])
+            if problem is None:
+                self._known[node.id] = node
+                continue
+            self._s.set(f"refused/{node.id}", problem)
+            self._problems.append(problem)
+            if not self._started and "disagree" in problem:  # misconfigured from the start
+                raise RendezvousError(problem)
+
+    def _problem(self, node: Node, options: dict) -> str | None:
+        mine = self._options()
+        for key, flag in (("nnodes", "--nnodes"), ("max_restarts", "--max-restarts")):
+            if options[key] != mine[key]:
+                return (f"The launchers disagree on {flag}: node 0 has {mine[key]}, "
+                        f"{node.name()} has {options[key]}; start every node with the same options")
+        gone = self._gone_ids()
+        holder = next((k for k in self._known.values() if k.id not in gone and k.id != node.id
+                       and node.node_rank is not None and k.node_rank == node.node_rank), None)
+        if holder is not None:
+            return (f"Node rank {node.node_rank} is already taken at {self._s.where} by the "
+                    f"launcher on {holder.host}: give each launcher its own --node-rank (a node "
+                    "that replaces one is let in once the one it replaces has gone)")
+        return None
+
+    def next_round(self, previous: Layout | None, restarts: int) -> Layout:
+        """Decide the next round's nodes (see the module docstring), open the workers' store
+        and publish the decision; return node 0's layout in it."""
+        round_ = 0 if previous is None else previous.round + 1
+        before, ids = self.members, {n.id for n in self.members}
+        # the nodes of the round before may take their --shutdown-timeout to stop their workers
+        deadline = time.monotonic() + self._timeout + self._config.shutdown_timeout
+        last_call = None
+        while True:
+            self._raise_if()
+            self._review()
+            gone = self._gone_ids()
+            staying = [n for n in before if n.id not in gone]
+            unready = [n for n in staying if not n.leader
+                       and not self._s.check([_key(round_, f"ready/{n.id}")])]
+            newcomers = sorted((n for n in self._known.values()
+                                if n.id not in gone and n.id not in ids), key=Node.order)
+            ready = [n for n in staying if n not in unready] + newcomers
+            if not unready and len(ready) >= self._config.min_nnodes:
+                if before or len(ready) >= self._config.nnodes:
+                    last_call = time.monotonic()  # only the first round waits for latecomers
+                elif last_call is None:
+                    last_call = time.monotonic() + self._config.last_call_timeout
+                if time.monotonic() >= last_call:
+                    return self._open(round_, sorted(ready[: self._config.nnodes], key=Node.order),
+                                      restarts)
+            if time.monotonic() > deadline:
+                self._give_up(len(ready), unready)
+            time.sleep(POLL_S)
+
+    def _open(self, round_: int, chosen: list[Node], restarts: int) -> Layout:
+        self._open_store()  # a fresh workers' store, up before any worker of the round starts
+        decision = {"round": round_, "nodes": [asdict(n) for n in chosen], "restarts": restarts}
+        self._s.set(_key(round_, "layout"), json.dumps(decision))
+        self._s.set("latest", str(round_))
+        self._started = True
+        return self._layout(decision)
+
+    def _give_up(self, ready: int, unready: list[Node]) -> None:
+        spec = self._options()["nnodes"]
+        message = (f"Only {ready} of the {self._config.min_nnodes} node(s) needed (--nnodes "
+                   f"{spec}) were ready within {self._timeout:g} s (--rdzv-timeout) at "
+                   f"{self._s.where}")
+        if unready:
+            message += f"; {', '.join(n.label() for n in unready)} did not stop its workers"
+        if self._problems:
+            message += "; refused: " + "; ".join(self._problems)
+        self.finish(RoundEnd("lost", detail=message))
+        raise RendezvousError(message)
+
+    def membership(self, round_: int) -> RoundEnd | None:
+        """A change that ends the round: one of its nodes is gone, or a newcomer waits for
+        a place that exists."""
+        self._review()
+        gone = self._gone_ids()
+        left = [n.label() for n in self.members if n.id in gone]
+        if left:
+            return RoundEnd("membership", detail=f"{', '.join(left)} left")
+        members = {n.id for n in self.members}
+        waiting = [n.label() for n in self._known.values() if n.id not in gone | members]
+        if waiting and len(self.members) < self._config.nnodes:
+            return RoundEnd("membership", detail=f"{', '.join(waiting)} joined")
+        return None
+
+    def acknowledge(self, round_: int) -> None:
+        """Node 0 is never lost: the store would go with it."""
+
+    def lost_in(self, round_: int) -> list[str]:
+        deadline = time.monotonic() + ACK_WAIT_S
+        while True:
+            gone = self._gone_ids()
+            silent = [n for n in self.members if not n.leader and n.id not in gone
+                      and not self._s.check([_key(round_, f"ack/{n.id}")])]
+            if not silent or time.monotonic() > deadline:
+                break
+            time.sleep(POLL_S)
+        lost = [n.label() for n in self.members if n.id in gone or n in silent]
+        self._s.set(_key(round_, "lost"), json.dumps(lost))
+        return lost
+
+    def finish(self, record: RoundEnd) -> None:
+        self._s.set("final", record.to_json())
+
+    def expected_check_outs(self) -> int:
+        """The launchers still there to learn the job's end (node 0 included)."""
+        gone = self._gone_ids()
+        return sum(1 for n in self._known.values() if n.id not in gone)

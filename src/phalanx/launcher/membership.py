@@ -1,0 +1,141 @@
+"""Several nodes: who takes part in each round, and how each round ended.
+
+Node 0's launcher (the *leader*, which hosts the launchers' store) decides; the others
+(*followers*) register and do as the store says. Everything goes through torch's
+``TCPStore`` (``add``, ``set``, ``get``, ``check``, ``compare_set``); the keys:
+
+``job``                    the leader's options; a node started with others is refused.
+``joins``, ``join/J``      registration J of a launcher: its id, ``--node-rank``, workers, host.
+``refused/ID``             why the leader refused launcher ID (a node rank taken, other options).
+``gone``, ``gone/ID``      written by node 0's gate when launcher ID's connection closes: it has
+                           exited, or died (a dead machine: within ~11 s, by TCP keepalive).
+``roundR/ready/ID``        launcher ID stopped the workers of the round before R.
+``roundR/layout``, ``latest``   the leader's decision: round R's nodes, in order; the last R.
+``roundR/end``             how round R ended; the first record published wins.
+``roundR/ack/ID``, ``roundR/lost``   after a failure: who is still there (see below).
+``roundR/done``            how many nodes' workers all exited 0.
+``final``, ``checked_out`` the job's end, for nodes waiting outside a round; launchers done.
+
+**Rounds.** The leader opens round R once every node of round R-1 that is still there is
+ready, and at least ``--nnodes`` MIN nodes are (the first round also waits up to
+``last_call_timeout`` for MAX), capped at MAX: the nodes of the last round first, then the
+newcomers by ``--node-rank`` and arrival. Nodes left out wait for a later round. During a
+round the leader ends it (``membership``) when one of its nodes is gone, or when a newcomer
+waits and the round has fewer than MAX nodes; every node stops its workers and meets again.
+When a worker fails, every node acknowledges; the leader waits for each node's
+acknowledgement or its ``gone`` mark (at most :data:`ACK_WAIT_S`) and publishes who is
+lost: a failure with nodes lost is a membership change too, and uses no restart.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import RendezvousError
+from .config import LaunchConfig
+
+# Keys written by node 0's gate (phalanx.launcher.storehost) and read here.
+GONE_COUNT = "gone"
+CHECKED_OUT = "checked_out"
+# How often a waiting launcher looks at the store again: short next to a human's patience and
+# to torch's own start-up, long enough that the polling costs nothing.
+POLL_S = 0.05
+# After a failure, how long the leader waits for a node that neither acknowledges nor is
+# marked gone: a live launcher acknowledges within its --monitor-interval; a dead machine is
+# marked gone within ~11 s (phalanx.gate.listen.DEAD_PEER_S). Past this, it is taken as lost.
+ACK_WAIT_S = 15.0
+
+
+def gone_key(node_id: str) -> str:
+    return f"gone/{node_id}"
+
+
+def _key(round_: int, what: str) -> str:
+    return f"round{round_}/{what}"
+
+
+@dataclass(frozen=True)
+class Node:
+    """One launcher: ``node_rank`` as given (``None``: numbered by arrival)."""
+
+    id: str
+    node_rank: int | None
+    nproc: int
+    host: str
+    arrival: int = 0
+    leader: bool = False
+
+    @classmethod
+    def me(cls, config: LaunchConfig, nproc: int, leader: bool) -> "Node":
+        return cls(uuid.uuid4().hex[:12], config.node_rank, nproc, socket.gethostname(),
+                   leader=leader)
+
+    def name(self) -> str:
+        """``"node 1"``; ``"the node on HOST"`` for a node numbered by arrival."""
+        return f"the node on {self.host}" if self.node_rank is None else f"node {self.node_rank}"
+
+    def label(self) -> str:
+        """``"node 1 (HOST)"``; ``"the node on HOST"`` for a node numbered by arrival."""
+        return self.name() if self.node_rank is None else f"{self.name()} ({self.host})"
+
+    def order(self) -> tuple:
+        return (not self.leader, math.inf if self.node_rank is None else self.node_rank,
+                self.arrival)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This node's place in one round, as the nodes agreed."""
+
+    round: int
+    world_size: int
+    rank_offset: int
+    nnodes: int
+    node_rank: int  # GROUP_RANK: this node's position in the round
+    run_id: str
+    store_host: str
+    store_port: int
+    restarts: int = 0  # failed rounds restarted before this one
+    members: tuple[str, ...] = ()  # each node's label, by position
+
+
+class Store:
+    """The launchers' store, with errors that say what was lost."""
+
+    def __init__(self, store: Any, where: str, me: str) -> None:
+        self._store, self.where, self._me = store, where, me
+
+    def __getattr__(self, name: str) -> Callable:
+        fn = getattr(self._store, name)
+
+        def call(*args: Any) -> Any:
+            try:
+                return fn(*args)
+            except RuntimeError as e:  # DistNetworkError, DistStoreError
+                raise RendezvousError(
+                    f"{self._me} lost the rendezvous store at {self.where} ({e}); node 0's "
+                    "launcher has probably exited"
+                ) from None
+        return call
+
+    def read(self, key: str) -> str | None:
+        return self.get(key).decode() if self.check([key]) else None
+
+    def release(self) -> None:
+        self._store = None
+
+
+def layout_for(me: Node, decision: dict, host: str, port: int, run_id: str) -> Layout | None:
+    """``me``'s layout in a published round, or ``None`` when it is left out."""
+    nodes = [Node(**n) for n in decision["nodes"]]
+    ids = [n.id for n in nodes]
+    if me.id not in ids:
+        return None
+    at = ids.index(me.id)
+    counts = [n.nproc for n in nodes]
+    return Layout(decision["round"], sum(counts), sum(counts[:at]), len(nodes), at, run_id,
+                  host, port, decision["restarts"], tuple(n.label() for n in nodes))
