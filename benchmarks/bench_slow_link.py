@@ -38,12 +38,16 @@ from pathlib import Path
 
 from phalanx.bench.netns import NamespaceError, veth_namespaces
 from phalanx.bench.ranks import RESULT_FLAG, launch_ranks, serve
+from phalanx.gate.secret import new_secret
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("torch", "torch-fp16", "torch-powersgd", "phalanx", "phalanx-fp16", "phalanx-bf16",
            "phalanx-powersgd", "phalanx-localsgd", "phalanx-diloco")
 # The two namespaces' names and addresses (a private /24 no test or benchmark uses otherwise).
 PREFIX, SUBNET = "phxlink", "10.214.0"
+# How long the launchers get to stop after SIGTERM before SIGKILL: a launcher still in its
+# rendezvous can otherwise wait out the rendezvous timeout (seen: 120 s) for its store.
+STOP_GRACE_S = 20.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -216,23 +220,38 @@ def run_on_namespaces(args: argparse.Namespace, argv: list[str]) -> dict:
 
 def _two_nodes(nodes: list[tuple[str, str, str]], result: Path, argv: list[str]) -> dict:
     master = nodes[0][2]
+    # launchers of several nodes share a job secret (the gate keeps the store to the job)
+    secret = os.environ.get("PHALANX_JOB_SECRET") or new_secret()
     procs = []
     try:
         for node, (ns, dev, _) in enumerate(nodes):
             cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "phalanx", "run", "--nnodes", "2",
                    "--node-rank", str(node), "--master-addr", master, "--master-port", "29500",
                    "--nproc-per-node", "1", "--rdzv-timeout", "120", __file__, *argv, RESULT_FLAG, str(result)]
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": dev, "PYTHONPATH": _pythonpath()}
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": dev, "PYTHONPATH": _pythonpath(),
+                   "PHALANX_JOB_SECRET": secret}
             procs.append(subprocess.Popen(cmd, env=env))
         codes = [p.wait() for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()  # the launcher stops its worker
-                p.wait(30)
+        _stop(procs)
     if any(codes):
         raise SystemExit(f"bench_slow_link: the nodes failed (exit {codes}); their output is above")
     return json.loads(result.read_text())
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """Stop the launchers still running: SIGTERM (each stops its worker), then, after
+    ``grace_s``, SIGKILL (its guardian still takes its worker down)."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def _pythonpath() -> str:
