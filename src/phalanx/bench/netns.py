@@ -1,7 +1,8 @@
 """Two network namespaces joined by a veth pair: two "machines" on one host (no torch).
 
 The slow-link benchmark runs a rank in each, with ``tc`` limiting the link; the launcher's
-two-node test runs a node in each. Needs root (``ip netns``, and ``tc`` for a rate).
+multi-node and elastic tests run a node in each (tests/e2e/launch_helpers.py). Needs root
+(``ip netns``, and ``tc`` for a rate).
 """
 
 from __future__ import annotations
