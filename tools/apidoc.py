@@ -52,18 +52,39 @@ def _first_paragraph(obj) -> str:
 
 
 def _members(cls) -> list[str]:
-    """The public methods and properties ``cls`` defines itself (not its torch base's)."""
-    lines = []
-    for name, member in vars(cls).items():
-        if name.startswith("_") or not (callable(member) or isinstance(member, property)):
+    """The public methods and properties ``cls`` and its phalanx bases define (not its torch
+    base's); an override without a docstring has its base's summary."""
+    found: dict[str, tuple[object, str]] = {}
+    for klass in reversed(cls.__mro__):
+        if not klass.__module__.startswith("phalanx"):
             continue
+        for name, member in vars(klass).items():
+            if name.startswith("_") or not (callable(member) or isinstance(member, property)):
+                continue
+            summary = " ".join(_first_paragraph(member).split()) or found.get(name, (None, ""))[1]
+            found[name] = (member, summary)
+    lines = []
+    for name, (member, summary) in found.items():
         if isinstance(member, property):
             head = f"`{name}` (property)"
         else:
             head = f"`{name}{_signature(getattr(cls, name))}`"
-        summary = " ".join(_first_paragraph(member).split())
         lines.append(f"- {head}: {summary}" if summary else f"- {head}")
     return lines
+
+
+def _module(name: str, module) -> list[str]:
+    """A subpackage's section: its summary, then each name of its ``__all__``."""
+    out = [f"### module `phalanx.{name}`", "", _first_paragraph(module), ""]
+    for member in module.__all__:
+        obj = getattr(module, member)
+        if not callable(obj):
+            out.append(f"- `{member} = {obj!r}`")
+            continue
+        kind = "class " if inspect.isclass(obj) else ""
+        summary = " ".join(_first_paragraph(obj).split())
+        out.append(f"- {kind}`{member}{_signature(obj)}`" + (f": {summary}" if summary else ""))
+    return out + [""]
 
 
 def render() -> str:
@@ -79,6 +100,9 @@ def render() -> str:
         out += [f"## {concept}", ""]
         for name in names:
             obj = getattr(phalanx, name)
+            if inspect.ismodule(obj):
+                out += _module(name, obj)
+                continue
             kind = "class " if inspect.isclass(obj) else ""
             out += [f"### {kind}`phalanx.{name}{_signature(obj)}`", "", _first_paragraph(obj), ""]
             if inspect.isclass(obj) and not issubclass(obj, BaseException):

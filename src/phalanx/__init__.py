@@ -40,6 +40,8 @@ _LAZY = {
     "TrainingState": "checkpoint",
     "PreemptionHandler": "checkpoint",
     "DistributedDataParallel": "ddp",
+    "DiLoCo": "comm_hooks",
+    "LocalSGD": "comm_hooks",
     "barrier": "process_group",
     "destroy_process_group": "process_group",
     "get_device": "process_group",
@@ -59,8 +61,10 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
+    from . import comm_hooks
     from .batch import accumulation_steps
     from .checkpoint import Checkpointer, PreemptionHandler, TrainingState
+    from .comm_hooks import DiLoCo, LocalSGD
     from .ddp import DistributedDataParallel
     from .diagnostics import straggler_report
     from .metrics import MetricSum
@@ -97,12 +101,18 @@ _FROM_TORCH_DISTRIBUTED = frozenset({
 })
 
 
+# Subpackages reachable as attributes without importing them first (phalanx.comm_hooks.X).
+_SUBPACKAGES = frozenset({"comm_hooks"})
+
+
 def __getattr__(name: str):
     if name in _FROM_TORCH_DISTRIBUTED:
         collectives = import_module(".diagnostics.collectives", __name__)
         if name in collectives.CHECKED:  # checked and recorded first (phalanx.diagnostics)
             return collectives.checked(name)
         return getattr(import_module("torch.distributed"), name)
+    if name in _SUBPACKAGES:
+        return import_module(f".{name}", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
@@ -119,6 +129,7 @@ __all__ = [
     "Checkpointer",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "DiLoCo",
     "DistEnv",
     "Join",
     "MetricSum",
@@ -126,6 +137,7 @@ __all__ = [
     "DistributedSampler",
     "EarlyTerminationError",
     "EnvironmentConfigError",
+    "LocalSGD",
     "NotInitializedError",
     "PhalanxError",
     "PreemptionHandler",
@@ -139,6 +151,7 @@ __all__ = [
     "ZeroRedundancyOptimizer",
     "accumulation_steps",
     "barrier",
+    "comm_hooks",
     "destroy_process_group",
     "get_device",
     "get_local_rank",

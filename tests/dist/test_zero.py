@@ -471,7 +471,7 @@ def test_errors_name_what_is_wrong():
         assert "ZeroRedundancyOptimizer.state is this rank's shard" in errors["setter"]
         assert errors["overlap"].startswith(
             "ValueError: overlap_with_ddp=True is not supported: it runs the optimizer step "
-            "inside a torch DDP communication hook, and phalanx's DDP has none.")
+            "inside a torch DDP communication hook, and phalanx's DDP runs no ZeRO step in its hooks.")
         assert "call ddp.shard_gradients(zero) on every rank" in errors["overlap"]
         assert errors["flag"] == "TypeError: parameters_as_bucket_view must be a bool, got str 'yes'"
         assert errors["join"] == errors["join_device"] == errors["join_group"] == (

@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from phalanx.bench import netns
+
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 BEHAVE = str(SCRIPTS / "behave.py")
 TRAIN = str(SCRIPTS / "train_tiny.py")
@@ -106,38 +108,19 @@ def wait_all_gone(pids: list[int], timeout: float) -> list[int]:
 
 @contextlib.contextmanager
 def veth_namespaces():
-    """Two network namespaces joined by a veth pair: (ns, interface, address) for each."""
+    """Two network namespaces joined by a veth pair: (ns, interface, address) for each
+    (phalanx.bench.netns, which the slow-link benchmark uses too); skips without root."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
     if shutil.which("ip") is None:
         pytest.skip("the `ip` command (iproute2) is not installed")
-    tag = os.getpid() % 100000
-    names = [f"phx{tag}a", f"phx{tag}b"]
-    nodes = [(names[0], f"vphx{tag}a", "10.213.0.1"), (names[1], f"vphx{tag}b", "10.213.0.2")]
-
-    def ip(*args):
-        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-    created = []
     try:
-        for ns in names:
-            try:
-                ip("netns", "add", ns)
-            except subprocess.CalledProcessError as e:
-                if not created:  # root, but not allowed to (no CAP_SYS_ADMIN, say)
-                    pytest.skip(f"cannot create a network namespace: {e.stderr.strip()}")
-                raise
-            created.append(ns)
-        ip("link", "add", nodes[0][1], "type", "veth", "peer", "name", nodes[1][1])
-        for ns, dev, addr in nodes:
-            ip("link", "set", dev, "netns", ns)
-            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            ip("-n", ns, "link", "set", dev, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-        yield nodes
-    finally:
-        for ns in created:  # deleting a namespace deletes its end of the veth pair
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        with netns.veth_namespaces("phx", "10.213.0") as nodes:
+            yield nodes
+    except netns.NamespaceError as e:
+        if e.nothing_created:  # root, but not allowed to (no CAP_SYS_ADMIN, say)
+            pytest.skip(f"cannot create a network namespace: {e}")
+        raise
 
 
 def in_namespace(ns: str, cmd: list[str]) -> list[str]:

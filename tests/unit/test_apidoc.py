@@ -23,6 +23,9 @@ def test_api_reference_is_regenerated_from_the_docstrings():
     assert (ROOT / "docs" / "API.md").read_text() == text, (
         "docs/API.md is out of date: run python tools/apidoc.py")
     for name in phalanx.__all__:
-        assert f"`phalanx.{name}(" in text, name
+        assert f"`phalanx.{name}(" in text or f"module `phalanx.{name}`" in text, name
+    section = text.split("module `phalanx.comm_hooks`", 1)[1].split("\n## ", 1)[0]
+    for name in phalanx.comm_hooks.__all__:  # a subpackage's names are listed in its section
+        assert f"`{name}" in section, name
     assert "### `phalanx.init_process_group(backend=None, init_method=None," in text
     assert "- `step(closure=None, **kwargs)`: Update this rank's parameters" in text

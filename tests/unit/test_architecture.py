@@ -31,17 +31,18 @@ ALLOWED = {
     "sync_batchnorm": {"diagnostics"},
     "ddp": {"comm", "agreement", "errors", "_logging", "diagnostics", "uneven"},
     "zero": {"comm", "agreement", "errors", "diagnostics"},
+    "comm_hooks": {"comm", "ddp", "diagnostics"},
     "checkpoint": {"comm", "agreement", "process_group", "errors", "_logging", "ddp",
                    "diagnostics"},
     "launcher": {"env", "errors", "_logging", "gate"},
-    "bench": {"ddp", "process_group", "launcher", "diagnostics"},
+    "bench": {"ddp", "comm_hooks", "process_group", "launcher", "diagnostics"},
     "cli": {"launcher", "errors", "bench"},
     "__main__": {"cli"},
 }
 # Parts that must not import torch when imported (the launcher starts before its workers and
 # must not pay torch's seconds of import first); imports inside functions are allowed.
 TORCH_FREE = {"errors", "env", "_logging", "gate", "launcher", "cli", "__main__", "bench.report",
-              "bench.ranks", "bench"}
+              "bench.ranks", "bench.options", "bench.netns", "bench"}
 
 
 def _part(module: str) -> str:

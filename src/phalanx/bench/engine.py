@@ -27,11 +27,15 @@ from torch import nn
 
 from ..ddp import DistributedDataParallel
 from ..diagnostics import monitor
+from .options import add_comm_hook_option
 from .ranks import RESULT_FLAG, serve
 
 # "phalanx-nodiag": phalanx's DDP with its diagnostics switched off during its steps, to
 # measure what the always-on checks cost (benchmarks/bench_diagnostics.py).
 IMPLEMENTATIONS = ("bare", "phalanx", "torch", "phalanx-nodiag")
+# PowerSGD's plain all-reduces before compressing: the least torch's hook allows (it needs > 1),
+# so the timed steps (after --warmup 3) compress.
+POWERSGD_START = 2
 
 
 def mlp(width: int = 2048, depth: int = 3, inputs: int = 1024, classes: int = 10) -> nn.Module:
@@ -66,17 +70,45 @@ def make_batch(model: str, batch_size: int, seed: int) -> tuple[torch.Tensor, to
     return torch.randn(batch_size, *shape, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
 
 
-def build(model: str, impl: str, bucket_cap_mb: float | None = None, seed: int = 0) -> nn.Module:
-    """A fresh ``model``, bare or wrapped by phalanx's or torch's DDP (``None``: their default buckets)."""
+def build(model: str, impl: str, bucket_cap_mb: float | None = None, seed: int = 0,
+          comm_hook: str = "none") -> nn.Module:
+    """A fresh ``model``, bare or wrapped by phalanx's or torch's DDP (``None``: their default
+    buckets), with ``comm_hook`` registered (:func:`register_hook`)."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl must be one of {', '.join(IMPLEMENTATIONS)}, got {impl!r}")
     torch.manual_seed(seed)
     net = MODELS[model][0]()
-    if impl in ("phalanx", "phalanx-nodiag"):
-        return DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb)
-    if impl == "torch":
-        return torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb)
-    return net
+    if impl == "bare":
+        return net
+    if impl == "torch" and comm_hook == "powersgd":
+        bucket_cap_mb = 1e6  # torch's PowerSGD hook runs on Gloo with a single bucket only
+    ours = impl in ("phalanx", "phalanx-nodiag")
+    make = DistributedDataParallel if ours else torch.nn.parallel.DistributedDataParallel
+    return register_hook(make(net, bucket_cap_mb=bucket_cap_mb), "phalanx" if ours else impl, comm_hook)
+
+
+def register_hook(ddp: nn.Module, impl: str, name: str) -> nn.Module:
+    """``ddp`` with the hook ``name`` registered: phalanx's own (:mod:`phalanx.comm_hooks`) on
+    phalanx's DDP, torch's on torch's (its bf16 hook under another name: torch's DDP refuses
+    that name without NCCL, though Gloo sums bf16)."""
+    if name == "none":
+        return ddp
+    if impl == "phalanx":
+        from ..comm_hooks import by_name
+
+        ddp.register_comm_hook(*by_name(name, start_powerSGD_iter=POWERSGD_START) if name == "powersgd"
+                               else by_name(name))
+        return ddp
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "powersgd":
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=POWERSGD_START)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif name == "bf16":
+        ddp.register_comm_hook(None, lambda state, bucket: default_hooks.bf16_compress_hook(state, bucket))
+    else:
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    return ddp
 
 
 class Trainer:
@@ -123,6 +155,7 @@ def compare(
     batch_size: int = 64,
     bucket_cap_mb: float | None = None,
     with_no_sync: bool = True,
+    comm_hook: str = "none",
 ) -> dict[str, dict[str, list[float]]]:
     """Step times per implementation: ``{impl: {"sync": [...], "no_sync": [...]}}``.
 
@@ -137,7 +170,8 @@ def compare(
     out: dict[str, dict[str, list[float]]] = {impl: {"sync": [], "no_sync": []} for impl in impls}
     modes = ["sync", "no_sync"] if with_no_sync else ["sync"]
     for _ in range(repeats):
-        trainers = {impl: Trainer(build(model, impl, bucket_cap_mb), batch, impl != "phalanx-nodiag")
+        trainers = {impl: Trainer(build(model, impl, bucket_cap_mb, comm_hook=comm_hook), batch,
+                                  impl != "phalanx-nodiag")
                     for impl in impls}
         for trainer in trainers.values():
             for _ in range(warmup):
@@ -167,7 +201,7 @@ def _measure(args) -> dict:
     world = dist.get_world_size()
     times = {
         model: compare(model, args.impls, args.repeats, args.steps, args.warmup,
-                       args.batch_size, args.bucket_cap_mb, with_no_sync=world > 1)
+                       args.batch_size, args.bucket_cap_mb, with_no_sync=world > 1, comm_hook=args.comm_hook)
         for model in args.models
     }
     return {"world_size": world, "batch_size": args.batch_size, "times": times}
@@ -186,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64, help="per process")
     p.add_argument("--bucket-cap-mb", type=float, default=None)
+    add_comm_hook_option(p.add_argument)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument(RESULT_FLAG, dest="rank_result", required=True,
                    help="where rank 0 writes the step times")

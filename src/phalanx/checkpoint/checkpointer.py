@@ -15,7 +15,8 @@ an extra that cannot be saved) is raised on every rank instead of leaving them i
 optimizer's (consolidated when sharded), the scheduler's, the GradScaler's and the sampler's
 state dicts when given; the world size; each rank's RNG states (Python ``random``, torch CPU,
 the current CUDA device's when CUDA is initialised, numpy's global one when numpy is
-importable); and rank 0's ``extra`` dict.
+importable); rank 0's ``extra`` dict; and, with ``comm_state``, every rank's state of the
+communication scheme (PowerSGD's error feedback, local SGD's parameters between meetings).
 
 **Loading.** Rank 0 chooses the file (``resume="auto"``: the newest complete checkpoint of
 the directory; a damaged one is skipped with a warning and the next newest tried) and every
@@ -67,6 +68,7 @@ from .state import (
     capture_rng_state,
     check_fits,
     check_loadable,
+    load_comm_state,
     restore_rng_state,
     unwrap,
 )
@@ -132,6 +134,11 @@ class Checkpointer:
         scaler (optional): a ``torch.amp.GradScaler``. Default ``None``.
         sampler (optional): a sampler with ``state_dict``/``load_state_dict``, such as
             :class:`phalanx.DistributedSampler`. Default ``None``.
+        comm_state (optional): state kept per rank by the communication scheme: a
+            :class:`phalanx.comm_hooks.PowerSGDState` (error feedback), a
+            :class:`phalanx.LocalSGD` or :class:`phalanx.DiLoCo`; anything with
+            ``state_dict``/``load_state_dict``. Every rank's is saved, and each rank
+            loads its own, so only at the same world size. Default ``None``.
         keep (int or None, optional): how many checkpoints to keep; ``None`` keeps all.
             Default ``3``.
         group (ProcessGroup, optional): the ranks that save and load together; its rank 0
@@ -171,6 +178,7 @@ class Checkpointer:
         scheduler: Any = None,
         scaler: Any = None,
         sampler: Any = None,
+        comm_state: Any = None,
         keep: int | None = 3,
         group: dist.ProcessGroup | None = None,
         map_location: Any = None,
@@ -185,6 +193,10 @@ class Checkpointer:
         self.scheduler = scheduler
         self.scaler = scaler
         self.sampler = sampler
+        if comm_state is not None and not all(hasattr(comm_state, m) for m in ("state_dict", "load_state_dict")):
+            raise TypeError("comm_state must have state_dict() and load_state_dict() (a PowerSGDState, "
+                            f"LocalSGD, DiLoCo...), got {type(comm_state).__name__}")
+        self.comm_state = comm_state
         self.keep = keep
         self.group = group
         self.map_location = process_group.get_device() if map_location is None else map_location
@@ -238,7 +250,8 @@ class Checkpointer:
         writer = _writer()
         if hasattr(self.optimizer, "consolidate_state_dict"):
             self.optimizer.consolidate_state_dict(to=writer)
-        gathered = gather_to_writer((epoch, step, capture_rng_state()), self.group, writer)
+        local = None if self.comm_state is None else self.comm_state.state_dict()
+        gathered = gather_to_writer((epoch, step, capture_rng_state(), local), self.group, writer)
         path = self.directory / checkpoint_name(step)
         error = None
         if gathered is not None:
@@ -265,10 +278,10 @@ class Checkpointer:
         """Nothing to restore."""
 
     def _write(self, path: Path, gathered: list, consumed: int | None, extra: dict) -> None:
-        epoch, step, _ = gathered[0]
-        differ = [r for r, (e, s, _) in enumerate(gathered) if (e, s) != (epoch, step)]
+        epoch, step = gathered[0][:2]
+        differ = [r for r, (e, s, *_) in enumerate(gathered) if (e, s) != (epoch, step)]
         if differ:
-            e, s, _ = gathered[differ[0]]
+            e, s = gathered[differ[0]][:2]
             raise RankMismatchError(
                 f"save(epoch, step) differs across ranks: ranks {', '.join(map(str, differ))} "
                 f"disagree with rank 0, which has epoch={epoch}, step={step}; rank {differ[0]} "
@@ -285,7 +298,9 @@ class Checkpointer:
             )
         state = {"version": STATE_VERSION, "epoch": epoch, "step": step,
                  "world_size": len(gathered), "model": self.module.state_dict(),
-                 "rng": [rng for _, _, rng in gathered], "extra": extra}
+                 "rng": [rng for _, _, rng, _ in gathered], "extra": extra}
+        if self.comm_state is not None:
+            state["comm_state"] = [local for *_, local in gathered]
         for name in _OPTIONAL:
             obj = getattr(self, name)
             if obj is not None:
@@ -395,6 +410,9 @@ class Checkpointer:
                     f"Checkpoint {path}: its {name} state does not fit the {name} given: {e}"
                 ) from e
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        if self.comm_state is not None:
+            world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+            load_comm_state(self.comm_state, state.get("comm_state"), path, rank, world)
         saved = state["rng"]
         if rank < len(saved):
             restore_rng_state(saved[rank])

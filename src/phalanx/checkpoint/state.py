@@ -1,7 +1,7 @@
 """What goes into a checkpoint and comes out of it, for one process (no communication).
 
 Unwrapping a model, capturing and restoring RNG states, checking that a state can be loaded
-safely, and that a saved model state fits a model.
+safely, that a saved model state fits a model, and giving a rank its comm state.
 """
 
 from __future__ import annotations
@@ -112,3 +112,19 @@ def check_fits(module: torch.nn.Module, saved: Mapping[str, Any], path: Path) ->
                 f"Checkpoint {path} does not fit the model: {key!r} has shape {theirs} in the "
                 f"checkpoint and {tuple(tensor.shape)} in the model"
             )
+
+
+def load_comm_state(obj: Any, saved: list | None, path: Path, rank: int, world: int) -> None:
+    """Give ``obj`` (a Checkpointer's ``comm_state``) this rank's entry of ``saved``."""
+    if saved is None:
+        raise CheckpointError(f"Checkpoint {path} holds no comm_state, but a comm_state was given")
+    if len(saved) != world:
+        raise CheckpointError(
+            f"Checkpoint {path} holds the comm_state of {len(saved)} ranks, this run has {world}: it is "
+            "each rank's own (error feedback, local parameters), so it resumes at the same world size "
+            "only; pass comm_state=None to start it afresh"
+        )
+    try:
+        obj.load_state_dict(saved[rank])
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"Checkpoint {path}: its comm_state does not fit the comm_state given: {e}") from e

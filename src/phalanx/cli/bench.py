@@ -6,7 +6,8 @@ DDP, taking turns step by step on fresh models from the same seed, same data and
 Gloo). Prints a table of the median step time, the phalanx/torch step-time ratio (lower is
 better), samples/s, scaling efficiency against the single process and exposed communication
 (step time minus the step time under no_sync), warns when the machine was busy, and writes
-bench.png and bench.json under ``--out``.
+bench.png and bench.json under ``--out``. ``--comm-hook`` registers a compression hook on
+both DDPs (phalanx's own on phalanx's, torch's of that name on torch's).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..bench.options import add_comm_hook_option  # no torch
 from .text import add_manual_parser
 
 
@@ -30,6 +32,7 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
         help="processes for the DDP runs, as in phalanx run (default 2)")
     add("--bucket-mb", "--bucket_mb", type=float, default=None,
         help="bucket cap in MiB for both DDPs (default: theirs, 25 MiB with a 1 MiB first bucket)")
+    add_comm_hook_option(add)
     add("--steps", type=int, default=10, help="timed steps per repeat (default 10)")
     add("--repeats", type=int, default=3, help="fresh models per implementation (default 3)")
     add("--warmup", type=int, default=3, help="untimed steps per repeat (default 3)")
@@ -58,6 +61,7 @@ def _bench(args: argparse.Namespace) -> int:
               "--threads", str(args.threads)]
     if args.bucket_mb is not None:
         common += ["--bucket-cap-mb", str(args.bucket_mb)]
+    common += ["--comm-hook", args.comm_hook]
     results = {}
     # the 1-minute load average at the end of each run (no sampling thread: the launcher
     # forks its guardian and workers, which wants a process without threads)
@@ -76,7 +80,7 @@ def _bench(args: argparse.Namespace) -> int:
     (out / "bench.json").write_text(json.dumps(
         {"rows": rows, "settings": settings, "peak_load": max(loads)}, indent=2))
     print(f"\n{nproc} processes, Gloo, {args.threads} thread(s) and batch {args.batch_size} "
-          f"per process, bucket cap {args.bucket_mb or 'default'}\n")
+          f"per process, bucket cap {args.bucket_mb or 'default'}, comm hook {args.comm_hook}\n")
     print(bench_report.format_table(rows))
     print(f"\n{bench_report.LEGEND}")
     if busy:

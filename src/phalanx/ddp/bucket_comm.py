@@ -1,6 +1,7 @@
 """How one bucket's flat buffer is reduced: the :class:`BucketComm` protocol and its strategies.
 
-:class:`AllReduceMean` (the default) and :class:`ReduceToOwner` (ZeRO stage 2).
+:class:`AllReduceMean` (the default) and :class:`ReduceToOwner` (ZeRO stage 2);
+:class:`~phalanx.ddp.comm_hook.HookComm` (a communication hook) lives in ``comm_hook.py``.
 """
 
 from __future__ import annotations

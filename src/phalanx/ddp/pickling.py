@@ -4,7 +4,8 @@
 Kept: the module and the settings. Dropped, and rebuilt by the wrapper in the loading
 process (no collective, so one rank may load alone): the reducer (its hooks hold it weakly,
 and weak references do not pickle), the bucket plan, the buffer sync (it holds collectives'
-work handles), and what ``shard_gradients`` set up (its optimizer is not in the pickle).
+work handles), and what ``shard_gradients`` and ``register_comm_hook`` set up (the optimizer
+and the hook's state are not in the pickle: call them again after loading).
 
 The process group, as in torch's DDP: ``None`` or the default group is stored as ``None``,
 which means the loading process's default group. Another group (or a ``device_mesh``)
@@ -20,7 +21,8 @@ from ..errors import UsageError
 from .options import is_default_group
 
 # Rebuilt after loading (see the module notes); stored as these values.
-_REBUILT = {"_reducer": None, "_buffer_sync": None, "bucket_plan": [], "_check": None}
+_REBUILT = {"_reducer": None, "_buffer_sync": None, "bucket_plan": [], "_check": None, "_comm_hook": None,
+            "_forwarded": False}
 
 
 class _ProcessLocal:
@@ -52,4 +54,4 @@ def picklable_state(state: dict[str, Any], group: Any, mesh: Any) -> dict[str, A
 
 def unpickled_state(state: dict[str, Any]) -> dict[str, Any]:
     """The ``__dict__`` to give a loaded DistributedDataParallel before it rebuilds."""
-    return {k: v.obj if isinstance(v, _ProcessLocal) else v for k, v in state.items()}
+    return {k: v.obj if isinstance(v, _ProcessLocal) else v for k, v in {**_REBUILT, **state}.items()}

@@ -67,6 +67,7 @@ from ..errors import UnusedParametersError
 from .bucket_comm import BucketComm
 from .bucketing import Bucket, BucketSpec
 from .checkin import BUCKET, SPARSE
+from .comm_hook import HookComm
 from .graph_walk import reachable_params
 from .problems import problem_message
 from .sparse import SparseGradients
@@ -80,8 +81,9 @@ class Reducer:
         named_params: ``(name, parameter)`` pairs the ``plan`` indexes into.
         plan: buckets in launch order, from :func:`phalanx.ddp.bucketing.plan_buckets`; not empty.
         bucket_comm (BucketComm): how each bucket is reduced:
-            :class:`~phalanx.ddp.bucket_comm.AllReduceMean` or
-            :class:`~phalanx.ddp.bucket_comm.ReduceToOwner`.
+            :class:`~phalanx.ddp.bucket_comm.AllReduceMean`,
+            :class:`~phalanx.ddp.bucket_comm.ReduceToOwner` or, with a communication hook,
+            :class:`~phalanx.ddp.comm_hook.HookComm` (divisor 1: the hook averages).
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket (saves memory
             and the copy back). Default ``False``.
         find_unused_parameters: walk the graph after each forward to find parameters that
@@ -111,7 +113,10 @@ class Reducer:
         # Parameter k (launch order) is params[k], in bucket _bucket_of[k] (slot k - its first).
         self.names = [slot.name for slot in slots]
         self.params = [named_params[slot.index][1] for slot in slots]
-        self._sparse = SparseGradients(sparse_params, bucket_comm.group, bucket_comm.divisor)
+        # what an average divides by (bucket_comm.divisor is 1 when a comm hook averages)
+        self.world_size = dist.get_world_size(bucket_comm.group)
+        self._hooked = isinstance(bucket_comm, HookComm)
+        self._sparse = SparseGradients(sparse_params, bucket_comm.group, self.world_size)
         tail = 1 + (len(slots) + len(sparse_params) if self.allow_unused else 0)
         self._buckets: list[Bucket] = []
         self._bucket_of: list[int] = []
@@ -243,7 +248,8 @@ class Reducer:
         if grad is None:
             view.zero_()
         elif grad is view:
-            view.div_(self.bucket_comm.divisor)
+            if self.bucket_comm.divisor != 1:
+                view.div_(self.bucket_comm.divisor)
         else:
             try:
                 torch.div(grad, self.bucket_comm.divisor, out=view)
@@ -272,9 +278,28 @@ class Reducer:
                 if not final:
                     return
                 self._write_tail(bucket.tail)
-            self._records.append(self._record(f"DDP bucket {self._next}", bucket.buffer, BUCKET, self._next))
-            self._works.append(self.bucket_comm.launch(self._next, bucket.buffer))
+            op = f"DDP bucket {self._next}" + (self.bucket_comm.label if self._hooked else "")
+            record = self._record(op, bucket.buffer, BUCKET, self._next)
+            self._records.append(record)
+            self._works.append(self._launch(self._next, bucket.buffer, record))
             self._next += 1
+
+    def _launch(self, b: int, flat: torch.Tensor, record: Record | None) -> Any:
+        """Launch bucket ``b``. A communication hook's launch may wait for earlier buckets'
+        collectives (:mod:`phalanx.ddp.comm_hook`): a failure there is reported as this
+        bucket's (the hang report, :mod:`phalanx.diagnostics`)."""
+        try:
+            work = self.bucket_comm.launch(b, flat)
+            if self._hooked and self.join_index is not None:
+                # phalanx.join: a rank that has joined runs each bucket's hook to its end before
+                # the next announcement (ddp/joining.py); so does this rank, or their hooks'
+                # collectives would come in different orders
+                work.wait()
+        except RuntimeError as e:
+            if record is None:
+                raise
+            raise self._diag.fail(record, e) from e
+        return work
 
     def _record(self, op: str, tensor: torch.Tensor | None, *shadow: int) -> Record | None:
         """Record a collective (:mod:`phalanx.diagnostics`); ``shadow``: the action and
@@ -287,8 +312,12 @@ class Reducer:
                           self._site, shadow=announce)
 
     def set_divisor(self, divisor: int) -> None:
-        """Average over ``divisor`` ranks from the next gradient on (a join: the active ones)."""
-        self.bucket_comm.divisor = self._sparse.divisor = divisor
+        """Average over ``divisor`` ranks from the next gradient on (a join: the active ones).
+        A communication hook divides as it does (torch's and phalanx's: by the group's size),
+        as with torch's join."""
+        self._sparse.divisor = divisor
+        if not self._hooked:
+            self.bucket_comm.divisor = divisor
 
     def _wait(self, work: dist.Work, record: Record | None) -> None:
         if self._diag is None:
@@ -366,7 +395,12 @@ class Reducer:
             bucket = self._buckets[self._bucket_of[k]]
             if bucket.keep and (used is None or used[k]):
                 view = bucket.views[k - bucket.first]
-                self.params[k].grad = averaged_with_graph(local, view, self.bucket_comm.divisor)
+                divisor = self.world_size if self._hooked else self.bucket_comm.divisor
+                self.params[k].grad = averaged_with_graph(local, view, divisor)
+
+    def sparse_names(self) -> list[str]:
+        """Names of the parameters whose gradients come sparse (in no bucket)."""
+        return list(self._sparse.names)
 
     def buffers(self) -> list[torch.Tensor]:
         """The bucket buffers allocated now (outside a backward: the kept ones)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from torch import nn
 from .. import comm
 from .._logging import get_logger
 from ..diagnostics import syncpoint
+from ..errors import UsageError
 from ..uneven import Join
 from . import joining
 from .bucket_comm import AllReduceMean, ReduceToOwner
@@ -35,6 +36,7 @@ from .checks import (
     check_group,
     refuse_distributed_autograd,
 )
+from .comm_hook import SHARDED_WITH_HOOK, GradBucket, HookComm, check_registration
 from .devices import to_device
 from .options import (
     NOTHING_IGNORED,
@@ -244,6 +246,8 @@ class DistributedDataParallel(nn.Module):
         for name, value in flags.items():
             setattr(self, name, value)
         self.require_backward_grad_sync = True
+        self._comm_hook: tuple[Any, Any] | None = None  # (state, hook) of register_comm_hook
+        self._forwarded = False  # a forward ran: too late to register a comm hook
         self._set_up()
         if self._reducer is not None and init_sync:
             self._broadcast_state(args.init_sync_buffers)
@@ -279,7 +283,10 @@ class DistributedDataParallel(nn.Module):
         if _log0.isEnabledFor(logging.DEBUG):
             _log0.debug("bucket plan, in launch order:\n%s", describe(self.bucket_plan))
         group = self.process_group
-        strategy = AllReduceMean(group) if owners is None else ReduceToOwner(self.bucket_plan, group)
+        if self._comm_hook is not None:
+            strategy = HookComm(self.bucket_plan, named, *self._comm_hook, group)
+        else:
+            strategy = AllReduceMean(group) if owners is None else ReduceToOwner(self.bucket_plan, group)
         if self._reducer is not None:
             self._reducer.close()  # its hooks must not act on the next backward
         self._reducer = Reducer(
@@ -292,10 +299,12 @@ class DistributedDataParallel(nn.Module):
             sparse_params=[named[i] for i in sparse],
         )
         self._reducer.on_backward_done = self._check.backward_done
+        self._reducer.join_index = self._join_index  # rebuilt inside a join: still in it
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._device is not None:
             inputs, kwargs = to_device(inputs, self._device), to_device(kwargs, self._device)
+        self._forwarded = True
         if self._reducer is None:
             return self.module(*inputs, **kwargs)
         refuse_distributed_autograd()
@@ -418,10 +427,36 @@ class DistributedDataParallel(nn.Module):
             >>> opt.clip_grad_norm_(1.0)         # the norm of the whole averaged gradient
             >>> opt.step()                       # owners step and broadcast the parameters
         """
+        if self._comm_hook is not None:
+            raise UsageError(f"shard_gradients() after register_comm_hook(): {SHARDED_WITH_HOOK}")
         mid_iteration = self._reducer is not None and self._reducer.awaiting_backward
         owners = agree_on_owners(self.module, self.process_group, mid_iteration, optimizer)
         if self._reducer is not None:
             self._build_reducer(owners)
+
+    def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], torch.futures.Future]) -> None:
+        """Reduce each bucket with ``hook(state, bucket)`` (torch's contract) instead of the all-reduce.
+
+        The contract, and where phalanx differs from torch, are in :mod:`phalanx.ddp.comm_hook`:
+        torch's hooks work unchanged (PowerSGD also with several buckets on Gloo, bf16 also
+        without NCCL); :mod:`phalanx.comm_hooks` has phalanx's. Call it on every rank, once,
+        before the first forward (torch's rule), and again after unpickling.
+
+        Raises:
+            TypeError: ``hook`` cannot be called as ``hook(state, bucket)``.
+            UsageError: registered already, after a forward, with :meth:`shard_gradients`,
+                or for a model with sparse gradients.
+
+        Example::
+
+            >>> ddp.register_comm_hook(None, phalanx.comm_hooks.bf16_compress_hook)
+        """
+        sharded = self._reducer is not None and isinstance(self._reducer.bucket_comm, ReduceToOwner)
+        sparse = [] if self._reducer is None else self._reducer.sparse_names()
+        check_registration(hook, self._comm_hook, self._forwarded, sharded, sparse)
+        self._comm_hook = (state, hook)
+        if self._reducer is not None:
+            self._build_reducer(None)
 
     def gradient_bytes(self) -> int:
         """Bytes this rank holds for gradients now: ``.grad`` tensors and kept bucket buffers.

@@ -24,8 +24,9 @@ def check_flags(parameters_as_bucket_view: Any, overlap_with_ddp: Any) -> None:
     if overlap_with_ddp:
         raise ValueError(
             "overlap_with_ddp=True is not supported: it runs the optimizer step inside a torch "
-            "DDP communication hook, and phalanx's DDP has none. Keep overlap_with_ddp=False "
-            "(phalanx's DDP already overlaps the gradient all-reduce with the backward pass); "
+            "DDP communication hook, and phalanx's DDP runs no ZeRO step in its hooks. Keep "
+            "overlap_with_ddp=False (phalanx's DDP already overlaps the gradient all-reduce with "
+            "the backward pass); "
             "to also cut gradient memory, call ddp.shard_gradients(zero) on every rank (ZeRO "
             "stage 2: each rank receives only the averaged gradients of the parameters it owns)"
         )

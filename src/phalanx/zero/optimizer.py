@@ -92,7 +92,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             whatever the parameters' dtypes. Default ``False``: parameters keep their own
             storage; large ones are broadcast one by one, small ones packed.
         overlap_with_ddp (bool, optional): must be ``False`` (torch's default); ``True`` is
-            refused: phalanx's DDP has no communication hooks to run ``step()`` in. See
+            refused: phalanx's DDP runs no ``step()`` inside its communication hooks. See
             :meth:`~phalanx.DistributedDataParallel.shard_gradients`. Default ``False``.
         **defaults: hyper-parameters passed to ``optimizer_class`` (``lr=...``, ...).
 

@@ -1,0 +1,53 @@
+"""Communication that beats torch's on slow links: compressed gradients, local SGD, DiLoCo.
+
+Hooks for :meth:`phalanx.DistributedDataParallel.register_comm_hook` (torch's names, so
+``from phalanx import comm_hooks`` replaces torch's ``default_hooks``/``powerSGD_hook``
+imports), and training schemes that average the model every few steps instead of the
+gradients every step. The files:
+
+``lowprec.py``
+    ``fp16_compress_hook``, ``bf16_compress_hook`` and the :func:`average_16bit` under them:
+    16-bit values on the wire with a scale per chunk (fp16 cannot overflow), sums in fp32,
+    on Gloo and NCCL; two collectives (all-to-all, all-gather) per bucket.
+``powersgd.py``
+    ``PowerSGDState`` and ``powerSGD_hook``: rank-r approximations with error feedback and
+    warm start, with any number of buckets on Gloo and NCCL; the state is checkpointable.
+``periodic.py``
+    :class:`LocalSGD` and :class:`DiLoCo` (also ``phalanx.LocalSGD``/``phalanx.DiLoCo``):
+    local steps, the model averaged (or an outer Nesterov step taken) every ``every`` steps.
+
+The hooks are :class:`~phalanx.ddp.comm_hook.PhasedHook` generators: phalanx's reducer
+issues their collectives in the same order on every rank (:mod:`phalanx.ddp.comm_hook`).
+:func:`by_name` gives the ``(state, hook)`` pair for a name a command line takes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .lowprec import average_16bit, bf16_compress_hook, fp16_compress_hook
+from .periodic import DiLoCo, LocalSGD
+from .powersgd import PowerSGDState, powerSGD_hook
+
+# What by_name() knows: the hooks a --comm-hook option offers ("none": no hook).
+HOOK_NAMES = ("none", "fp16", "bf16", "powersgd")
+
+
+def by_name(name: str, process_group: Any = None, **options: Any) -> tuple[Any, Any] | None:
+    """``(state, hook)`` for ``ddp.register_comm_hook(*...)``, or ``None`` for ``"none"``.
+
+    ``options`` go to :class:`PowerSGDState` for ``"powersgd"`` (default rank 4, compressing
+    from the 10th iteration).
+    """
+    if name not in HOOK_NAMES:
+        raise ValueError(f"comm hook must be one of {', '.join(HOOK_NAMES)}, got {name!r}")
+    if name == "none":
+        return None
+    if name == "powersgd":
+        settings = {"matrix_approximation_rank": 4, "start_powerSGD_iter": 10, **options}
+        return PowerSGDState(process_group, **settings), powerSGD_hook
+    return process_group, {"fp16": fp16_compress_hook, "bf16": bf16_compress_hook}[name]
+
+
+__all__ = ["DiLoCo", "HOOK_NAMES", "LocalSGD", "PowerSGDState", "average_16bit", "bf16_compress_hook",
+           "by_name", "fp16_compress_hook", "powerSGD_hook"]

@@ -1,0 +1,244 @@
+"""Local SGD and DiLoCo: each rank trains alone, the model is averaged every ``every`` steps.
+
+Gradients are never all-reduced: a rank's steps use its own gradients, and every ``every``
+optimizer steps the ranks meet once. :class:`LocalSGD` (Stich, 2019; Lin et al., 2020)
+replaces the parameters by their average. :class:`DiLoCo` (Douillard et al., 2023) keeps
+the parameters of the last meeting (the "global" ones) and treats ``global - average``, the
+averaged pseudo-gradient, as the gradient of an outer optimizer (Nesterov momentum SGD);
+the outer step's result is every rank's new starting point. Communication falls by a
+factor ``every``: on a slow link, the step costs about its compute.
+
+Both compose with phalanx's or torch's DDP (whose gradient averaging they switch off:
+``require_backward_grad_sync = False``, so every backward is local, as in ``no_sync()``)
+or with a plain module (whose parameters and buffers they broadcast from rank 0 first).
+Floating-point buffers (BatchNorm statistics) are averaged at each meeting too.
+
+Each meeting (and a plain module's first broadcast) starts with a sync point of
+:mod:`phalanx.diagnostics` and is one record of the collective log: ranks that reach it at
+different steps raise :class:`~phalanx.errors.CollectiveMismatchError` instead of averaging
+mismatched tensors. Inside ``phalanx.join`` a rank that has joined cannot take part in a
+meeting (its stale parameters would pull the average): it raises a ``UsageError`` there.
+
+Their :meth:`state_dict` is this rank's: the step count, the optimizer's state (momentum
+differs between ranks), the parameters between meetings, and DiLoCo's outer state; give
+the object to :class:`~phalanx.Checkpointer` as ``comm_state=`` and a resumed run
+continues exactly, wherever it stopped in the period.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comm
+from ..ddp.comm_hook import run_phases
+from ..diagnostics.monitor import watched
+from .lowprec import DTYPES, average_16bit
+
+
+def _module_and_group(model: nn.Module, group: dist.ProcessGroup | None) -> tuple[nn.Module, Any, bool]:
+    """The module to average, the group to average over, and whether ``model`` is a DDP."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (or a DDP of one), got {type(model).__name__}")
+    wrapped = hasattr(model, "require_backward_grad_sync") and isinstance(getattr(model, "module", None), nn.Module)
+    if wrapped and group is None:
+        group = model.process_group
+    return (model.module if wrapped else model), group, wrapped
+
+
+def _flats(tensors: Sequence[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    """``tensors`` grouped by (device, dtype), each group reduced together."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[(t.device, t.dtype)].append(t)
+    return groups
+
+
+def average_(flat: torch.Tensor, group: dist.ProcessGroup | None, compress: str | None = None) -> torch.Tensor:
+    """Replace ``flat`` by its average over ``group``; in 16-bit on the wire with ``compress``."""
+    if compress is None:
+        dist.all_reduce(flat, group=group)
+        return flat.div_(dist.get_world_size(group))
+    return run_phases(average_16bit(flat, DTYPES[compress], group))
+
+
+class _Periodic:
+    """What LocalSGD and DiLoCo share: arguments, step counting, buffers, state."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, every: int,
+                 group: dist.ProcessGroup | None) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive number of steps, got {every!r}")
+        if not hasattr(optimizer, "step") or not hasattr(optimizer, "state_dict"):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.module, self.group, wrapped = _module_and_group(model, group)
+        self.model, self.optimizer, self.every = model, optimizer, every
+        self.params = [p for p in dict.fromkeys(self.module.parameters()) if p.requires_grad]
+        self.steps = 0
+        if wrapped:
+            model.require_backward_grad_sync = False  # every backward is local
+        else:  # the replicas start equal, as under DDP
+            with torch.no_grad():
+                tensors = list(self.module.parameters()) + list(self.module.buffers())
+                with watched(f"{type(self).__name__} initial broadcast", tensors, self.group, check=True):
+                    comm.broadcast_tensors(tensors, src=_rank_zero(self.group), group=self.group)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """``optimizer.step(closure)``; every ``every``-th call, then the ranks meet."""
+        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self.steps += 1
+        if self.steps % self.every == 0:
+            self.synchronize()
+        return loss
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Meet now (a collective): the periodic averaging, also outside the schedule."""
+        buffers = [b for b in self.module.buffers() if b.is_floating_point()]
+        with watched(f"{type(self).__name__} meeting", self.params + buffers, self.group, check=True):
+            self._meet()
+            for tensors in _flats(buffers).values():
+                _unflatten(average_(torch.cat([t.reshape(-1) for t in tensors]), self.group), tensors)
+
+    def _meet(self) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (see the module notes): a collective only in that nothing is exchanged."""
+        state = {"steps": self.steps, "optimizer": self.optimizer.state_dict()}
+        if self.steps % self.every:  # between meetings the ranks' parameters differ
+            state["params"] = [p.detach().clone() for p in self.params]
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned on this rank."""
+        self.steps = int(state["steps"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if "params" in state:
+            if len(state["params"]) != len(self.params):
+                raise ValueError(f"the state holds {len(state['params'])} parameters, the model {len(self.params)}")
+            for p, saved in zip(self.params, state["params"]):
+                p.copy_(saved)
+
+
+class LocalSGD(_Periodic):
+    """Local SGD: every rank steps alone; every ``every`` steps the parameters are averaged.
+
+    .. note::
+        Use :meth:`step` instead of ``optimizer.step()``. With a DDP model, the DDP no longer
+        averages gradients (``require_backward_grad_sync`` is set to ``False``); a plain
+        module gets rank 0's parameters and buffers at construction (a collective). The
+        optimizer's state (momentum) stays each rank's own, as in torch's
+        ``PostLocalSGDOptimizer``.
+
+    Args:
+        model (nn.Module): phalanx's or torch's DDP, or a plain module, the same on every rank.
+        optimizer (Optimizer): the optimizer over its parameters.
+        every (int): optimizer steps between two averagings.
+        group (ProcessGroup, optional): default: the DDP's group, or the default group.
+
+    Example::
+
+        >>> ddp = phalanx.DistributedDataParallel(net)
+        >>> opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        >>> local = phalanx.LocalSGD(ddp, opt, every=8)
+        >>> for x, y in loader:
+        ...     opt.zero_grad()
+        ...     loss_fn(ddp(x), y).backward()   # this rank's gradients only
+        ...     local.step()                    # opt.step(); every 8th: average the parameters
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, every: int,
+                 group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(model, optimizer, every, group)
+
+    def _meet(self) -> None:
+        for tensors in _flats(self.params).values():
+            _unflatten(average_(torch.cat([p.reshape(-1) for p in tensors]), self.group), tensors)
+
+
+class DiLoCo(_Periodic):
+    """DiLoCo: local steps of the inner optimizer, then an outer Nesterov step every ``every``.
+
+    At each meeting the averaged pseudo-gradient ``global - mean(local parameters)`` (where
+    ``global`` are the parameters of the last meeting) is the gradient of an outer
+    ``torch.optim.SGD(lr=outer_lr, momentum=outer_momentum, nesterov=True)`` over the global
+    parameters, whose result every rank continues from.
+
+    .. note::
+        As :class:`LocalSGD`: call :meth:`step` instead of ``inner_optimizer.step()``. DiLoCo
+        keeps the global parameters and the outer momentum: two more copies of the model
+        per rank.
+
+    Args:
+        model (nn.Module): phalanx's or torch's DDP, or a plain module.
+        inner_optimizer (Optimizer): each rank's optimizer (the paper: AdamW).
+        every (int): inner steps per outer step (the paper: 500; on a slow link, as many as
+            it takes to hide the meeting).
+        outer_lr (float): default ``0.7`` (the paper's).
+        outer_momentum (float): default ``0.9`` (the paper's).
+        group (ProcessGroup, optional): default: the DDP's group, or the default group.
+        compress (str, optional): ``"bf16"`` or ``"fp16"`` to send the pseudo-gradients as
+            16-bit values (:func:`~phalanx.comm_hooks.average_16bit`, fp32 sums); default
+            ``None``: fp32.
+
+    Example::
+
+        >>> opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        >>> diloco = phalanx.DiLoCo(ddp, opt, every=16, outer_lr=0.7, outer_momentum=0.9)
+        >>> for x, y in loader:
+        ...     opt.zero_grad()
+        ...     loss_fn(ddp(x), y).backward()
+        ...     diloco.step()
+    """
+
+    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, every: int,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 group: dist.ProcessGroup | None = None, compress: str | None = None) -> None:
+        if compress is not None and compress not in DTYPES:
+            raise ValueError(f"compress must be None or one of {sorted(DTYPES)}, got {compress!r}")
+        super().__init__(model, inner_optimizer, every, group)
+        self.compress = compress
+        self._groups = list(_flats(self.params).values())
+        self.global_params = [torch.cat([p.detach().reshape(-1) for p in ts]) for ts in self._groups]
+        self.outer_optimizer = torch.optim.SGD(self.global_params, lr=outer_lr, momentum=outer_momentum,
+                                               nesterov=outer_momentum > 0)
+
+    def _meet(self) -> None:
+        for tensors, outer in zip(self._groups, self.global_params):
+            local = torch.cat([p.reshape(-1) for p in tensors])
+            outer.grad = average_(torch.sub(outer, local, out=local), self.group, self.compress)
+        self.outer_optimizer.step()
+        for tensors, outer in zip(self._groups, self.global_params):
+            _unflatten(outer, tensors)
+            outer.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "global": [t.clone() for t in self.global_params],
+                "outer_optimizer": self.outer_optimizer.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        for mine, saved in zip(self.global_params, state["global"]):
+            mine.copy_(saved)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        if "params" not in state:  # saved at a meeting: the parameters are the global ones
+            for tensors, outer in zip(self._groups, self.global_params):
+                _unflatten(outer, tensors)
+
+
+def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def _rank_zero(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_global_rank(group, 0)

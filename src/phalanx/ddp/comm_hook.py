@@ -1,0 +1,335 @@
+"""Communication hooks: torch's ``register_comm_hook`` contract on phalanx's buckets.
+
+A hook is called as ``hook(state, bucket)`` once per bucket and backward, in bucket order on
+every rank, and returns a ``torch.futures.Future`` whose value is the bucket's reduced
+(averaged) flat buffer. ``bucket`` is a :class:`GradBucket`, with the methods of
+``torch.distributed.GradBucket``. As in torch, the buffer holds this rank's gradients
+*undivided*: the hook does the averaging. :class:`HookComm` is the
+:class:`~phalanx.ddp.bucket_comm.BucketComm` that calls the hook; the reducer waits for
+every future at the end of the backward and writes the values back to ``.grad``.
+
+**The control tail.** The last bucket also carries the reducer's unused-parameter counts,
+which must be summed exactly: with a hook they go in a small all-reduce of their own, issued
+just before the last bucket's hook, and the hook sees the gradients only.
+
+**Order of collectives.** Every rank must issue the same collectives in the same order. A
+hook that issues all of its collectives while it is called (torch's ``allreduce_hook``,
+``fp16_compress_hook``, ``bf16_compress_hook``) runs freely, overlapping the backward. A hook
+that issues more from its future's callbacks (torch's PowerSGD) breaks that order on Gloo:
+there a callback runs on a Gloo thread as soon as the previous collective completes, so
+bucket k's second all-reduce races bucket k+1's first one issued by the main thread (on
+NCCL the callbacks run at once, in the caller: the order holds). That is why torch's
+PowerSGD hook fails on Gloo with several buckets ("Received data size doesn't match expected
+size"). phalanx runs such hooks one bucket at a time: bucket k's hook is called once bucket
+k-1's future is done. Any hook not known to issue everything at call time is treated so.
+
+**Phased hooks** (:class:`PhasedHook`, phalanx's own: :mod:`phalanx.comm_hooks`) keep the
+overlap and the order: a hook written as a generator that yields each collective's work
+handle is resumed by the reducer's thread at fixed points only: before each later bucket is
+launched, every unfinished phased hook advances by one phase (waiting for its pending
+collective), and the end of the backward finishes them in bucket order. Where a phase ends
+therefore depends on the bucket sequence alone, the same on every rank.
+
+**Diagnostics** (:mod:`phalanx.diagnostics`): each bucket is one record of the collective log,
+``DDP bucket k via <hook>``, from its launch to the end of its hook's work; the hook's own
+collectives are not recorded one by one. A hook's collective that hangs or loses a peer
+raises the hang report for its bucket, as the plain all-reduce does.
+
+**Uneven inputs** (:mod:`phalanx.uneven`): a rank that has joined runs the hook on a bucket of
+zeros for every bucket the others announce, as torch's join does; the hook divides as it
+always does (torch's and phalanx's hooks: by the group's size, whatever
+``divide_by_initial_world_size`` says, as in torch). Inside a join every rank runs each
+bucket's hook to its end before the next bucket is announced, so that the hooks' collectives
+come in the same order on the joined ranks and the active ones (the hooks then no longer
+overlap the backward).
+
+**Refused**: a hook with ZeRO stage 2 (buckets reduced to their owner, not averaged),
+with sparse gradients (phalanx all-reduces them outside the buckets), registered twice or
+after a forward. With one process no reducer exists and the hook never runs. A pickled
+DDP comes back without its hook.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from typing import Any, Callable, Generator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UsageError
+from .bucketing import BucketSpec
+
+# torch's hooks that issue their only collective while called (their callbacks only cast).
+_CALL_TIME_HOOKS = {("torch.distributed.algorithms.ddp_comm_hooks.default_hooks", name)
+                    for name in ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook")}
+
+Phases = Generator[Any, None, torch.Tensor]
+
+
+class GradBucket:
+    """One bucket as a communication hook sees it: ``torch.distributed.GradBucket``'s methods.
+
+    Args:
+        index: the bucket's position in launch order (0 first).
+        buffer: its flat gradients (this rank's, undivided), without the control tail.
+        gradients: one view of ``buffer`` per parameter, shaped like the parameter.
+        parameters: the parameters, in the order of ``gradients``.
+        last: whether it is the last bucket of the backward.
+    """
+
+    __slots__ = ("_index", "_buffer", "_gradients", "_parameters", "_last")
+
+    def __init__(self, index: int, buffer: torch.Tensor, gradients: list[torch.Tensor],
+                 parameters: list[torch.Tensor], last: bool) -> None:
+        self._index, self._buffer, self._gradients = index, buffer, gradients
+        self._parameters, self._last = parameters, last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._gradients
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._parameters
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        """Replace what :meth:`buffer` returns (torch's compress wrappers cast it)."""
+        self._buffer = buffer
+
+    def __repr__(self) -> str:
+        return f"GradBucket(index={self._index}, numel={self._buffer.numel()}, last={self._last})"
+
+
+class PhasedHook:
+    """A communication hook written as phases, which phalanx's reducer runs in a fixed order.
+
+    ``phases(state, bucket)`` is a generator: it issues a collective asynchronously, yields
+    its work handle (``dist.Work`` or anything with ``wait()``), is resumed once that is
+    done, and finally returns the bucket's averaged buffer. On phalanx's DDP the phases
+    advance at fixed points of the backward (see the module notes), so several collectives
+    per bucket keep the same order on every rank and still overlap the backward. Called as
+    a plain hook (e.g. registered on torch's DDP), it runs all phases at once and returns a
+    completed future.
+
+    Args:
+        phases: the generator function ``phases(state, bucket)``.
+        name: the hook's name, for messages. Default: the function's name.
+
+    Example::
+
+        >>> @PhasedHook
+        ... def mean_hook(group, bucket):
+        ...     flat = bucket.buffer().div_(dist.get_world_size(group))
+        ...     yield dist.all_reduce(flat, group=group, async_op=True)
+        ...     return flat
+        >>> ddp.register_comm_hook(None, mean_hook)
+    """
+
+    def __init__(self, phases: Callable[[Any, Any], Phases], name: str | None = None) -> None:
+        self.phases = phases
+        self.__name__ = self.__qualname__ = name or getattr(phases, "__name__", "phased_hook")
+        self.__doc__ = getattr(phases, "__doc__", None)
+
+    def __call__(self, state, bucket):  # unannotated: torch's DDP checks the annotations it finds
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(run_phases(self.phases(state, bucket)))
+        return future
+
+    def __repr__(self) -> str:
+        return f"PhasedHook({self.__name__})"
+
+
+class _Running:
+    """A phased hook under way: its generator and the work it waits for."""
+
+    __slots__ = ("_phases", "_work", "done", "result")
+
+    def __init__(self, phases: Phases) -> None:
+        self._phases = phases
+        self.done = False
+        self.result: Any = None
+        self._work: Any = None
+        self._resume()
+
+    def _resume(self) -> None:
+        try:
+            self._work = next(self._phases)
+        except StopIteration as end:
+            self.done, self.result, self._work = True, end.value, None
+
+    def advance(self) -> None:
+        """Wait for the pending collective and run the next phase."""
+        self._work.wait()
+        self._resume()
+
+
+def run_phases(phases: Phases) -> Any:
+    """Run a phased hook's (or any such generator's) phases one after the other, waiting for
+    each collective; return its result."""
+    running = _Running(phases)
+    while not running.done:
+        running.advance()
+    return running.result
+
+
+class HookWork:
+    """The reducer's handle on one hooked bucket: :meth:`wait` leaves the average in its buffer
+    (waiting again does nothing)."""
+
+    __slots__ = ("_comm", "_b", "_grads", "_tail", "_done", "future", "running")
+
+    def __init__(self, comm: HookComm, b: int, grads: torch.Tensor, tail: dist.Work | None) -> None:
+        self._comm, self._b, self._grads, self._tail = comm, b, grads, tail
+        self._done = False
+        self.future: torch.futures.Future | None = None
+        self.running: _Running | None = None
+
+    def wait(self) -> bool:
+        if self._done:
+            return True
+        if self._tail is not None:
+            self._tail.wait()
+        if self.running is not None:
+            self._comm.finish(self.running)
+            result = self.running.result
+        else:
+            result = self.future.wait()
+        self._comm.write(self._b, self._grads, result)
+        self._done = True
+        return True
+
+
+class HookComm:
+    """Bucket communication through a communication hook (see the module notes).
+
+    Args:
+        plan: the buckets, in launch order.
+        named_params: the ``(name, parameter)`` pairs ``plan`` indexes into.
+        state: passed to the hook as its first argument.
+        hook: ``hook(state, bucket) -> Future``, or a :class:`PhasedHook`.
+        group: process group of the DDP; ``None`` is the default group.
+    """
+
+    def __init__(self, plan: Sequence[BucketSpec], named_params: Sequence[tuple[str, torch.Tensor]],
+                 state: Any, hook: Callable, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.divisor = 1  # the buffer holds this rank's gradients as they are: the hook averages
+        self._state, self._hook = state, hook
+        # how the collective log names each bucket's collectives (the same on every rank)
+        self.label = f" via {hook_label(hook)}"
+        self._phases = getattr(hook, "phases", None) if isinstance(hook, PhasedHook) else None
+        self._serial = self._phases is None and not is_call_time_hook(hook)
+        self._numels = [spec.numel for spec in plan]
+        self._slots = [[(s.offset, s.shape) for s in spec.slots] for spec in plan]
+        self._params = [[named_params[s.index][1] for s in spec.slots] for spec in plan]
+        self._running: deque[_Running] = deque()  # phased hooks not finished, in bucket order
+        self._previous: torch.futures.Future | None = None  # serial hooks: the last future
+
+    def keeps(self, b: int) -> bool:
+        return True
+
+    def launch(self, b: int, flat: torch.Tensor) -> HookWork:
+        n = self._numels[b]
+        last = b == len(self._numels) - 1
+        for running in list(self._running):  # every earlier phased hook: one phase further
+            self._advance(running)
+        if self._serial and self._previous is not None:
+            self._previous.wait()  # its callbacks have issued all of its collectives
+        tail = dist.all_reduce(flat[n:], group=self.group, async_op=True) if last else None
+        grads = flat[:n]
+        views = [grads[offset : offset + shape.numel()].view(shape) for offset, shape in self._slots[b]]
+        bucket = GradBucket(b, grads, views, list(self._params[b]), last)
+        work = HookWork(self, b, grads, tail)
+        if self._phases is not None:
+            work.running = _Running(self._phases(self._state, bucket))
+            if not work.running.done:
+                self._running.append(work.running)
+        else:
+            work.future = self._previous = self._hook(self._state, bucket)
+            if not isinstance(work.future, torch._C.Future):  # torch.futures.Future and then()'s
+                raise TypeError(f"the communication hook {_name(self._hook)} must return a "
+                                f"torch.futures.Future, got {type(work.future).__name__}")
+        return work
+
+    def _advance(self, running: _Running) -> None:
+        running.advance()
+        if running.done:
+            self._running.remove(running)
+
+    def finish(self, running: _Running) -> None:
+        """Run ``running`` and every phased hook launched before it to their ends, in order."""
+        while not running.done:
+            self._advance(self._running[0])
+
+    def write(self, b: int, grads: torch.Tensor, result: Any) -> None:
+        """Put the hook's ``result`` (the averaged bucket) into the bucket's buffer."""
+        if isinstance(result, (list, tuple)) and len(result) == 1:
+            result = result[0]  # torch accepts a future of a one-tensor list too
+        if not isinstance(result, torch.Tensor) or result.numel() != grads.numel():
+            got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
+                   else type(result).__name__)
+            raise ValueError(f"the communication hook {_name(self._hook)} must return a future of "
+                             f"one tensor with the bucket's {grads.numel()} elements (bucket {b}), got {got}")
+        if result.data_ptr() != grads.data_ptr() or result.dtype != grads.dtype:
+            grads.copy_(result.reshape(-1))
+
+
+SHARDED_WITH_HOOK = (
+    "ZeRO stage 2 reduces each bucket to its owner, a communication hook averages it on every "
+    "rank; phalanx does not combine them. Use one or the other"
+)
+
+
+def check_registration(hook: Any, registered: tuple[Any, Any] | None, forwarded: bool, sharded: bool,
+                       sparse: Sequence[str]) -> None:
+    """Raise unless ``hook`` may be registered now (see ``register_comm_hook``)."""
+    check_hook(hook)
+    if registered is not None:
+        raise UsageError(f"register_comm_hook can be called once per DistributedDataParallel (as in "
+                         f"torch); {_name(registered[1])} is registered already")
+    if forwarded:
+        raise UsageError("register_comm_hook must be called before the first forward (as in torch): "
+                         "the reducer's buckets are in use")
+    if sharded:
+        raise UsageError(f"register_comm_hook after shard_gradients(): {SHARDED_WITH_HOOK}")
+    if sparse:
+        raise UsageError(f"register_comm_hook with sparse gradients: the hook reduces the dense buckets, "
+                         f"and {sparse} have sparse gradients (nn.Embedding(sparse=True)...), which "
+                         "phalanx all-reduces itself; use sparse=False with a comm hook")
+
+
+def is_call_time_hook(hook: Any) -> bool:
+    """Whether ``hook`` is known to issue all of its collectives while it is called."""
+    return (getattr(hook, "__module__", None), getattr(hook, "__name__", None)) in _CALL_TIME_HOOKS
+
+
+def check_hook(hook: Any) -> None:
+    """``TypeError`` unless ``hook`` can be called as ``hook(state, bucket)``."""
+    if not callable(hook):
+        raise TypeError(f"a communication hook must be callable as hook(state, bucket) -> Future, "
+                        f"got {type(hook).__name__}")
+    try:
+        inspect.signature(hook).bind(None, None)
+    except TypeError:
+        raise TypeError(f"a communication hook is called as hook(state, bucket); {_name(hook)} "
+                        f"takes {inspect.signature(hook)}") from None
+    except ValueError:
+        pass  # no signature to inspect (a builtin): it will tell when called
+
+
+def hook_label(hook: Any) -> str:
+    """The hook's name, the same in every process (no address, unlike some reprs)."""
+    return getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or type(hook).__name__
+
+
+def _name(hook: Any) -> str:
+    return getattr(hook, "__qualname__", None) or repr(hook)
