@@ -200,7 +200,7 @@ def _more_ranks_than_params(rank):
     models, held = [], []
     for sharded in (True, False):
         torch.manual_seed(rank)
-        ddp = phalanx.DistributedDataParallel(nn.Linear(3, 1))
+        ddp = phalanx.DistributedDataParallel(nn.Linear(3, 1), gradient_as_bucket_view=False)
         if sharded:
             opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.1)
             ddp.shard_gradients(opt)

@@ -23,7 +23,11 @@ def test_constructor_takes_torchs_arguments_in_torchs_order():
     ours = inspect.signature(phalanx.DistributedDataParallel.__init__).parameters
     theirs = inspect.signature(TorchDDP.__init__).parameters
     assert list(ours) == list(theirs)
-    assert {n: p.default for n, p in ours.items()} == {n: p.default for n, p in theirs.items()}
+    # one default differs, on purpose: bucket views are phalanx's default (faster, less memory)
+    assert ours["gradient_as_bucket_view"].default is True
+    assert theirs["gradient_as_bucket_view"].default is False
+    differ = {n for n in ours if ours[n].default != theirs[n].default}
+    assert differ == {"gradient_as_bucket_view"}
 
 
 def _torch_public_surface() -> set[str]:

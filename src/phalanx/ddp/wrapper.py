@@ -128,7 +128,9 @@ class DistributedDataParallel(nn.Module):
             parameters that get no gradient anywhere keep ``.grad`` untouched. Default ``False``.
         check_reduction: deprecated by torch; ignored, with torch's ``FutureWarning`` if true.
         gradient_as_bucket_view (bool): make ``.grad`` a view into the bucket: no copy back,
-            less memory. Works with ``zero_grad(set_to_none=True)``. Default ``False``.
+            one copy of the gradients instead of two. Works with both ``zero_grad`` modes.
+            Default ``True`` (torch: ``False``; measured 3-4% faster on the 10.5M MLP); pass
+            ``False`` for ``.grad`` tensors of their own (``p.grad.detach_()`` needs them).
         static_graph (bool): promise that the same parameters are used every iteration.
             Parameters may go unused (as with ``find_unused_parameters``), but they are
             learned once, from the first synchronising backward, instead of by a graph walk
@@ -201,7 +203,7 @@ class DistributedDataParallel(nn.Module):
         bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
-        gradient_as_bucket_view: bool = False,
+        gradient_as_bucket_view: bool = True,
         static_graph: bool = False,
         delay_all_reduce_named_params: Any = None,
         param_to_hook_all_reduce: Any = None,
