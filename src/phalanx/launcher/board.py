@@ -29,6 +29,8 @@ from .membership import (
 from .outcome import RoundEnd
 
 Interrupted = Callable[[], None]  # raises when a stop signal has arrived
+# How long node 0, refusing a launcher started with other options, waits for it to read why.
+REFUSAL_READ_S = 5.0
 
 
 class LocalBoard:
@@ -151,6 +153,10 @@ class NodeBoard:
             refusal = self._s.read(f"refused/{self.me.id}")
             if refusal is not None:
                 self._refused = True
+                try:  # node 0 may wait for this before it goes
+                    self._s.set(f"refused/{self.me.id}/read", "1")
+                except RendezvousError:
+                    pass
                 raise RendezvousError(refusal)
             final = self._s.read("final")
             if final is not None:
@@ -243,6 +249,11 @@ class LeaderBoard(NodeBoard):
             self._s.set(f"refused/{node.id}", problem)
             self._problems.append(problem)
             if not self._started and "disagree" in problem:  # misconfigured from the start
+                # the refused node reads why from this node's store: let it, before ending
+                deadline = time.monotonic() + REFUSAL_READ_S
+                while (not self._s.check([f"refused/{node.id}/read"])
+                       and time.monotonic() < deadline):
+                    time.sleep(POLL_S)
                 raise RendezvousError(problem)
 
     def _problem(self, node: Node, options: dict) -> str | None:

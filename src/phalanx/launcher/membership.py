@@ -6,7 +6,8 @@ Node 0's launcher (the *leader*, which hosts the launchers' store) decides; the 
 
 ``job``                    the leader's options; a node started with others is refused.
 ``joins``, ``join/J``      registration J of a launcher: its id, ``--node-rank``, workers, host.
-``refused/ID``             why the leader refused launcher ID (a node rank taken, other options).
+``refused/ID``             why the leader refused launcher ID (a node rank taken, other options);
+``refused/ID/read``        ID has read it (a leader refusing other options waits for it, 5 s at most).
 ``gone``, ``gone/ID``      written by node 0's gate when launcher ID's connection closes: it has
                            exited, or died (a dead machine: within ~11 s, by TCP keepalive).
 ``roundR/ready/ID``        launcher ID stopped the workers of the round before R.

@@ -161,10 +161,28 @@ class StoreHost:
             self._guardian.release(self._proc.pid)
 
 
-def _tcp_store(port: int, timeout: float) -> Any:
+# How long one attempt to reach the store helper may take: between attempts a stop signal is
+# looked at (a TCPStore client retries on its own for its whole timeout, deaf to signals).
+_CONNECT_TRY_S = 1.0
+
+
+def _tcp_store(port: int, timeout: float, interrupted: Callable[[], None]) -> Any:
+    """A client of the store helper's door on ``port``, with ``timeout`` for its operations;
+    tried for at most ``timeout`` seconds, :class:`Interrupted` by a stop signal."""
     import torch.distributed as dist  # only launchers of several nodes need torch themselves
 
-    return dist.TCPStore(LOOPBACK, port, None, False, timedelta(seconds=timeout))
+    deadline = time.monotonic() + timeout
+    while True:
+        attempt = max(0.1, min(_CONNECT_TRY_S, deadline - time.monotonic()))
+        try:
+            client = dist.TCPStore(LOOPBACK, port, None, False, timedelta(seconds=attempt))
+        except RuntimeError:
+            interrupted()
+            if time.monotonic() >= deadline:
+                raise
+            continue
+        client.set_timeout(timedelta(seconds=timeout))
+        return client
 
 
 def _who(config: LaunchConfig) -> str:
@@ -239,8 +257,11 @@ def meet(config: LaunchConfig, nproc: int, interrupted: Callable[[], int | None]
                       {**doors, **({} if gate is None else {"gate": gate})}, guardian, **settings)
     where = f"{config.master_addr}:{config.master_port}"
     try:
-        client = Store(_tcp_store(store.ports["launcher_door"], config.rdzv_timeout), where,
-                       _who(config))
+        client = Store(_tcp_store(store.ports["launcher_door"], config.rdzv_timeout,
+                                  lambda: _raise_if(interrupted)), where, _who(config))
+    except Interrupted:
+        store.kill()
+        raise
     except RuntimeError as e:  # DistNetworkError, DistStoreError
         store.kill()  # no round will be served: give the ports back now
         raise RendezvousError(f"{_who(config)} could not reach its store helper ({e})") from None
