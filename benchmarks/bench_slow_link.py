@@ -3,7 +3,7 @@
 Two network namespaces joined by a veth pair whose two ends ``tc`` limits (1 Gbit/s by
 default), one rank in each, started by ``phalanx run --nnodes 2`` as on two machines. Every
 method trains its own copy of the model on scikit-learn's digits, all in one run, taking
-turns step by step (A B C ..., then backwards), so a change in load hurts them alike::
+turns (A B C ..., then backwards) of ``--every`` steps, so a change in load hurts them alike::
 
     python benchmarks/bench_slow_link.py                   # MLP (10.5M params), 1 Gbit/s, every method
     python benchmarks/bench_slow_link.py --rate 100mbit --steps 48 --repeats 1
@@ -42,7 +42,8 @@ from phalanx.gate.secret import new_secret
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("torch", "torch-fp16", "torch-powersgd", "phalanx", "phalanx-fp16", "phalanx-bf16",
-           "phalanx-powersgd", "phalanx-localsgd", "phalanx-diloco")
+           "phalanx-powersgd", "phalanx-localsgd", "phalanx-diloco", "phalanx-localsgd-overlap",
+           "phalanx-diloco-overlap")
 # The two namespaces' names and addresses (a private /24 no test or benchmark uses otherwise).
 PREFIX, SUBNET = "phxlink", "10.214.0"
 # How long the launchers get to stop after SIGTERM before SIGKILL: a launcher still in its
@@ -62,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--batch-size", type=int, default=64, help="per rank (default 64)")
     add("--lr", type=float, default=0.02, help="SGD (momentum 0.9) learning rate (default 0.02)")
     add("--every", type=int, default=8, help="local SGD and DiLoCo: steps between meetings (default 8)")
+    add("--overlap", type=int, default=None,
+        help="the -overlap methods: steps a meeting runs behind before it lands (default: every / 2)")
     add("--outer-lr", type=float, default=0.7, help="DiLoCo's outer learning rate (default 0.7)")
     add("--outer-momentum", type=float, default=0.5,
         help="DiLoCo's outer Nesterov momentum (default 0.5: phalanx.DiLoCo's 0.9, the paper's, "
@@ -119,11 +122,13 @@ class Method:
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / args.steps)))
         self.stepper = self.optimizer
+        variant, _, overlapped = variant.partition("-")
+        overlap = args.overlap if overlapped else 0
         if variant == "localsgd":
-            self.stepper = phalanx.LocalSGD(ddp, self.optimizer, every=args.every)
+            self.stepper = phalanx.LocalSGD(ddp, self.optimizer, every=args.every, overlap=overlap)
         elif variant == "diloco":
             self.stepper = phalanx.DiLoCo(ddp, self.optimizer, every=args.every, outer_lr=args.outer_lr,
-                                          outer_momentum=args.outer_momentum, compress="bf16")
+                                          outer_momentum=args.outer_momentum, compress="bf16", overlap=overlap)
         self.rng = torch.get_rng_state()  # its own dropout masks, as if it ran alone
 
     def step(self, x, y) -> None:
@@ -176,17 +181,17 @@ def measure(args: argparse.Namespace) -> dict:
         seconds = torch.zeros(len(methods), dtype=torch.float64)
         sent = [0] * len(methods)
         order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(repeat))
-        for step in range(args.steps):
-            take = order[(torch.arange(args.batch_size) * world + rank + step * args.batch_size * world)
-                         % len(order)]
-            names = list(methods) if step % 2 == 0 else list(reversed(methods))
-            for name in names:
+        for turn, block in enumerate(blocks(args.steps, args.every, args.overlap)):
+            for name in list(methods) if turn % 2 == 0 else list(reversed(methods)):
                 i = args.methods.index(name)
-                before, start = tx_bytes(interface), time.perf_counter()
-                methods[name].step(x_train[take], y_train[take])
-                if step >= args.warmup:
-                    seconds[i] += time.perf_counter() - start
-                    sent[i] += tx_bytes(interface) - before
+                for step in block:
+                    take = order[(torch.arange(args.batch_size) * world + rank + step * args.batch_size * world)
+                                 % len(order)]
+                    before, start = tx_bytes(interface), time.perf_counter()
+                    methods[name].step(x_train[take], y_train[take])
+                    if step >= args.warmup:
+                        seconds[i] += time.perf_counter() - start
+                        sent[i] += tx_bytes(interface) - before
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # a step ends when every rank's does
         timed = args.steps - args.warmup
         for i, (name, method) in enumerate(methods.items()):
@@ -196,6 +201,14 @@ def measure(args: argparse.Namespace) -> dict:
         del methods
     return {"world_size": world, "settings": {k: v for k, v in vars(args).items() if k != "rank_result"},
             "results": out}
+
+
+def blocks(steps: int, every: int, overlap: int) -> list[range]:
+    """The steps cut into turns of ``every`` steps, each ending ``overlap`` steps after a
+    meeting: an overlapped meeting begins and lands within one method's turn, so no method's
+    communication runs behind another's compute, nor shares the link with it."""
+    ends = list(range(overlap % every or every, steps, every)) + [steps]
+    return [range(start, end) for start, end in zip([0] + ends, ends) if end > start]
 
 
 # ------------------------------------------------------------- orchestration (no torch) ----
@@ -292,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.warmup >= args.steps:
         raise SystemExit(f"bench_slow_link: --warmup ({args.warmup}) must be below --steps ({args.steps})")
+    if args.overlap is None:
+        args.overlap = max(1, args.every // 2)
+        argv = [*argv, "--overlap", str(args.overlap)]
+    if any(m.endswith("-overlap") for m in args.methods) and not 0 < args.overlap < args.every:
+        raise SystemExit(f"bench_slow_link: --overlap must be from 1 to --every - 1 ({args.every - 1}), "
+                         f"got {args.overlap}: a longer one would run behind the other methods' turns")
     _on_signals_raise()
     started = time.monotonic()
     data = launch_ranks(__file__, 2, argv) if args.loopback else run_on_namespaces(args, argv)

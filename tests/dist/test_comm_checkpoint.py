@@ -1,6 +1,7 @@
 """Checkpoints of the communication state (issue 12): a run resumed from a checkpoint taken
-while PowerSGD's error feedback is non-zero, or in the middle of a local SGD / DiLoCo period,
-ends bit for bit where the uninterrupted run ends; without the comm state it does not."""
+while PowerSGD's error feedback is non-zero, in the middle of a local SGD / DiLoCo period, or
+while an overlapped meeting is under way, ends bit for bit where the uninterrupted run ends;
+without the comm state it does not."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from phalanx.checkpoint.state import load_comm_state
 from tests.harness import error_of, run_ranks
 
 SAVE_AT, STEPS = 5, 9
+KINDS = ("powersgd", "local", "diloco", "diloco overlapped")
 
 
 def _net():
@@ -35,8 +37,10 @@ def _build(kind):
         return model, opt, state, opt
     if kind == "local":
         scheme = phalanx.LocalSGD(model, opt, every=3)
-    else:
+    elif kind == "diloco":
         scheme = phalanx.DiLoCo(model, opt, every=3, compress="bf16")
+    else:  # the meeting of step 4 is under way at the save (step 5) and lands at step 6
+        scheme = phalanx.DiLoCo(model, opt, every=2, compress="fp16", overlap=2)
     return model, opt, scheme, scheme
 
 
@@ -50,7 +54,7 @@ def _train(rank, model, stepper, steps):
 
 def _resume(rank, world_size, directory):
     out = {}
-    for kind in ("powersgd", "local", "diloco"):
+    for kind in KINDS:
         model, opt, state, stepper = _build(kind)
         ckpt = phalanx.Checkpointer(f"{directory}/{kind}", model, opt, comm_state=state)
         _train(rank, model, stepper, range(SAVE_AT))
@@ -73,7 +77,7 @@ def _resume(rank, world_size, directory):
 def test_comm_state_resumes_exactly(tmp_path):
     for out in run_ranks(_resume, 2, str(tmp_path)):
         assert out["errors"] > 0  # the checkpoint held error feedback worth keeping
-        for kind in ("powersgd", "local", "diloco"):
+        for kind in KINDS:
             assert out[kind] == [True, False], kind
 
 

@@ -4,6 +4,8 @@ reference written here, and checkpoints that resume all of them exactly."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -71,7 +73,28 @@ def _compression(rank, world_size):
             out[(name, loss_scale)] = (torch.isfinite(got).all().item(),
                                        ((got - want).abs().max() / want.abs().max()).item(),
                                        _same_everywhere(got))
+    # the fp16 hook's all-reduces: the 1e7 step found its remembered scale 1e7x too large and
+    # agreed on another (a one-number all-reduce, then the bucket again); now one per bucket
+    fp16, opt = models["fp16"], torch.optim.SGD(models["fp16"].parameters(), lr=0)
+    out["fp16 all-reduces"] = [_all_reduces(lambda: _step(fp16, opt, rank, 1, 1e7)) for _ in range(2)]
+    fresh = phalanx.DistributedDataParallel(_net(), bucket_cap_mb=SMALL_BUCKETS_MB)
+    fresh.register_comm_hook(None, comm_hooks.fp16_compress_hook)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0)
+    out["fp16 first all-reduces"] = _all_reduces(lambda: _step(fresh, fresh_opt, rank, 1))
     return {**out, **_control_tail(rank)}
+
+
+def _all_reduces(run):
+    """The (dtype, numel) of each all-reduce ``run()`` issues through torch.distributed."""
+    seen, all_reduce = [], dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        seen.append((str(tensor.dtype).removeprefix("torch."), tensor.numel()))
+        return all_reduce(tensor, *args, **kwargs)
+
+    with mock.patch.object(dist, "all_reduce", counting):
+        run()
+    return seen
 
 
 class _Branches(nn.Module):
@@ -110,6 +133,16 @@ def test_16bit_hooks_average_within_their_precision_and_never_overflow(world_siz
             assert out[("fp16", scale)][0] and out[("fp16", scale)][1] < 2**-10 and out[("fp16", scale)][2]
             assert out[("bf16", scale)][0] and out[("bf16", scale)][1] < 2**-7 and out[("bf16", scale)][2]
         assert out[("torch_fp16", 1.0)][1] < 2**-10
+        # the diagnostics' sync point; the layers' buckets in launch order (the last layer's
+        # first), each with its bound; the control tail (one number) before the last one
+        sync, tail = ("int64", 12), ("float32", 1)
+        buckets = [("float16", n + 1) for n in (4 * 48 + 4, 48 * 48 + 48, 48 * 48 + 48, 16 * 48 + 48)]
+        assert out["fp16 all-reduces"] == [[sync, *buckets[:3], tail, buckets[3]]] * 2, out["fp16 all-reduces"]
+        # nothing remembered: each bucket first agrees on its scale (one float32 number), and
+        # sends at the end of the backward
+        agree = ("float32", 1)
+        assert out["fp16 first all-reduces"] == [sync, agree, agree, agree, tail, agree, *buckets], (
+            out["fp16 first all-reduces"])
         assert out[("torch_fp16", 1e7)][0] is False  # torch's fp16 hook overflows to inf
         assert out["tail grads"] == [None, None]  # no gradient on any rank: left alone
         # rank 1's gradient (2: a batch of two), averaged in bf16 (8 significant bits)

@@ -101,7 +101,8 @@ def _against_torch(rank, world_size, steps=5):
                            else comm_hooks.by_name(name))
             model.register_comm_hook(state, _for_torch(hook) if make is TorchDDP else hook)
             grads.append(_grads_after(model, steps, rank))
-        out[f"phalanx {name} on torch"] = max((a - b).abs().max().item() for a, b in zip(*grads))
+        out[f"phalanx {name} on torch"] = max((a - b).abs().max().item() / b.abs().max().item()
+                                              for a, b in zip(*grads))
     # torch 2.13's batched_powerSGD_hook fails once it compresses (_orthogonalize asserts a 3-D
     # batch, the hook passes a matrix), on its own DDP as on ours: the same until then
     batched = []
@@ -125,8 +126,9 @@ def test_torchs_hooks_give_torchs_gradients(world_size):
         # fp16: 10 bits of mantissa, bf16: 7).
         ulp = {"fp16": 2**-10, "fp16_wrapper": 2**-10, "bf16": 2**-7, "bf16_wrapper": 2**-7}
         tolerance = 0.0 if world_size == 2 else 1e-6
-        for name in ("bf16", "powersgd"):  # the same operations on the same buckets
-            assert rank_result.pop(f"phalanx {name} on torch") <= tolerance, name
+        for name in ("bf16", "powersgd"):  # the same operations on the same buckets (bf16: summed in bf16)
+            assert rank_result.pop(f"phalanx {name} on torch") <= (
+                0.0 if world_size == 2 else ulp.get(name, tolerance)), name
         diff, their_error, our_error = rank_result.pop("batched_powerSGD")
         assert diff <= tolerance and our_error == their_error == ("AssertionError", "")
         for name, (to_torch, to_exact) in rank_result.items():

@@ -1,6 +1,7 @@
 """Local SGD and DiLoCo (issue 12) against a naive reference written here: every parameter
-all-reduced on its own, the outer Nesterov step spelled out; on phalanx's DDP, torch's DDP
-and a plain module, with BatchNorm statistics averaged too; argument errors."""
+all-reduced on its own, the outer Nesterov step spelled out, and with ``overlap`` the meeting
+applied that many steps later over the local progress; on phalanx's DDP, torch's DDP and a
+plain module, with BatchNorm statistics averaged too; argument errors."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ def _state(module):
     return torch.cat([t.detach().flatten().double() for t in module.state_dict().values()])
 
 
-def _reference(rank, world_size, kind):
-    """The naive algorithm: local SGD steps; every EVERY steps each tensor averaged by itself."""
+def _reference(rank, world_size, kind, overlap=0):
+    """The naive algorithm: local SGD steps; every EVERY steps each tensor averaged by itself,
+    applied ``overlap`` steps later plus what the tensor moved meanwhile."""
     net = _net()
     with torch.no_grad():
         for t in list(net.parameters()) + list(net.buffers()):
@@ -40,40 +42,57 @@ def _reference(rank, world_size, kind):
     params = list(net.parameters())
     global_params = [p.detach().clone() for p in params]
     momenta = [torch.zeros_like(p) for p in params]
-    for step in range(STEPS):
-        x, y = _batch(rank, step)
+    buffers = [b for b in net.buffers() if b.is_floating_point()]
+
+    def pseudo_gradient(t):  # DiLoCo's parameters send this, the rest themselves
+        i = next((i for i, p in enumerate(params) if p is t), None)
+        return None if kind == "local" or i is None else i
+
+    def land(sent):
+        for t, then, average in sent:
+            i = pseudo_gradient(t)
+            if i is not None:
+                g, m = global_params[i], momenta[i]
+                m.mul_(OUTER_MOMENTUM).add_(average)  # torch.optim.SGD's Nesterov, step by step
+                g.add_(average.add(m, alpha=OUTER_MOMENTUM), alpha=-OUTER_LR)
+                average = g.clone()
+            t.copy_(average + (t - then) if overlap else average)
+
+    meeting = None  # (the step it lands at, [(tensor, its value when sent, the average)])
+    for step in range(1, STEPS + 1):
+        x, y = _batch(rank, step - 1)
         opt.zero_grad()
         nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
-        if (step + 1) % EVERY:
-            continue
         with torch.no_grad():
-            for b in net.buffers():
-                if b.is_floating_point():
-                    dist.all_reduce(b)
-                    b /= world_size
-            for p, g, m in zip(params, global_params, momenta):
-                if kind == "local":
-                    dist.all_reduce(p)
-                    p /= world_size
-                    continue
-                delta = g - p  # the pseudo-gradient, averaged
-                dist.all_reduce(delta)
-                delta /= world_size
-                m.mul_(OUTER_MOMENTUM).add_(delta)  # torch.optim.SGD's Nesterov, step by step
-                g.add_(delta.add(m, alpha=OUTER_MOMENTUM), alpha=-OUTER_LR)
-                p.copy_(g)
+            if meeting is not None and meeting[0] == step:
+                land(meeting[1])
+                meeting = None
+            if step % EVERY:
+                continue
+            sent = []
+            for t in params + buffers:
+                then = t.detach().clone()
+                i = pseudo_gradient(t)
+                message = then.clone() if i is None else global_params[i] - then
+                dist.all_reduce(message)
+                sent.append((t, then, message / world_size))
+            meeting = (step + overlap, sent)
+            if not overlap:
+                land(sent)
+                meeting = None
     return _state(net)
 
 
-def _ours(rank, world_size, kind, wrap):
+def _ours(rank, world_size, kind, wrap, overlap=0):
     net = _net()
     model = {"phalanx": phalanx.DistributedDataParallel, "torch": TorchDDP, "plain": lambda m: m}[wrap](net)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     if kind == "local":
-        scheme = phalanx.LocalSGD(model, opt, every=EVERY)
+        scheme = phalanx.LocalSGD(model, opt, every=EVERY, overlap=overlap)
     else:
-        scheme = phalanx.DiLoCo(model, opt, every=EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+        scheme = phalanx.DiLoCo(model, opt, every=EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+                                overlap=overlap)
     for step in range(STEPS):
         x, y = _batch(rank, step)
         opt.zero_grad()
@@ -90,12 +109,20 @@ def _against_reference(rank, world_size):
             got = _ours(rank, world_size, kind, wrap)
             out[(kind, wrap)] = (got - want).abs().max().item()
         out[(kind, "moved")] = (want - _state(_net())).abs().max().item()
+        # overlapped meetings: 2 steps behind (meetings at 3 and 6 land at 5 and 8), and a
+        # whole period behind (3 lands at 6, where the next begins; 6 is under way at the end)
+        for overlap in (2, EVERY):
+            late = _reference(rank, world_size, kind, overlap)
+            for wrap in ("phalanx", "plain"):
+                out[(kind, wrap, overlap)] = (_ours(rank, world_size, kind, wrap, overlap) - late).abs().max().item()
+            out[(kind, "overlap changed", overlap)] = (late - want).abs().max().item()
     ddp = phalanx.DistributedDataParallel(_net())
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     out["every"] = error_of(phalanx.LocalSGD, ddp, opt, every=0)
     out["optimizer"] = error_of(phalanx.DiLoCo, ddp, "sgd", every=2)
     out["compress"] = error_of(phalanx.DiLoCo, ddp, opt, every=2, compress="int8")
     out["model"] = error_of(phalanx.LocalSGD, "net", opt, every=2)
+    out["overlap"] = error_of(phalanx.DiLoCo, ddp, opt, every=2, overlap=3)
     return out
 
 
@@ -104,10 +131,16 @@ def test_local_sgd_and_diloco_equal_the_naive_reference(world_size):
     for out in run_ranks(_against_reference, world_size):
         for kind in ("local", "diloco"):
             assert out[(kind, "moved")] > 0.05  # training did something
+            # 2 ranks: a + b whatever the packing, bit for bit; 3: Gloo's ring order may differ
+            tolerance = 0.0 if world_size == 2 else 1e-6
             for wrap in ("phalanx", "torch", "plain"):
-                # 2 ranks: a + b whatever the packing, bit for bit; 3: Gloo's ring order may differ
-                assert out[(kind, wrap)] <= (0.0 if world_size == 2 else 1e-6), (kind, wrap, out[(kind, wrap)])
+                assert out[(kind, wrap)] <= tolerance, (kind, wrap, out[(kind, wrap)])
+            for overlap in (2, EVERY):
+                assert out[(kind, "overlap changed", overlap)] > 1e-4  # a different algorithm
+                for wrap in ("phalanx", "plain"):
+                    assert out[(kind, wrap, overlap)] <= tolerance, (kind, wrap, overlap, out[(kind, wrap, overlap)])
         assert out["every"] == ("ValueError", "every must be a positive number of steps, got 0")
         assert out["optimizer"] == ("TypeError", "optimizer must be a torch.optim.Optimizer, got str")
         assert out["compress"] == ("ValueError", "compress must be None or one of ['bf16', 'fp16'], got 'int8'")
         assert out["model"] == ("TypeError", "model must be a torch.nn.Module (or a DDP of one), got str")
+        assert out["overlap"] == ("ValueError", "overlap must be a number of steps from 0 to every (2), got 3")

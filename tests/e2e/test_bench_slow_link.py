@@ -19,7 +19,7 @@ import pytest
 from tests.e2e.launch_helpers import ROOT, base_env, finish, start
 
 SCRIPT = str(ROOT / "benchmarks" / "bench_slow_link.py")
-COMPRESSED = ("phalanx-fp16", "phalanx-bf16", "phalanx-powersgd", "phalanx-localsgd")
+COMPRESSED = ("phalanx-fp16", "phalanx-bf16", "phalanx-powersgd", "phalanx-localsgd", "phalanx-localsgd-overlap")
 
 pytest.importorskip("sklearn", reason="the digits data set needs the [examples] extra")
 
@@ -57,6 +57,7 @@ def test_compression_reaches_the_uncompressed_accuracy(tmp_path):
         assert 0.45 < rows["phalanx-bf16"]["MB sent/step"] / plain < 0.55
         assert rows["phalanx-powersgd"]["MB sent/step"] / plain < 0.15
         assert 0.2 < rows["phalanx-localsgd"]["MB sent/step"] / plain < 0.3  # every 4th step
+        assert 0.2 < rows["phalanx-localsgd-overlap"]["MB sent/step"] / plain < 0.3
 
 
 @pytest.mark.skipif(not _namespaces_possible(), reason="network namespaces need root, ip and tc")

@@ -7,14 +7,15 @@ gradients every step. The files:
 
 ``lowprec.py``
     ``fp16_compress_hook``, ``bf16_compress_hook`` and the :func:`average_16bit` under them:
-    16-bit values on the wire with a scale per chunk (fp16 cannot overflow), sums in fp32,
-    on Gloo and NCCL; two collectives (all-to-all, all-gather) per bucket.
+    one 16-bit all-reduce per bucket, as torch's, on Gloo and NCCL; fp16 with a scale the
+    ranks agree on without a collective, proven not to overflow.
 ``powersgd.py``
     ``PowerSGDState`` and ``powerSGD_hook``: rank-r approximations with error feedback and
     warm start, with any number of buckets on Gloo and NCCL; the state is checkpointable.
 ``periodic.py``
     :class:`LocalSGD` and :class:`DiLoCo` (also ``phalanx.LocalSGD``/``phalanx.DiLoCo``):
-    local steps, the model averaged (or an outer Nesterov step taken) every ``every`` steps.
+    local steps, the model averaged (or an outer Nesterov step taken) every ``every`` steps,
+    optionally overlapped with the next ``overlap`` steps.
 
 The hooks are :class:`~phalanx.ddp.comm_hook.PhasedHook` generators: phalanx's reducer
 issues their collectives in the same order on every rank (:mod:`phalanx.ddp.comm_hook`).

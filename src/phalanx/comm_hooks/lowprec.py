@@ -1,25 +1,28 @@
-"""16-bit averaging that cannot overflow: fp16 and bf16 on the wire, fp32 sums, Gloo and NCCL.
+"""16-bit averaging in one all-reduce, with fp16 that cannot overflow; Gloo and NCCL.
 
 torch's ``fp16_compress_hook`` casts ``gradient / world_size`` to fp16 and all-reduces it: a
-gradient above 65504 x world size becomes ``inf``, small ones flush to zero, and the sum
-itself is rounded to fp16 at every addition. Its ``bf16_compress_hook`` is refused by
-torch's DDP without NCCL. :func:`average_16bit` instead sends each rank's chunk as 16-bit
-values with a scale of their own and sums in fp32:
+gradient above 65504 x world size becomes ``inf``, and small ones flush to zero. Its
+``bf16_compress_hook`` is refused by torch's DDP without NCCL. :func:`average_16bit` sends
+the same bytes in the same single all-reduce (so a bucket's communication overlaps the rest
+of the backward, as torch's does), and:
 
-1. The buffer is cut into ``world_size`` chunks (the last one padded with zeros). Each chunk
-   is scaled by a power of two that brings its largest magnitude into ``[2**14, 2**15)``
-   (fp16: far from the 65504 limit, and small values stay far from fp16's subnormals; bf16
-   has fp32's range and is sent unscaled), cast, and prefixed by its fp32 scale, carried
-   bit for bit in two 16-bit slots.
-2. ``all_to_all``: rank ``r`` receives every rank's chunk ``r`` (a reduce-scatter, which
-   Gloo has no 16-bit form of), divides each by its scale and sums them in fp32, divided by
-   the world size.
-3. Its average chunk is scaled and cast the same way, and ``all_gather`` gives every rank
-   every average chunk, cast back into the buffer.
+* **bf16** has fp32's range: the values are divided by the world size, cast and summed, as
+  torch's bf16 hook does (on Gloo too: Gloo sums bf16).
+* **fp16** is multiplied by a power-of-two scale (exact) that every rank agrees on, chosen
+  so that the largest *sum of the ranks' largest magnitudes* lands in ``[2**11, 2**12)``:
+  every partial sum of the all-reduce stays below ``2**15``, half of fp16's largest finite
+  value (65504), with room for the gradients to grow 8x before the next rescale, and small
+  values stay far from fp16's subnormals. Each rank appends its own largest scaled
+  magnitude to the all-reduce; their sum comes back to every rank, identical, and proves
+  the bound (``<= 2**15``: no partial sum can have overflowed) and sets the next backward's
+  scale, so no collective is spent on agreeing it. When the proof fails (the gradients grew
+  more than 8x, or a first call with nothing remembered) the ranks agree on a scale with a
+  one-number all-reduce of their largest magnitudes and send again; ``inf`` or ``nan`` that
+  no scale can save are sent unscaled, as torch would.
 
-Each rank sends ``2 (N - 1) / N`` of the buffer in 16-bit values, as a ring all-reduce
-does, with one rounding per value on the way in and one on the way out whatever the world
-size, and no extra collective for the scales.
+The scale is remembered per bucket in ``memory`` (phalanx's DDP gives each hooked bucket
+one; see :func:`~phalanx.ddp.comm_hook.bucket_memory`). Without one (torch's DDP,
+:class:`~phalanx.DiLoCo`) every call agrees on its scale first.
 """
 
 from __future__ import annotations
@@ -30,82 +33,87 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather_tensor
-from ..ddp.comm_hook import GradBucket, PhasedHook, Phases
+from ..ddp.comm_hook import GradBucket, PhasedHook, Phases, bucket_memory
 
-# An fp32 scale travels in the first two 16-bit slots of each chunk (4 bytes = 2 x 2 bytes).
-HEADER = 2
-# Scaled chunks reach at most 2**15 in magnitude: half of fp16's largest finite value (65504).
-TARGET_EXPONENT = 15
+# The sum of the ranks' largest scaled magnitudes is brought to [2**11, 2**12) ...
+TARGET_EXPONENT = 12
+# ... and must come back at most 2**15 (half of fp16's 65504) for the all-reduce to be valid.
+LIMIT = 2.0**15
 # fp32's normal exponents: a scale stays a finite, normal power of two.
 MIN_EXPONENT, MAX_EXPONENT = -126, 127
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def average_16bit(flat: torch.Tensor, dtype: torch.dtype, group: dist.ProcessGroup | None = None) -> Phases:
+def average_16bit(flat: torch.Tensor, dtype: torch.dtype, group: dist.ProcessGroup | None = None,
+                  memory: dict | None = None) -> Phases:
     """The phases that leave the average of ``flat`` (1-D, floating point) over ``group`` in
     ``flat``, sent as ``dtype`` (``torch.float16`` or ``torch.bfloat16``); returns ``flat``.
 
-    A generator (see :class:`~phalanx.ddp.comm_hook.PhasedHook`): it yields the work of the
-    ``all_to_all``, then of the ``all_gather``. ``flat`` serves as scratch space meanwhile.
-    Elementwise work is done as same-dtype arithmetic and plain casting copies: on CPU, one
-    op that mixes fp32 and 16-bit operands is 3-5x slower than the two.
+    A generator (see :class:`~phalanx.ddp.comm_hook.PhasedHook`): it yields the work of each
+    collective: normally one all-reduce; for fp16 a one-number all-reduce first when no
+    agreed scale is in ``memory``, and a second all-reduce after a failed bound (module
+    notes). ``memory``: a dict kept between calls for the same tensor (the same on every
+    rank), or ``None``.
     """
     world = dist.get_world_size(group)
     n = flat.numel()
-    length = max(1, -(-n // world))  # elements per chunk, the last one padded
-    send = torch.empty(world, HEADER + length, dtype=dtype, device=flat.device)
-    rows = [flat[r * length : min(n, (r + 1) * length)] for r in range(world)]
-    for r, row in enumerate(rows):
-        _encode(row, send[r], dtype)
-    received = torch.empty_like(send)
-    yield dist.all_to_all_single(received.view(-1), send.view(-1), group=group, async_op=True)
-    mine = torch.empty(length, dtype=flat.dtype, device=flat.device)
-    decoded = torch.empty_like(mine)
-    for r, scale in enumerate(_scales(received).tolist()):
-        (mine if r == 0 else decoded).copy_(received[r, HEADER:])
-        if r == 0:
-            mine.mul_(1.0 / (scale * world))
-        else:
-            mine.add_(decoded, alpha=1.0 / (scale * world))
-    out = torch.empty(HEADER + length, dtype=dtype, device=flat.device)
-    _encode(mine, out, dtype)
-    gathered = torch.empty(world * (HEADER + length), dtype=dtype, device=flat.device)
-    yield all_gather_tensor(gathered, out, group=group, async_op=True)
-    gathered = gathered.view(world, HEADER + length)
-    for r, (row, scale) in enumerate(zip(rows, _scales(gathered).tolist())):
-        row.copy_(gathered[r, HEADER : HEADER + row.numel()])
-        if scale != 1.0:
-            row.mul_(1.0 / scale)
-    return flat
+    if dtype == torch.bfloat16:
+        send = flat.div_(world).to(dtype)
+        yield dist.all_reduce(send, group=group, async_op=True)
+        return flat.copy_(send)
+    send = torch.empty(n + 1, dtype=dtype, device=flat.device)  # the values, then the bound
+    scale = None if memory is None else memory.get("scale")
+    applied = 1.0  # the scale flat is multiplied by so far
+    for attempt in ("remembered", "agreed"):
+        if scale is None:
+            attempt = "agreed"
+            scale = yield from _agreed_scale(flat, applied, group)
+        if scale != applied:
+            flat.mul_(scale / applied)
+            applied = scale
+        send[:n].copy_(flat)
+        send[n] = _largest(send[:n])
+        yield dist.all_reduce(send, group=group, async_op=True)
+        bound = send[n].item()
+        if bound <= LIMIT or attempt == "agreed":  # proven; or inf/nan that no scale can save
+            break
+        scale = None  # the gradients grew beyond the remembered scale: agree on a new one
+    if memory is not None and 0.0 < bound <= LIMIT:
+        memory["scale"] = _clamp(scale * 2.0 ** (TARGET_EXPONENT - math.frexp(bound)[1]))
+    flat.copy_(send[:n])
+    return flat.mul_(1.0 / (applied * world))
 
 
-def _encode(values: torch.Tensor, into: torch.Tensor, dtype: torch.dtype) -> None:
-    """``into`` = [scale as two 16-bit slots, values * scale cast to ``dtype``, zeros].
-    ``values`` is scaled in place."""
-    scale = _scale(values) if dtype == torch.float16 else 1.0
-    into[:HEADER] = torch.tensor([scale], dtype=torch.float32, device=into.device).view(dtype)
-    if scale != 1.0:
-        values.mul_(scale)
-    into[HEADER : HEADER + values.numel()].copy_(values)
-    into[HEADER + values.numel() :].zero_()
+def _agreed_scale(flat: torch.Tensor, applied: float, group: Any) -> Phases:
+    """One all-reduce of the ranks' largest magnitudes (of ``flat / applied``): the scale
+    that brings their sum to ``[2**11, 2**12)``; 1.0 for zeros, ``inf`` or ``nan``."""
+    total = torch.tensor([_largest(flat) / applied], dtype=torch.float32, device=flat.device)
+    yield dist.all_reduce(total, group=group, async_op=True)
+    return scale_for(total.item())
 
 
-def _scale(values: torch.Tensor) -> float:
-    """The power of two that brings the largest finite magnitude of ``values`` to [2**14, 2**15)."""
-    if values.numel() == 0:
+def scale_for(total: float) -> float:
+    """The power of two that brings ``total`` (a sum of largest magnitudes) into
+    ``[2**11, 2**12)``; 1.0 for zero, ``inf`` or ``nan``, which no scale can help."""
+    if not 0.0 < total < float("inf"):
         return 1.0
-    low, high = torch.aminmax(values)
-    largest = max(-low.item(), high.item())
-    if not 0.0 < largest < float("inf"):  # zeros, or inf/nan that no scale can save: sent as they are
-        return 1.0
-    exponent = TARGET_EXPONENT - math.frexp(largest)[1]  # largest in [2**(e-1), 2**e)
+    return _clamp(2.0 ** (TARGET_EXPONENT - math.frexp(total)[1]))  # total in [2**(e-1), 2**e)
+
+
+def _clamp(scale: float) -> float:
+    exponent = math.frexp(scale)[1] - 1
     return 2.0 ** min(MAX_EXPONENT, max(MIN_EXPONENT, exponent))
 
 
-def _scales(chunks: torch.Tensor) -> torch.Tensor:
-    """The fp32 scales in the headers of ``chunks`` (one chunk per row)."""
-    return chunks[:, :HEADER].contiguous().view(torch.float32).view(-1)
+def _largest(values: torch.Tensor) -> float:
+    """The largest magnitude in ``values`` (``inf``/``nan`` if any is), as a Python float."""
+    if values.numel() == 0:
+        return 0.0
+    low, high = torch.aminmax(values)
+    low, high = low.item(), high.item()
+    if math.isnan(low) or math.isnan(high):
+        return float("nan")
+    return max(-low, high)
 
 
 def _average_bucket(dtype: torch.dtype, group: Any, bucket: GradBucket) -> Phases:
@@ -113,7 +121,7 @@ def _average_bucket(dtype: torch.dtype, group: Any, bucket: GradBucket) -> Phase
     if buffer.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"16-bit compression averages float32/float64 gradients; bucket {bucket.index()} "
                         f"holds {buffer.dtype}")
-    return (yield from average_16bit(buffer, dtype, group))
+    return (yield from average_16bit(buffer, dtype, group, bucket_memory(bucket)))
 
 
 def _fp16(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> Phases:
@@ -124,19 +132,22 @@ def _bf16(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> Phases
     return (yield from _average_bucket(torch.bfloat16, process_group, bucket))
 
 
-fp16_compress_hook = PhasedHook(_fp16, "fp16_compress_hook")
-fp16_compress_hook.__doc__ = """Average each bucket in fp16 on the wire, scaled per chunk so nothing
-overflows, summed in fp32 (:func:`average_16bit`). ``state``: the process group (``None``:
-the default group), as for torch's ``fp16_compress_hook``.
+# One all-reduce per bucket: the next phase (the decoding) waits for the end of the backward,
+# so the next buckets' all-reduces are launched while this one is on the wire.
+fp16_compress_hook = PhasedHook(_fp16, "fp16_compress_hook", eager=False)
+fp16_compress_hook.__doc__ = """Average each bucket in fp16 on the wire, with a power-of-two scale the
+ranks agree on so nothing overflows (:func:`average_16bit`); one all-reduce per bucket, as
+torch's. ``state``: the process group (``None``: the default group), as for torch's
+``fp16_compress_hook``.
 
 Example::
 
     >>> ddp.register_comm_hook(None, phalanx.comm_hooks.fp16_compress_hook)
 """
-bf16_compress_hook = PhasedHook(_bf16, "bf16_compress_hook")
-bf16_compress_hook.__doc__ = """Average each bucket in bf16 on the wire, summed in fp32
-(:func:`average_16bit`); on Gloo as on NCCL. ``state``: the process group (``None``: the
-default group), as for torch's ``bf16_compress_hook``.
+bf16_compress_hook = PhasedHook(_bf16, "bf16_compress_hook", eager=False)
+bf16_compress_hook.__doc__ = """Average each bucket in bf16 on the wire (:func:`average_16bit`); on Gloo
+as on NCCL. ``state``: the process group (``None``: the default group), as for torch's
+``bf16_compress_hook``.
 
 Example::
 

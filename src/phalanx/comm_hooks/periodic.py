@@ -8,6 +8,17 @@ averaged pseudo-gradient, as the gradient of an outer optimizer (Nesterov moment
 the outer step's result is every rank's new starting point. Communication falls by a
 factor ``every``: on a slow link, the step costs about its compute.
 
+**Overlap.** With ``overlap=k`` (``1 <= k <= every``) a meeting does not stop the training:
+its all-reduces are issued at the meeting's step and the ranks go on with ``k`` more local
+steps while they travel; the ``k``-th applies the meeting, keeping what each rank learnt
+meanwhile: LocalSGD's parameters become ``average + (now - then)`` (``then``: this rank's
+parameters when the meeting began), DiLoCo's become ``outer step result + (now - then)``
+(the "overlapping communication" of Streaming DiLoCo, Douillard et al., 2025, with the
+local progress carried over instead of mixed). The communication then costs no step time
+while ``k`` steps of compute outlast it; the price is two more copies of the model while a
+meeting is under way, and an average that is ``k`` steps old when it lands. ``overlap=0``
+(the default) is the algorithm as published: the ranks wait at every meeting.
+
 Both compose with phalanx's or torch's DDP (whose gradient averaging they switch off:
 ``require_backward_grad_sync = False``, so every backward is local, as in ``no_sync()``)
 or with a plain module (whose parameters and buffers they broadcast from rank 0 first).
@@ -20,7 +31,8 @@ mismatched tensors. Inside ``phalanx.join`` a rank that has joined cannot take p
 meeting (its stale parameters would pull the average): it raises a ``UsageError`` there.
 
 Their :meth:`state_dict` is this rank's: the step count, the optimizer's state (momentum
-differs between ranks), the parameters between meetings, and DiLoCo's outer state; give
+differs between ranks), the parameters between meetings, a meeting under way (waited for,
+with its averages), and DiLoCo's outer state; give
 the object to :class:`~phalanx.Checkpointer` as ``comm_state=`` and a resumed run
 continues exactly, wherever it stopped in the period.
 """
@@ -35,8 +47,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..ddp.comm_hook import run_phases
-from ..diagnostics.monitor import watched
+from ..ddp.comm_hook import Phases, Running
+from ..diagnostics.monitor import Watch, watch, watched
 from .lowprec import DTYPES, average_16bit
 
 
@@ -50,35 +62,73 @@ def _module_and_group(model: nn.Module, group: dist.ProcessGroup | None) -> tupl
     return (model.module if wrapped else model), group, wrapped
 
 
-def _flats(tensors: Sequence[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+def _flats(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``tensors`` grouped by (device, dtype), each group reduced together."""
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
         groups[(t.device, t.dtype)].append(t)
-    return groups
+    return list(groups.values())
 
 
-def average_(flat: torch.Tensor, group: dist.ProcessGroup | None, compress: str | None = None) -> torch.Tensor:
-    """Replace ``flat`` by its average over ``group``; in 16-bit on the wire with ``compress``."""
-    if compress is None:
-        dist.all_reduce(flat, group=group)
-        return flat.div_(dist.get_world_size(group))
-    return run_phases(average_16bit(flat, DTYPES[compress], group))
+def _average(flat: torch.Tensor, group: dist.ProcessGroup | None, compress: str | None = None,
+             memory: dict | None = None) -> Phases:
+    """The phases that replace ``flat`` by its average over ``group`` (16-bit on the wire with
+    ``compress``, :func:`~phalanx.comm_hooks.average_16bit`); returns ``flat``."""
+    if compress is not None:
+        return (yield from average_16bit(flat, DTYPES[compress], group, memory))
+    yield dist.all_reduce(flat, group=group, async_op=True)
+    return flat.div_(dist.get_world_size(group))
+
+
+def _cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+class _Meeting:
+    """A meeting under way: the averagings issued (one per flat), what each was taken from
+    (with ``overlap``), the step that applies it, its record in the collective log."""
+
+    def __init__(self, record: Watch | None, runs: list[Running], taken: list[torch.Tensor | None],
+                 apply_at: int) -> None:
+        self.record, self.runs, self.taken, self.apply_at = record, runs, taken, apply_at
+        self._averages: list[torch.Tensor] | None = None
+
+    @classmethod
+    def landed(cls, averages: list[torch.Tensor], taken: list[torch.Tensor | None], apply_at: int) -> _Meeting:
+        """A meeting whose averages are known (restored from a checkpoint)."""
+        meeting = cls(None, [], taken, apply_at)
+        meeting._averages = averages
+        return meeting
+
+    def averages(self) -> list[torch.Tensor]:
+        """Wait for the averagings, in the order they were issued; their results."""
+        if self._averages is None:
+            with self.record.failing():
+                for run in self.runs:
+                    while not run.done:
+                        run.advance()
+            self._averages = [run.result for run in self.runs]
+            self.record.end()
+        return self._averages
 
 
 class _Periodic:
-    """What LocalSGD and DiLoCo share: arguments, step counting, buffers, state."""
+    """What LocalSGD and DiLoCo share: arguments, step counting, meetings, buffers, state."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, every: int,
-                 group: dist.ProcessGroup | None) -> None:
+                 group: dist.ProcessGroup | None, overlap: int = 0) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive number of steps, got {every!r}")
+        if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap <= every:
+            raise ValueError(f"overlap must be a number of steps from 0 to every ({every}), got {overlap!r}")
         if not hasattr(optimizer, "step") or not hasattr(optimizer, "state_dict"):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.module, self.group, wrapped = _module_and_group(model, group)
-        self.model, self.optimizer, self.every = model, optimizer, every
+        self.model, self.optimizer, self.every, self.overlap = model, optimizer, every, overlap
         self.params = [p for p in dict.fromkeys(self.module.parameters()) if p.requires_grad]
+        self._groups = _flats(self.params)
         self.steps = 0
+        self._meeting: _Meeting | None = None
         if wrapped:
             model.require_backward_grad_sync = False  # every backward is local
         else:  # the replicas start equal, as under DDP
@@ -88,30 +138,73 @@ class _Periodic:
                     comm.broadcast_tensors(tensors, src=_rank_zero(self.group), group=self.group)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """``optimizer.step(closure)``; every ``every``-th call, then the ranks meet."""
+        """``optimizer.step(closure)``; every ``every``-th call, then the ranks meet (with
+        ``overlap``: the meeting ``overlap`` calls earlier lands first)."""
         loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         self.steps += 1
+        if self._meeting is not None and self.steps >= self._meeting.apply_at:
+            self._land()
         if self.steps % self.every == 0:
-            self.synchronize()
+            self._launch(self.overlap)
+            if not self.overlap:
+                self._land()
         return loss
 
-    @torch.no_grad()
     def synchronize(self) -> None:
-        """Meet now (a collective): the periodic averaging, also outside the schedule."""
-        buffers = [b for b in self.module.buffers() if b.is_floating_point()]
-        with watched(f"{type(self).__name__} meeting", self.params + buffers, self.group, check=True):
-            self._meet()
-            for tensors in _flats(buffers).values():
-                _unflatten(average_(torch.cat([t.reshape(-1) for t in tensors]), self.group), tensors)
+        """Meet now (a collective), also outside the schedule; a meeting under way lands first."""
+        if self._meeting is not None:
+            self._land()
+        self._launch(0)
+        self._land()
 
-    def _meet(self) -> None:
+    def _buffers(self) -> list[torch.Tensor]:
+        return [b for b in self.module.buffers() if b.is_floating_point()]
+
+    @torch.no_grad()
+    def _launch(self, overlap: int) -> None:
+        """Issue the meeting's averagings: the parameters' (:meth:`_message`), then the
+        floating-point buffers' (BatchNorm statistics)."""
+        buffers = _flats(self._buffers())
+        record = watch(f"{type(self).__name__} meeting", self.params + [b for bs in buffers for b in bs],
+                       self.group, check=True)
+        runs, taken = [], []
+        with record.failing():
+            for i, tensors in enumerate(self._groups + buffers):
+                flat = _cat(tensors)
+                taken.append(flat.clone() if overlap else None)
+                if i < len(self._groups):
+                    runs.append(Running(self._message(i, flat)))
+                else:
+                    runs.append(Running(_average(flat, self.group)))
+        self._meeting = _Meeting(record, runs, taken, self.steps + overlap)
+
+    @torch.no_grad()
+    def _land(self) -> None:
+        """Apply the meeting under way: the parameters' (:meth:`_apply`), and the buffers, each
+        replaced by its average plus this rank's change since the meeting began."""
+        meeting, self._meeting = self._meeting, None
+        averages, taken = meeting.averages(), meeting.taken
+        k = len(self._groups)
+        self._apply(averages[:k], taken[:k])
+        for tensors, average, then in zip(_flats(self._buffers()), averages[k:], taken[k:]):
+            _unflatten(_plus_progress(average, tensors, then), tensors)
+
+    def _message(self, i: int, flat: torch.Tensor) -> Phases:
+        raise NotImplementedError
+
+    def _apply(self, averages: list[torch.Tensor], taken: list[torch.Tensor | None]) -> None:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state (see the module notes): a collective only in that nothing is exchanged."""
+        """This rank's state (see the module notes): a collective only in that nothing is
+        exchanged; a meeting under way is waited for and saved with its averages."""
         state = {"steps": self.steps, "optimizer": self.optimizer.state_dict()}
-        if self.steps % self.every:  # between meetings the ranks' parameters differ
+        if self.steps % self.every or self._meeting is not None:  # the ranks' parameters differ
             state["params"] = [p.detach().clone() for p in self.params]
+        if self._meeting is not None:
+            state["meeting"] = {"apply_at": self._meeting.apply_at,
+                                "averages": [t.clone() for t in self._meeting.averages()],
+                                "taken": [None if t is None else t.clone() for t in self._meeting.taken]}
         return state
 
     @torch.no_grad()
@@ -124,6 +217,18 @@ class _Periodic:
                 raise ValueError(f"the state holds {len(state['params'])} parameters, the model {len(self.params)}")
             for p, saved in zip(self.params, state["params"]):
                 p.copy_(saved)
+        meeting = state.get("meeting")
+        self._meeting = None if meeting is None else _Meeting.landed(
+            [t.clone() for t in meeting["averages"]],
+            [None if t is None else t.clone() for t in meeting["taken"]], int(meeting["apply_at"]))
+
+
+def _plus_progress(average: torch.Tensor, tensors: Sequence[torch.Tensor], then: torch.Tensor | None) -> torch.Tensor:
+    """``average`` plus what ``tensors`` moved since ``then`` (their value when the meeting
+    began; ``None``: a meeting that did not overlap, so nothing moved)."""
+    if then is None:
+        return average
+    return average.add_(torch.sub(_cat(tensors), then, out=then))
 
 
 class LocalSGD(_Periodic):
@@ -141,6 +246,8 @@ class LocalSGD(_Periodic):
         optimizer (Optimizer): the optimizer over its parameters.
         every (int): optimizer steps between two averagings.
         group (ProcessGroup, optional): default: the DDP's group, or the default group.
+        overlap (int): local steps a meeting's communication runs behind before it is applied
+            (module notes); ``0`` (default): wait for it at the meeting.
 
     Example::
 
@@ -154,12 +261,15 @@ class LocalSGD(_Periodic):
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, every: int,
-                 group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(model, optimizer, every, group)
+                 group: dist.ProcessGroup | None = None, overlap: int = 0) -> None:
+        super().__init__(model, optimizer, every, group, overlap)
 
-    def _meet(self) -> None:
-        for tensors in _flats(self.params).values():
-            _unflatten(average_(torch.cat([p.reshape(-1) for p in tensors]), self.group), tensors)
+    def _message(self, i: int, flat: torch.Tensor) -> Phases:
+        return _average(flat, self.group)
+
+    def _apply(self, averages: list[torch.Tensor], taken: list[torch.Tensor | None]) -> None:
+        for tensors, average, then in zip(self._groups, averages, taken):
+            _unflatten(_plus_progress(average, tensors, then), tensors)
 
 
 class DiLoCo(_Periodic):
@@ -185,8 +295,9 @@ class DiLoCo(_Periodic):
             in a run of about a hundred steps 0.5 kept the accuracy that 0.9 lost: README).
         group (ProcessGroup, optional): default: the DDP's group, or the default group.
         compress (str, optional): ``"bf16"`` or ``"fp16"`` to send the pseudo-gradients as
-            16-bit values (:func:`~phalanx.comm_hooks.average_16bit`, fp32 sums); default
-            ``None``: fp32.
+            16-bit values (:func:`~phalanx.comm_hooks.average_16bit`); default ``None``: fp32.
+        overlap (int): inner steps a meeting's communication runs behind before the outer
+            step is applied (module notes); ``0`` (default): wait for it at the meeting.
 
     Example::
 
@@ -200,24 +311,27 @@ class DiLoCo(_Periodic):
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, every: int,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 group: dist.ProcessGroup | None = None, compress: str | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, compress: str | None = None, overlap: int = 0) -> None:
         if compress is not None and compress not in DTYPES:
             raise ValueError(f"compress must be None or one of {sorted(DTYPES)}, got {compress!r}")
-        super().__init__(model, inner_optimizer, every, group)
+        super().__init__(model, inner_optimizer, every, group, overlap)
         self.compress = compress
-        self._groups = list(_flats(self.params).values())
-        self.global_params = [torch.cat([p.detach().reshape(-1) for p in ts]) for ts in self._groups]
+        self.global_params = [_cat(ts) for ts in self._groups]
         self.outer_optimizer = torch.optim.SGD(self.global_params, lr=outer_lr, momentum=outer_momentum,
                                                nesterov=outer_momentum > 0)
+        self._scales: list[dict] = [{} for _ in self._groups]  # fp16's agreed scales (average_16bit)
 
-    def _meet(self) -> None:
-        for tensors, outer in zip(self._groups, self.global_params):
-            local = torch.cat([p.reshape(-1) for p in tensors])
-            outer.grad = average_(torch.sub(outer, local, out=local), self.group, self.compress)
+    def _message(self, i: int, flat: torch.Tensor) -> Phases:
+        pseudo_gradient = torch.sub(self.global_params[i], flat, out=flat)
+        return _average(pseudo_gradient, self.group, self.compress, self._scales[i])
+
+    def _apply(self, averages: list[torch.Tensor], taken: list[torch.Tensor | None]) -> None:
+        for outer, average in zip(self.global_params, averages):
+            outer.grad = average
         self.outer_optimizer.step()
-        for tensors, outer in zip(self._groups, self.global_params):
-            _unflatten(outer, tensors)
+        for tensors, outer, then in zip(self._groups, self.global_params, taken):
             outer.grad = None
+            _unflatten(outer if then is None else _plus_progress(outer.clone(), tensors, then), tensors)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "global": [t.clone() for t in self.global_params],
@@ -229,7 +343,7 @@ class DiLoCo(_Periodic):
         for mine, saved in zip(self.global_params, state["global"]):
             mine.copy_(saved)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
-        if "params" not in state:  # saved at a meeting: the parameters are the global ones
+        if "params" not in state:  # saved at a meeting that landed: the parameters are the global ones
             for tensors, outer in zip(self._groups, self.global_params):
                 _unflatten(outer, tensors)
 

@@ -25,10 +25,15 @@ k-1's future is done. Any hook not known to issue everything at call time is tre
 
 **Phased hooks** (:class:`PhasedHook`, phalanx's own: :mod:`phalanx.comm_hooks`) keep the
 overlap and the order: a hook written as a generator that yields each collective's work
-handle is resumed by the reducer's thread at fixed points only: before each later bucket is
-launched, every unfinished phased hook advances by one phase (waiting for its pending
-collective), and the end of the backward finishes them in bucket order. Where a phase ends
-therefore depends on the bucket sequence alone, the same on every rank.
+handle is resumed by the reducer's thread at fixed points only: an *eager* one (PowerSGD:
+several collectives, each needing the last one's result) before each later bucket is
+launched, when every unfinished eager hook advances by one phase (waiting for its pending
+collective); any phased hook at the end of the backward, which finishes them in bucket
+order. Where a phase ends therefore depends on the bucket sequence alone, the same on every
+rank. A hook with one collective (the 16-bit ones) is not eager: nothing waits for its
+all-reduce before the end of the backward, so the next buckets' all-reduces go out behind it
+while the backward goes on. Each bucket index has a dict the hook may keep things in from
+one backward to the next (:func:`bucket_memory`).
 
 **Diagnostics** (:mod:`phalanx.diagnostics`): each bucket is one record of the collective log,
 ``DDP bucket k via <hook>``, from its launch to the end of its hook's work; the hook's own
@@ -79,12 +84,12 @@ class GradBucket:
         last: whether it is the last bucket of the backward.
     """
 
-    __slots__ = ("_index", "_buffer", "_gradients", "_parameters", "_last")
+    __slots__ = ("_index", "_buffer", "_gradients", "_parameters", "_last", "_memory")
 
     def __init__(self, index: int, buffer: torch.Tensor, gradients: list[torch.Tensor],
-                 parameters: list[torch.Tensor], last: bool) -> None:
+                 parameters: list[torch.Tensor], last: bool, memory: dict | None = None) -> None:
         self._index, self._buffer, self._gradients = index, buffer, gradients
-        self._parameters, self._last = parameters, last
+        self._parameters, self._last, self._memory = parameters, last, memory
 
     def index(self) -> int:
         return self._index
@@ -109,6 +114,13 @@ class GradBucket:
         return f"GradBucket(index={self._index}, numel={self._buffer.numel()}, last={self._last})"
 
 
+def bucket_memory(bucket: Any) -> dict | None:
+    """The dict phalanx's DDP keeps for ``bucket``'s index from one backward to the next, for
+    a hook's own use (the same on every rank as long as the hook keeps it so); ``None`` for a
+    bucket of torch's DDP."""
+    return getattr(bucket, "_memory", None)
+
+
 class PhasedHook:
     """A communication hook written as phases, which phalanx's reducer runs in a fixed order.
 
@@ -123,6 +135,9 @@ class PhasedHook:
     Args:
         phases: the generator function ``phases(state, bucket)``.
         name: the hook's name, for messages. Default: the function's name.
+        eager: resume it before each later bucket's launch (default ``True``: a hook whose
+            collectives follow one another); ``False``: only at the end of the backward (a
+            hook whose last collective is issued at the call, unless something went wrong).
 
     Example::
 
@@ -134,8 +149,8 @@ class PhasedHook:
         >>> ddp.register_comm_hook(None, mean_hook)
     """
 
-    def __init__(self, phases: Callable[[Any, Any], Phases], name: str | None = None) -> None:
-        self.phases = phases
+    def __init__(self, phases: Callable[[Any, Any], Phases], name: str | None = None, eager: bool = True) -> None:
+        self.phases, self.eager = phases, eager
         self.__name__ = self.__qualname__ = name or getattr(phases, "__name__", "phased_hook")
         self.__doc__ = getattr(phases, "__doc__", None)
 
@@ -148,7 +163,7 @@ class PhasedHook:
         return f"PhasedHook({self.__name__})"
 
 
-class _Running:
+class Running:
     """A phased hook under way: its generator and the work it waits for."""
 
     __slots__ = ("_phases", "_work", "done", "result")
@@ -175,7 +190,7 @@ class _Running:
 def run_phases(phases: Phases) -> Any:
     """Run a phased hook's (or any such generator's) phases one after the other, waiting for
     each collective; return its result."""
-    running = _Running(phases)
+    running = Running(phases)
     while not running.done:
         running.advance()
     return running.result
@@ -191,7 +206,7 @@ class HookWork:
         self._comm, self._b, self._grads, self._tail = comm, b, grads, tail
         self._done = False
         self.future: torch.futures.Future | None = None
-        self.running: _Running | None = None
+        self.running: Running | None = None
 
     def wait(self) -> bool:
         if self._done:
@@ -227,11 +242,13 @@ class HookComm:
         # how the collective log names each bucket's collectives (the same on every rank)
         self.label = f" via {hook_label(hook)}"
         self._phases = getattr(hook, "phases", None) if isinstance(hook, PhasedHook) else None
+        self._eager = getattr(hook, "eager", True)
         self._serial = self._phases is None and not is_call_time_hook(hook)
         self._numels = [spec.numel for spec in plan]
         self._slots = [[(s.offset, s.shape) for s in spec.slots] for spec in plan]
         self._params = [[named_params[s.index][1] for s in spec.slots] for spec in plan]
-        self._running: deque[_Running] = deque()  # phased hooks not finished, in bucket order
+        self._running: deque[Running] = deque()  # phased hooks not finished, in bucket order
+        self._memories: list[dict] = [{} for _ in plan]  # bucket_memory()
         self._previous: torch.futures.Future | None = None  # serial hooks: the last future
 
     def keeps(self, b: int) -> bool:
@@ -240,17 +257,18 @@ class HookComm:
     def launch(self, b: int, flat: torch.Tensor) -> HookWork:
         n = self._numels[b]
         last = b == len(self._numels) - 1
-        for running in list(self._running):  # every earlier phased hook: one phase further
-            self._advance(running)
+        if self._eager:
+            for running in list(self._running):  # every earlier eager hook: one phase further
+                self._advance(running)
         if self._serial and self._previous is not None:
             self._previous.wait()  # its callbacks have issued all of its collectives
         tail = dist.all_reduce(flat[n:], group=self.group, async_op=True) if last else None
         grads = flat[:n]
         views = [grads[offset : offset + shape.numel()].view(shape) for offset, shape in self._slots[b]]
-        bucket = GradBucket(b, grads, views, list(self._params[b]), last)
+        bucket = GradBucket(b, grads, views, list(self._params[b]), last, self._memories[b])
         work = HookWork(self, b, grads, tail)
         if self._phases is not None:
-            work.running = _Running(self._phases(self._state, bucket))
+            work.running = Running(self._phases(self._state, bucket))
             if not work.running.done:
                 self._running.append(work.running)
         else:
@@ -260,12 +278,12 @@ class HookComm:
                                 f"torch.futures.Future, got {type(work.future).__name__}")
         return work
 
-    def _advance(self, running: _Running) -> None:
+    def _advance(self, running: Running) -> None:
         running.advance()
         if running.done:
             self._running.remove(running)
 
-    def finish(self, running: _Running) -> None:
+    def finish(self, running: Running) -> None:
         """Run ``running`` and every phased hook launched before it to their ends, in order."""
         while not running.done:
             self._advance(self._running[0])

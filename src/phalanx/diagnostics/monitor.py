@@ -377,6 +377,41 @@ def watched(op: str, tensors: Sequence[Any] = (), group: dist.ProcessGroup | Non
     return diag.collective(op, tensors, group, site, shadow, announced=check)
 
 
+class Watch:
+    """:func:`watched` for collectives waited for later, outside any ``with``: recorded as ``op``
+    from :func:`watch` (with ``check``: a sync point first) to :meth:`end`; a failure of a
+    wait inside :meth:`failing` raises the hang report. Does nothing without diagnostics."""
+
+    def __init__(self, diag: Diagnostics | None, record: Record | None) -> None:
+        self._diag, self._record = diag, record
+
+    @contextmanager
+    def failing(self) -> Iterator[None]:
+        """Around a wait for the collectives: a failure raises the hang report."""
+        try:
+            yield
+        except RuntimeError as e:
+            if self._record is None:
+                raise
+            raise self._diag.fail(self._record, e) from e
+
+    def end(self) -> None:
+        if self._record is not None and self._record.end is None:
+            self._diag.end(self._record)
+
+
+def watch(op: str, tensors: Sequence[Any] = (), group: dist.ProcessGroup | None = None,
+          check: bool = False) -> Watch:
+    """Start a :class:`Watch`: call it just before issuing the collectives it records."""
+    diag = current()
+    if diag is None:
+        return Watch(None, None)
+    site = call_site(2)
+    if check:
+        diag.sync_point(op, group, site=site, announce=(syncpoint.UNSHADOWABLE,))
+    return Watch(diag, diag.begin(op, tensors, group, site, announced=check))
+
+
 def current() -> Diagnostics | None:
     """This process's :class:`Diagnostics`, or ``None`` (no process group of several ranks, or
     switched off with ``current().enabled = False``)."""
