@@ -43,18 +43,22 @@ from phalanx.gate.secret import new_secret
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("torch", "torch-fp16", "torch-powersgd", "phalanx", "phalanx-fp16", "phalanx-bf16",
            "phalanx-powersgd", "phalanx-localsgd", "phalanx-diloco", "phalanx-localsgd-overlap",
-           "phalanx-diloco-overlap")
+           "phalanx-diloco-overlap", "phalanx-alone")
+# phalanx-alone: each rank trains by itself and never communicates, the floor every method's
+# step time stands on (its accuracy is rank 0's model's); not in the default run.
+DEFAULT_METHODS = METHODS[:-1]
 # The two namespaces' names and addresses (a private /24 no test or benchmark uses otherwise).
 PREFIX, SUBNET = "phxlink", "10.214.0"
 # How long the launchers get to stop after SIGTERM before SIGKILL: a launcher still in its
 # rendezvous can otherwise wait out the rendezvous timeout (seen: 120 s) for its store.
 STOP_GRACE_S = 20.0
+NEVER = 2**62  # phalanx-alone's steps between meetings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = p.add_argument
-    add("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    add("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS)
     add("--model", default="mlp", choices=("mlp", "cnn"), help="mlp: 10.5M params; cnn: the digits example's")
     add("--rate", default="1gbit", help="tc rate of each end of the link (default 1gbit)")
     add("--steps", type=int, default=96, help="training steps per method (default 96)")
@@ -124,7 +128,9 @@ class Method:
         self.stepper = self.optimizer
         variant, _, overlapped = variant.partition("-")
         overlap = args.overlap if overlapped else 0
-        if variant == "localsgd":
+        if variant == "alone":
+            self.stepper = phalanx.LocalSGD(ddp, self.optimizer, every=NEVER)
+        elif variant == "localsgd":
             self.stepper = phalanx.LocalSGD(ddp, self.optimizer, every=args.every, overlap=overlap)
         elif variant == "diloco":
             self.stepper = phalanx.DiLoCo(ddp, self.optimizer, every=args.every, outer_lr=args.outer_lr,
@@ -142,6 +148,13 @@ class Method:
             self.stepper.step()
             self.schedule.step()
             self.rng = torch.get_rng_state()
+
+    def finish(self) -> None:
+        """At the end of its turn (untimed): an overlapped meeting still under way (only the
+        one begun at the last step: the turns are cut so that meetings land inside them)
+        lands, so it never runs behind another method's turn."""
+        if hasattr(self.stepper, "finish_meeting"):
+            self.stepper.finish_meeting()
 
     def accuracy(self, x, y) -> float:
         import torch
@@ -192,6 +205,7 @@ def measure(args: argparse.Namespace) -> dict:
                     if step >= args.warmup:
                         seconds[i] += time.perf_counter() - start
                         sent[i] += tx_bytes(interface) - before
+                methods[name].finish()
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # a step ends when every rank's does
         timed = args.steps - args.warmup
         for i, (name, method) in enumerate(methods.items()):

@@ -31,7 +31,7 @@ def _state(module):
     return torch.cat([t.detach().flatten().double() for t in module.state_dict().values()])
 
 
-def _reference(rank, world_size, kind, overlap=0):
+def _reference(rank, world_size, kind, overlap=0, steps=STEPS):
     """The naive algorithm: local SGD steps; every EVERY steps each tensor averaged by itself,
     applied ``overlap`` steps later plus what the tensor moved meanwhile."""
     net = _net()
@@ -59,7 +59,12 @@ def _reference(rank, world_size, kind, overlap=0):
             t.copy_(average + (t - then) if overlap else average)
 
     meeting = None  # (the step it lands at, [(tensor, its value when sent, the average)])
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
+        if step > STEPS:  # past the training: the meeting under way lands, nothing else moves
+            if meeting is not None and meeting[0] == step:
+                with torch.no_grad():
+                    land(meeting[1])
+            continue
         x, y = _batch(rank, step - 1)
         opt.zero_grad()
         nn.functional.cross_entropy(net(x), y).backward()
@@ -84,7 +89,7 @@ def _reference(rank, world_size, kind, overlap=0):
     return _state(net)
 
 
-def _ours(rank, world_size, kind, wrap, overlap=0):
+def _ours(rank, world_size, kind, wrap, overlap=0, finish=False):
     net = _net()
     model = {"phalanx": phalanx.DistributedDataParallel, "torch": TorchDDP, "plain": lambda m: m}[wrap](net)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
@@ -98,6 +103,8 @@ def _ours(rank, world_size, kind, wrap, overlap=0):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         scheme.step()
+    if finish:
+        assert scheme.finish_meeting() is True and scheme.finish_meeting() is False
     return _state(net)
 
 
@@ -115,6 +122,9 @@ def _against_reference(rank, world_size):
             late = _reference(rank, world_size, kind, overlap)
             for wrap in ("phalanx", "plain"):
                 out[(kind, wrap, overlap)] = (_ours(rank, world_size, kind, wrap, overlap) - late).abs().max().item()
+            if overlap == EVERY:  # the meeting of step 6 lands at the end (the reference: at step 9)
+                out[(kind, "finished", overlap)] = (_ours(rank, world_size, kind, "phalanx", overlap, finish=True)
+                                                    - _reference(rank, world_size, kind, overlap, steps=9)).abs().max().item()
             out[(kind, "overlap changed", overlap)] = (late - want).abs().max().item()
     ddp = phalanx.DistributedDataParallel(_net())
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
@@ -139,6 +149,7 @@ def test_local_sgd_and_diloco_equal_the_naive_reference(world_size):
                 assert out[(kind, "overlap changed", overlap)] > 1e-4  # a different algorithm
                 for wrap in ("phalanx", "plain"):
                     assert out[(kind, wrap, overlap)] <= tolerance, (kind, wrap, overlap, out[(kind, wrap, overlap)])
+            assert out[(kind, "finished", EVERY)] <= tolerance
         assert out["every"] == ("ValueError", "every must be a positive number of steps, got 0")
         assert out["optimizer"] == ("TypeError", "optimizer must be a torch.optim.Optimizer, got str")
         assert out["compress"] == ("ValueError", "compress must be None or one of ['bf16', 'fp16'], got 'int8'")

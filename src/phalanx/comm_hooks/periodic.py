@@ -17,7 +17,9 @@ parameters when the meeting began), DiLoCo's become ``outer step result + (now -
 local progress carried over instead of mixed). The communication then costs no step time
 while ``k`` steps of compute outlast it; the price is two more copies of the model while a
 meeting is under way, and an average that is ``k`` steps old when it lands. ``overlap=0``
-(the default) is the algorithm as published: the ranks wait at every meeting.
+(the default) is the algorithm as published: the ranks wait at every meeting. A meeting
+still under way when the training ends lands with :meth:`~LocalSGD.finish_meeting` (or
+:meth:`~LocalSGD.synchronize`, which then meets once more).
 
 Both compose with phalanx's or torch's DDP (whose gradient averaging they switch off:
 ``require_backward_grad_sync = False``, so every backward is local, as in ``no_sync()``)
@@ -152,10 +154,18 @@ class _Periodic:
 
     def synchronize(self) -> None:
         """Meet now (a collective), also outside the schedule; a meeting under way lands first."""
-        if self._meeting is not None:
-            self._land()
+        self.finish_meeting()
         self._launch(0)
         self._land()
+
+    def finish_meeting(self) -> bool:
+        """Apply a meeting under way now, waiting for its communication (with ``overlap``: at
+        the end of training, or before evaluating); whether there was one. Every rank must
+        call it at the same step, as a meeting is the same on every rank."""
+        if self._meeting is None:
+            return False
+        self._land()
+        return True
 
     def _buffers(self) -> list[torch.Tensor]:
         return [b for b in self.module.buffers() if b.is_floating_point()]
