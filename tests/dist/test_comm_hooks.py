@@ -68,13 +68,16 @@ def _compression(rank, world_size):
         _step(exact, torch.optim.SGD(exact.parameters(), lr=0), rank, 0, loss_scale)
         want = _grads(exact)
         for name, model in models.items():
-            _step(model, torch.optim.SGD(model.parameters(), lr=0), rank, 0, loss_scale)
+            step = lambda: _step(model, torch.optim.SGD(model.parameters(), lr=0), rank, 0, loss_scale)  # noqa: E731
+            if name == "fp16" and loss_scale > 1:
+                out["fp16 jump all-reduces"] = _all_reduces(step)
+            else:
+                step()
             got = _grads(model)
             out[(name, loss_scale)] = (torch.isfinite(got).all().item(),
                                        ((got - want).abs().max() / want.abs().max()).item(),
                                        _same_everywhere(got))
-    # the fp16 hook's all-reduces: the 1e7 step found its remembered scale 1e7x too large and
-    # agreed on another (a one-number all-reduce, then the bucket again); now one per bucket
+    # the fp16 hook's all-reduces after the jump: one per bucket
     fp16, opt = models["fp16"], torch.optim.SGD(models["fp16"].parameters(), lr=0)
     out["fp16 all-reduces"] = [_all_reduces(lambda: _step(fp16, opt, rank, 1, 1e7)) for _ in range(2)]
     fresh = phalanx.DistributedDataParallel(_net(), bucket_cap_mb=SMALL_BUCKETS_MB)
@@ -138,9 +141,14 @@ def test_16bit_hooks_average_within_their_precision_and_never_overflow(world_siz
         sync, tail = ("int64", 12), ("float32", 1)
         buckets = [("float16", n + 1) for n in (4 * 48 + 4, 48 * 48 + 48, 48 * 48 + 48, 16 * 48 + 48)]
         assert out["fp16 all-reduces"] == [[sync, *buckets[:3], tail, buckets[3]]] * 2, out["fp16 all-reduces"]
+        # the 1e7 jump: every bucket's bound failed at the end of the backward; each agreed on
+        # a scale (one float32 number) and went again, in bucket order
+        agree = ("float32", 1)
+        retries = [x for b in buckets for x in (agree, b)]
+        assert out["fp16 jump all-reduces"] == [sync, *buckets[:3], tail, buckets[3], *retries], (
+            out["fp16 jump all-reduces"])
         # nothing remembered: each bucket first agrees on its scale (one float32 number), and
         # sends at the end of the backward
-        agree = ("float32", 1)
         assert out["fp16 first all-reduces"] == [sync, agree, agree, agree, tail, agree, *buckets], (
             out["fp16 first all-reduces"])
         assert out[("torch_fp16", 1e7)][0] is False  # torch's fp16 hook overflows to inf
