@@ -1,8 +1,8 @@
 """benchmarks/bench_slow_link.py, the convergence runner of issue 12: on the digits example's
-CNN, each compression method (and local SGD) reaches the uncompressed accuracy within 0.5
-percentage points in the same number of steps. As root, over two network namespaces joined
-by a tc-limited veth pair (bytes on the wire checked, namespaces gone afterwards, also after
-Ctrl-C); otherwise on loopback."""
+CNN, each compression method (and local SGD) ends at most 0.5 percentage points below the
+uncompressed accuracy in the same number of steps. As root, over two network namespaces
+joined by a tc-limited veth pair (bytes on the wire checked, namespaces gone afterwards,
+also after Ctrl-C); otherwise on loopback."""
 
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ def test_compression_reaches_the_uncompressed_accuracy(tmp_path):
     rows = {row["method"]: row for row in json.loads(out.read_text())["rows"]}
     uncompressed = rows["phalanx"]["accuracy %"]  # the median over the 2 seeds
     assert uncompressed >= 97.0
-    for method in COMPRESSED:
-        assert abs(rows[method]["accuracy %"] - uncompressed) <= 0.5, (method, rows[method], uncompressed)
+    for method in COMPRESSED:  # reaches: at most 0.5 points below (overlapped local SGD ends above)
+        assert rows[method]["accuracy %"] >= uncompressed - 0.5, (method, rows[method], uncompressed)
     if netns:
         assert _link_namespaces() == []
         plain = rows["phalanx"]["MB sent/step"]
