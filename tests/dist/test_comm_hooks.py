@@ -80,6 +80,9 @@ def _compression(rank, world_size):
     # the fp16 hook's all-reduces after the jump: one per bucket
     fp16, opt = models["fp16"], torch.optim.SGD(models["fp16"].parameters(), lr=0)
     out["fp16 all-reduces"] = [_all_reduces(lambda: _step(fp16, opt, rank, 1, 1e7)) for _ in range(2)]
+    # a nan on rank 0 that no scale can save: sent unscaled after the agreement, nan everywhere
+    out["fp16 nan all-reduces"] = _all_reduces(lambda: _step(fp16, opt, rank, 2, float("nan") if rank == 0 else 1.0))
+    out["fp16 nan"] = torch.isnan(_grads(fp16)).all().item()
     fresh = phalanx.DistributedDataParallel(_net(), bucket_cap_mb=SMALL_BUCKETS_MB)
     fresh.register_comm_hook(None, comm_hooks.fp16_compress_hook)
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0)
@@ -147,6 +150,7 @@ def test_16bit_hooks_average_within_their_precision_and_never_overflow(world_siz
         retries = [x for b in buckets for x in (agree, b)]
         assert out["fp16 jump all-reduces"] == [sync, *buckets[:3], tail, buckets[3], *retries], (
             out["fp16 jump all-reduces"])
+        assert out["fp16 nan all-reduces"] == out["fp16 jump all-reduces"] and out["fp16 nan"] is True
         # nothing remembered: each bucket first agrees on its scale (one float32 number), and
         # sends at the end of the backward
         assert out["fp16 first all-reduces"] == [sync, agree, agree, agree, tail, agree, *buckets], (

@@ -72,7 +72,7 @@ def average_16bit(flat: torch.Tensor, dtype: torch.dtype, group: dist.ProcessGro
             flat.mul_(scale / applied)
             applied = scale
         send[:n].copy_(flat)
-        send[n] = _largest(send[:n])
+        send[n] = _largest(send[:n])  # on the device: no wait for a GPU in the backward
         yield dist.all_reduce(send, group=group, async_op=True)
         bound = send[n].item()
         if bound <= LIMIT or attempt == "agreed":  # proven; or inf/nan that no scale can save
@@ -87,7 +87,7 @@ def average_16bit(flat: torch.Tensor, dtype: torch.dtype, group: dist.ProcessGro
 def _agreed_scale(flat: torch.Tensor, applied: float, group: Any) -> Phases:
     """One all-reduce of the ranks' largest magnitudes (of ``flat / applied``): the scale
     that brings their sum to ``[2**11, 2**12)``; 1.0 for zeros, ``inf`` or ``nan``."""
-    total = torch.tensor([_largest(flat) / applied], dtype=torch.float32, device=flat.device)
+    total = (_largest(flat) / applied).float().reshape(1)
     yield dist.all_reduce(total, group=group, async_op=True)
     return scale_for(total.item())
 
@@ -105,15 +105,12 @@ def _clamp(scale: float) -> float:
     return 2.0 ** min(MAX_EXPONENT, max(MIN_EXPONENT, exponent))
 
 
-def _largest(values: torch.Tensor) -> float:
-    """The largest magnitude in ``values`` (``inf``/``nan`` if any is), as a Python float."""
+def _largest(values: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude in ``values`` (``inf``/``nan`` if any is), a 0-d tensor."""
     if values.numel() == 0:
-        return 0.0
+        return torch.zeros((), dtype=values.dtype, device=values.device)
     low, high = torch.aminmax(values)
-    low, high = low.item(), high.item()
-    if math.isnan(low) or math.isnan(high):
-        return float("nan")
-    return max(-low, high)
+    return torch.maximum(high, -low)  # nan if either is
 
 
 def _average_bucket(dtype: torch.dtype, group: Any, bucket: GradBucket) -> Phases:
