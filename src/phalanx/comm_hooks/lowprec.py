@@ -64,9 +64,9 @@ def average_16bit(flat: torch.Tensor, dtype: torch.dtype, group: dist.ProcessGro
     send = torch.empty(n + 1, dtype=dtype, device=flat.device)  # the values, then the bound
     scale = None if memory is None else memory.get("scale")
     applied = 1.0  # the scale flat is multiplied by so far
-    for attempt in ("remembered", "agreed"):
-        if scale is None:
-            attempt = "agreed"
+    while True:
+        agreed = scale is None
+        if agreed:
             scale = yield from _agreed_scale(flat, applied, group)
         if scale != applied:
             flat.mul_(scale / applied)
@@ -75,7 +75,7 @@ def average_16bit(flat: torch.Tensor, dtype: torch.dtype, group: dist.ProcessGro
         send[n] = _largest(send[:n])  # on the device: no wait for a GPU in the backward
         yield dist.all_reduce(send, group=group, async_op=True)
         bound = send[n].item()
-        if bound <= LIMIT or attempt == "agreed":  # proven; or inf/nan that no scale can save
+        if bound <= LIMIT or agreed:  # proven; or inf/nan that no scale can save
             break
         scale = None  # the gradients grew beyond the remembered scale: agree on a new one
     if memory is not None and 0.0 < bound <= LIMIT:

@@ -115,7 +115,9 @@ class _Meeting:
 
 
 class _Periodic:
-    """What LocalSGD and DiLoCo share: arguments, step counting, meetings, buffers, state."""
+    """What LocalSGD and DiLoCo share: arguments, step counting, meetings, buffers, state; a
+    meeting averages the parameters (LocalSGD's), unless :meth:`_message` and :meth:`_apply`
+    say otherwise (DiLoCo's)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, every: int,
                  group: dist.ProcessGroup | None, overlap: int = 0) -> None:
@@ -182,10 +184,7 @@ class _Periodic:
             for i, tensors in enumerate(self._groups + buffers):
                 flat = _cat(tensors)
                 taken.append(flat.clone() if overlap else None)
-                if i < len(self._groups):
-                    runs.append(Running(self._message(i, flat)))
-                else:
-                    runs.append(Running(_average(flat, self.group)))
+                runs.append(Running(self._message(i, flat) if i < len(self._groups) else _average(flat, self.group)))
         self._meeting = _Meeting(record, runs, taken, self.steps + overlap)
 
     @torch.no_grad()
@@ -196,14 +195,15 @@ class _Periodic:
         averages, taken = meeting.averages(), meeting.taken
         k = len(self._groups)
         self._apply(averages[:k], taken[:k])
-        for tensors, average, then in zip(_flats(self._buffers()), averages[k:], taken[k:]):
-            _unflatten(_plus_progress(average, tensors, then), tensors)
+        _replace(_flats(self._buffers()), averages[k:], taken[k:])
 
     def _message(self, i: int, flat: torch.Tensor) -> Phases:
-        raise NotImplementedError
+        """What parameter flat ``i`` (this rank's values in ``flat``) sends: LocalSGD its values."""
+        return _average(flat, self.group)
 
     def _apply(self, averages: list[torch.Tensor], taken: list[torch.Tensor | None]) -> None:
-        raise NotImplementedError
+        """Apply the parameters' averaged messages: LocalSGD takes the averages."""
+        _replace(self._groups, averages, taken)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state (see the module notes): a collective only in that nothing is
@@ -231,6 +231,13 @@ class _Periodic:
         self._meeting = None if meeting is None else _Meeting.landed(
             [t.clone() for t in meeting["averages"]],
             [None if t is None else t.clone() for t in meeting["taken"]], int(meeting["apply_at"]))
+
+
+def _replace(groups: Sequence[Sequence[torch.Tensor]], averages: Sequence[torch.Tensor],
+             taken: Sequence[torch.Tensor | None]) -> None:
+    """Each group of tensors becomes its average plus its progress since the meeting began."""
+    for tensors, average, then in zip(groups, averages, taken):
+        _unflatten(_plus_progress(average, tensors, then), tensors)
 
 
 def _plus_progress(average: torch.Tensor, tensors: Sequence[torch.Tensor], then: torch.Tensor | None) -> torch.Tensor:
@@ -273,13 +280,6 @@ class LocalSGD(_Periodic):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, every: int,
                  group: dist.ProcessGroup | None = None, overlap: int = 0) -> None:
         super().__init__(model, optimizer, every, group, overlap)
-
-    def _message(self, i: int, flat: torch.Tensor) -> Phases:
-        return _average(flat, self.group)
-
-    def _apply(self, averages: list[torch.Tensor], taken: list[torch.Tensor | None]) -> None:
-        for tensors, average, then in zip(self._groups, averages, taken):
-            _unflatten(_plus_progress(average, tensors, then), tensors)
 
 
 class DiLoCo(_Periodic):

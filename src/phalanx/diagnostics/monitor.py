@@ -368,13 +368,9 @@ def watched(op: str, tensors: Sequence[Any] = (), group: dist.ProcessGroup | Non
     ``op``, a hang inside it reported; with ``check``, a sync point first. ``shadow`` says how
     a rank that has joined takes part (:mod:`phalanx.uneven`). Does nothing without
     diagnostics."""
-    diag = current()
-    if diag is None:
+    if current() is None:
         return nullcontext()
-    site = call_site(2)
-    if check:
-        diag.sync_point(op, group, site=site, announce=shadow or (syncpoint.UNSHADOWABLE,))
-    return diag.collective(op, tensors, group, site, shadow, announced=check)
+    return watch(op, tensors, group, check, shadow).around()
 
 
 class Watch:
@@ -399,17 +395,27 @@ class Watch:
         if self._record is not None and self._record.end is None:
             self._diag.end(self._record)
 
+    @contextmanager
+    def around(self) -> Iterator[Record | None]:
+        """The collectives issued and waited for inside, then the end of the record."""
+        try:
+            with self.failing():
+                yield self._record
+        finally:
+            self.end()
+
 
 def watch(op: str, tensors: Sequence[Any] = (), group: dist.ProcessGroup | None = None,
-          check: bool = False) -> Watch:
-    """Start a :class:`Watch`: call it just before issuing the collectives it records."""
+          check: bool = False, shadow: tuple[int, ...] | None = None) -> Watch:
+    """Start a :class:`Watch`: call it just before issuing the collectives it records
+    (arguments as for :func:`watched`)."""
     diag = current()
     if diag is None:
         return Watch(None, None)
     site = call_site(2)
     if check:
-        diag.sync_point(op, group, site=site, announce=(syncpoint.UNSHADOWABLE,))
-    return Watch(diag, diag.begin(op, tensors, group, site, announced=check))
+        diag.sync_point(op, group, site=site, announce=shadow or (syncpoint.UNSHADOWABLE,))
+    return Watch(diag, diag.begin(op, tensors, group, site, shadow, announced=check))
 
 
 def current() -> Diagnostics | None:
