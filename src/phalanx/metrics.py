@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .diagnostics import syncpoint
-from .diagnostics.monitor import watched
+from .diagnostics import ledger
+from .ledger import syncpoint
 
 
 class MetricSum:
@@ -68,8 +68,8 @@ class MetricSum:
         total = self._sums.clone()
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             shadow = syncpoint.tensor_shadow(syncpoint.ALL_REDUCE, total, syncpoint.REDUCE_OPS.index("SUM"))
-            with watched(f"MetricSum({', '.join(self.names)})", (total,), self.group, check=True,
-                         shadow=shadow):
+            with ledger().collective(f"MetricSum({', '.join(self.names)})", (total,), self.group,
+                                     check=True, shadow=shadow):
                 dist.all_reduce(total, group=self.group)
         return dict(zip(self.names, total.tolist()))
 

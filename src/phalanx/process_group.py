@@ -25,10 +25,11 @@ import torch.distributed as dist
 
 from . import env as _env
 from ._logging import get_logger
-from .diagnostics import monitor, syncpoint
-from .diagnostics.log import call_site
-from .diagnostics.monitor import Diagnostics
+from . import diagnostics as _diagnostics
+from .diagnostics.attach import attach, detach
 from .diagnostics.straggler import DEFAULT_EVERY
+from .ledger import syncpoint
+from .ledger.log import call_site
 from .errors import (
     AlreadyInitializedError,
     EnvironmentConfigError,
@@ -252,23 +253,11 @@ def init_process_group(
         pg_options=pg_options,
         device_id=device_id,
     )
-    if diagnostics:
-        _start_diagnostics(backend, timeout, store, straggler_every)
+    if found.world_size > 1:
+        attach(dist.group.WORLD, diagnostics, straggler_every,
+               store if store is not None else dist.distributed_c10d._get_default_store(),
+               timeout.total_seconds())
     return found
-
-
-def _start_diagnostics(backend: str, timeout: timedelta, store: dist.Store | None,
-                       straggler_every: int) -> None:
-    if dist.get_world_size() == 1:
-        return
-    if store is None:  # torch made it from init_method
-        store = dist.distributed_c10d._get_default_store()
-    check_group = dist.new_group(backend="gloo") if "nccl" in backend else None
-    monitor.install(Diagnostics(store, timeout.total_seconds(), _env.diagnosis_file(),
-                                check_group=check_group, straggler_every=straggler_every))
-
-
-diagnostics = monitor.current
 
 
 # torch 2.13's Gloo threads may still owe a finished collective its clean-up, which takes the
@@ -283,7 +272,7 @@ def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
     if not dist.is_initialized():
         return
     if group is None:
-        monitor.uninstall()
+        detach()
     time.sleep(_GLOO_SETTLE_S)  # releases the GIL: see _GLOO_SETTLE_S
     dist.destroy_process_group(group)
 
@@ -335,10 +324,9 @@ def barrier(
         raise NotInitializedError("barrier() needs init_process_group() to have been called")
     if device_ids is None and dist.get_backend(group) == "nccl":
         device_ids = [torch.cuda.current_device()]
-    diag = diagnostics()
-    if diag is None or dist.get_world_size(group) == 1:
+    ledger = _diagnostics.ledger()
+    if not ledger.enabled or dist.get_world_size(group) == 1:
         return dist.barrier(group, async_op=async_op, device_ids=device_ids)
-    site = call_site(2)
-    diag.sync_point("barrier", group, site=site, announce=(syncpoint.BARRIER,))
-    with diag.collective("barrier", (), group, site, announced=True):
+    with ledger.collective("barrier", (), group, check=True, shadow=(syncpoint.BARRIER,),
+                           site=call_site(2)):
         return dist.barrier(group, async_op=async_op, device_ids=device_ids)

@@ -29,8 +29,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .diagnostics import syncpoint
-from .diagnostics.monitor import watched
+from .diagnostics import ledger
+from .ledger import syncpoint
 
 # What convert_sync_batchnorm replaces: every BatchNorm, as torch's does (BatchNorm1d/2d/3d,
 # their subclasses, and torch's own SyncBatchNorm, so a script already converted with torch's
@@ -87,7 +87,7 @@ def _global_stats(x: torch.Tensor, eps: float, group: dist.ProcessGroup | None):
         sums = torch.cat([mean * local, m2 + mean * mean * local, mean.new_full((1,), local)])
     else:
         sums = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)
-    with watched("SyncBatchNorm forward", (sums,), group, shadow=_sum_shadow(sums)):
+    with ledger().collective("SyncBatchNorm forward", (sums,), group, shadow=_sum_shadow(sums)):
         dist.all_reduce(sums, group=group)
     count = int(sums[-1].item())
     if count == 1:
@@ -135,7 +135,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         grad_x = None
         if need_x:
             sums = torch.cat([sum_dy, sum_dy_xmu]).double()
-            with watched("SyncBatchNorm backward", (sums,), ctx.group, shadow=_sum_shadow(sums)):
+            with ledger().collective("SyncBatchNorm backward", (sums,), ctx.group, shadow=_sum_shadow(sums)):
                 dist.all_reduce(sums, group=ctx.group)
             grad_x = _input_grad(dy, xmu, weight, invstd, sums / max(ctx.count, 1))
             grad_x = grad_x.to(ctx.x_dtype)

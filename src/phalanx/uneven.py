@@ -30,23 +30,54 @@ collectives to phalanx's while a join runs: a bare ``torch.distributed`` call is
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 
 from .comm import all_gather_tensor
-from .diagnostics import monitor, syncpoint
+from .diagnostics import ledger
 from .errors import EarlyTerminationError, UsageError
+from .ledger import Ledger, syncpoint
+from .ledger.syncpoint import Verdict
 
 # torch.distributed.ReduceOp names -> the neutral element a joined rank contributes.
 _NEUTRAL = {"SUM": 0, "AVG": 0, "PREMUL_SUM": 0, "BOR": 0, "BXOR": 0, "PRODUCT": 1, "BAND": -1}
 
 
-class JoinState:
-    """The running join, as :class:`~phalanx.diagnostics.Diagnostics` sees it (``diag.join``)."""
+class Joinable(ABC):
+    """What takes part in :class:`Join`: an object whose collectives a rank that has joined
+    shadows (modelled on ``torch.distributed.algorithms.Joinable``).
 
-    def __init__(self, joinables: list[Any], throw: bool, world: int) -> None:
+    Each joinable announces its collectives through the ledger with
+    ``ledger.shadow(self, action, *args)`` (an action of its own ``IntEnum``); a rank that has
+    joined receives each announcement in :meth:`join_shadow`.
+    """
+
+    @abstractmethod
+    def join_shadow(self, action: int, verdict: Verdict) -> None:
+        """On a rank that has joined: take part in ``action`` (announced by an active rank,
+        its arguments in ``verdict.announce[3:]``)."""
+
+    def join_begin(self, join: Join) -> None:
+        """The join starts (every rank, before its loop)."""
+
+    def join_end(self, join: Join, last: int) -> None:
+        """Every rank has joined; ``last``: the rank whose state counts."""
+
+    def join_leave(self) -> None:
+        """The join is over (also after an error)."""
+
+    def join_flags(self) -> tuple[int, int] | None:
+        """A joined rank's own signals for the others' preemption checks; ``None``: none."""
+        return None
+
+
+class JoinState:
+    """The running join, as the ledger sees it (its :class:`~phalanx.ledger.JoinView`)."""
+
+    def __init__(self, joinables: list[Joinable], throw: bool, world: int) -> None:
         self.joinables = joinables
         self.throw = throw
         self.world = world
@@ -72,7 +103,8 @@ class Join:
 
     A drop-in for ``torch.distributed.algorithms.Join`` over phalanx's joinables:
     :class:`~phalanx.DistributedDataParallel`, :class:`~phalanx.ZeroRedundancyOptimizer`,
-    :class:`~phalanx.Checkpointer` and :class:`~phalanx.PreemptionHandler`. SyncBatchNorm
+    :class:`~phalanx.Checkpointer` and :class:`~phalanx.PreemptionHandler` (each a
+    :class:`Joinable`). SyncBatchNorm
     layers and ``phalanx.all_reduce`` & co. need no registration.
 
     Args:
@@ -87,7 +119,8 @@ class Join:
             ``joinables``, as in torch.
 
     .. warning::
-        Needs phalanx's diagnostics (on by default): the announcements are its sync points.
+        Needs phalanx's ledger (on by default, on any process group, whoever made it; off with
+        ``init_process_group(diagnostics=False)``): the announcements are its sync points.
         Every collective issued while ranks have joined must go through phalanx.
 
     Example::
@@ -104,10 +137,10 @@ class Join:
         # A plain torch optimizer needs no shadow: a rank that has joined does not step it (as
         # with torch's join); accepted so that join(model, optimizer) reads naturally.
         self.joinables = [j for j in joinables
-                          if hasattr(j, "join_shadow") or not isinstance(j, torch.optim.Optimizer)]
+                          if isinstance(j, Joinable) or not isinstance(j, torch.optim.Optimizer)]
         if not self.joinables:
             raise ValueError("Join needs at least one joinable (a DistributedDataParallel, ...), got none")
-        unknown = [type(j).__name__ for j in self.joinables if not hasattr(j, "join_shadow")]
+        unknown = [type(j).__name__ for j in self.joinables if not isinstance(j, Joinable)]
         if unknown:
             raise TypeError(f"Join takes phalanx's DistributedDataParallel, ZeroRedundancyOptimizer, "
                             f"Checkpointer and PreemptionHandler, got {', '.join(unknown)}")
@@ -116,38 +149,39 @@ class Join:
         self.divide_by_initial_world_size = kwargs.pop("divide_by_initial_world_size", True)
         if kwargs:
             raise TypeError(f"Join got unexpected keyword arguments {sorted(kwargs)}")
-        self._diag: monitor.Diagnostics | None = None
+        self._ledger: Ledger | None = None
 
     def __enter__(self) -> Join:
         if not self.enable or not dist.is_initialized() or dist.get_world_size() == 1:
             return self
-        diag = monitor.current()
-        if diag is None:
-            raise UsageError("Join needs phalanx's diagnostics: init_process_group(diagnostics=True) "
-                             "(the default); its sync points announce what joined ranks shadow")
+        book = ledger()
+        if not book.enabled:
+            raise UsageError("Join needs phalanx's ledger of collectives, which "
+                             "init_process_group(diagnostics=False) turned off: its sync points "
+                             "announce what joined ranks shadow. Leave diagnostics on (the default)")
         kinds = ", ".join(type(j).__name__ for j in self.joinables)
-        diag.sync_point(f"Join([{kinds}])")  # every rank enters with the same joinables
+        book.sync_point(f"Join([{kinds}])")  # every rank enters with the same joinables
         for joinable in self.joinables:
             joinable.join_begin(self)
-        self._diag = diag
-        diag.join = JoinState(self.joinables, self.throw, dist.get_world_size())
+        self._ledger = book
+        book.join = JoinState(self.joinables, self.throw, dist.get_world_size())
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        diag = self._diag
-        if diag is None:
+        book = self._ledger
+        if book is None:
             return
         try:
             if exc_type is None:  # out of inputs: shadow the others until everyone is
-                last = _shadow_until_all_joined(diag)
+                last = _shadow_until_all_joined(book)
                 for joinable in self.joinables:
                     joinable.join_end(self, last)
         finally:
-            diag.join = None
-            self._diag = None
+            book.join = None
+            self._ledger = None
             for joinable in self.joinables:
                 joinable.join_leave()
-            diag.log(None).checked()  # joined and active ranks issued different histories
+            book.log(None).checked()  # joined and active ranks issued different histories
 
 
 def join(*joinables: Any, **kwargs: Any) -> Join:
@@ -155,13 +189,13 @@ def join(*joinables: Any, **kwargs: Any) -> Join:
     return Join(joinables, **kwargs)
 
 
-def _shadow_until_all_joined(diag: monitor.Diagnostics) -> int:
+def _shadow_until_all_joined(book: Ledger) -> int:
     """This rank has joined: take part in every announced collective until no rank is active;
     return the rank whose state counts at the end (the highest of the last to join)."""
-    state = diag.join
+    state = book.join
     last = state.authoritative()
     while True:
-        verdict = diag.probe(None, flags=_flags(state))  # raises for throw_on_early_termination
+        verdict = book.probe(None, flags=_flags(state))  # raises for throw_on_early_termination
         if verdict.count == 0:
             return last
         last = max(verdict.ranks)
@@ -184,8 +218,9 @@ def early_termination(active: Iterable[int], world: int) -> EarlyTerminationErro
 def _flags(state: JoinState) -> tuple[int, int]:
     """A joined rank's own signals, for the preemption checks of the others."""
     for joinable in state.joinables:
-        if hasattr(joinable, "flags"):
-            return joinable.flags()
+        flags = joinable.join_flags()
+        if flags is not None:
+            return flags
     return (0, 0)
 
 

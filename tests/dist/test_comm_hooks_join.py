@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import phalanx
 from phalanx import comm_hooks
-from phalanx.diagnostics import monitor
+from phalanx.diagnostics import ledger
 from tests.harness import error_of, run_ranks
 
 COUNTS = (5, 8, 11)  # batches of rank 0, 1, 2
@@ -122,12 +122,12 @@ def _recorded(rank, world_size):
     ddp.register_comm_hook(None, comm_hooks.bf16_compress_hook)
     x, y = _batches(rank, 1)[0]
     F.mse_loss(ddp(x), y).backward()
-    ops = [r.op for r in monitor.current().log(None).records]
+    ops = [r.op for r in ledger().log(None).records]
     # local SGD: a meeting is a sync point and one record; ranks at different steps are named
     model = phalanx.DistributedDataParallel(_net())
     local = phalanx.LocalSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), every=2)
     local.synchronize()
-    ops_local = [r.op for r in monitor.current().log(None).records][-2:]
+    ops_local = [r.op for r in ledger().log(None).records][-2:]
     mismatch = error_of(local.synchronize if rank == 0 else lambda: phalanx.all_reduce(torch.ones(3)))
     return ops, ops_local, mismatch
 

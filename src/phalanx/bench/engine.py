@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ddp import DistributedDataParallel
-from ..diagnostics import monitor
+from ..diagnostics import ledger
 from .options import add_comm_hook_option
 from .ranks import RESULT_FLAG, serve
 
@@ -124,14 +124,12 @@ class Trainer:
     def step(self, sync: bool = True) -> float:
         """Seconds for zero_grad, forward, loss, backward, optimizer step (``sync=False``: in
         ``no_sync()``), with this process's diagnostics on or off as the trainer says."""
-        diag = monitor.current() if not self.diagnostics else None
-        if diag is not None:
-            diag.enabled = False
+        book = ledger()
+        was, book.enabled = book.enabled, book.enabled and self.diagnostics
         try:
             return self._step(sync)
         finally:
-            if diag is not None:
-                diag.enabled = True
+            book.enabled = was
 
     def _step(self, sync: bool) -> float:
         x, y = self.batch

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from enum import IntEnum
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -52,9 +53,9 @@ import torch.distributed as dist
 from .. import comm, process_group
 from .._logging import get_logger
 from ..agreement import agree
-from ..diagnostics import monitor
-from ..diagnostics.monitor import watched
+from ..diagnostics import ledger
 from ..errors import CheckpointError, RankMismatchError
+from ..uneven import Joinable
 from .file import (
     checkpoint_name,
     checkpoint_step,
@@ -89,8 +90,12 @@ DAMAGED_SUFFIX = ".damaged"
 # Layout of the saved dict; the file format around it has its own version.
 STATE_VERSION = 1
 _OPTIONAL = ("optimizer", "scheduler", "scaler", "sampler")
-# What a Checkpointer shadows on a rank that has joined (phalanx.join): a save.
-_SAVE = 1
+
+
+class CheckpointAction(IntEnum):
+    """What a Checkpointer shadows on a rank that has joined (phalanx.join)."""
+
+    SAVE = 1  # arguments: epoch, step
 
 
 @dataclass(frozen=True)
@@ -112,7 +117,7 @@ class TrainingState:
     extra: dict = field(default_factory=dict)
 
 
-class Checkpointer:
+class Checkpointer(Joinable):
     r"""Saves and restores a training run's whole state, consistently across ranks.
 
     :meth:`save` writes one checkpoint file per call (rank 0 writes, all ranks call);
@@ -241,9 +246,9 @@ class Checkpointer:
         _check_count("step", step)
         if extra is not None and not isinstance(extra, Mapping):
             raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
-        diag = monitor.current()
-        shadow = None if diag is None else diag.joinable(self, _SAVE, epoch, step)
-        with watched("Checkpointer.save", group=self.group, check=True, shadow=shadow):
+        book = ledger()
+        with book.collective("Checkpointer.save", group=self.group, check=True,
+                             shadow=book.shadow(self, CheckpointAction.SAVE, epoch, step)):
             return self._save(epoch, step, consumed, extra)
 
     def _save(self, epoch: int, step: int, consumed: int | None, extra: Mapping | None) -> Path:
@@ -264,18 +269,9 @@ class Checkpointer:
 
     # phalanx.join: a rank that has joined takes part in the others' saves (the highest active
     # rank writes: its model is current; a joined rank's may be stale).
-    def join_begin(self, join: Any) -> None:
-        """Nothing to set up."""
-
     def join_shadow(self, action: int, verdict: Any) -> None:
-        epoch, step = verdict.announce[3:5]
+        epoch, step = verdict.announce[3:5]  # CheckpointAction.SAVE, the only one
         self._save(epoch, step, None, None)
-
-    def join_end(self, join: Any, last: int) -> None:
-        """Nothing to sync."""
-
-    def join_leave(self) -> None:
-        """Nothing to restore."""
 
     def _write(self, path: Path, gathered: list, consumed: int | None, extra: dict) -> None:
         epoch, step = gathered[0][:2]
@@ -340,7 +336,7 @@ class Checkpointer:
         mine = None
         if is_writer(self.group):
             mine = [str(p) for p in reversed(self.checkpoints())] if auto else [os.fspath(resume)]
-        with watched("Checkpointer.load", group=self.group, check=True):
+        with ledger().collective("Checkpointer.load", group=self.group, check=True):
             candidates = broadcast_from_writer(mine, self.group)
             if not candidates:
                 _log0.info("no checkpoint in %s: starting fresh", self.directory)
@@ -423,8 +419,8 @@ class Checkpointer:
 
 def _writer() -> int:
     """Who writes: rank 0, or while ranks have joined (phalanx.join) the highest still active."""
-    diag = monitor.current()
-    return 0 if diag is None or diag.join is None else diag.join.authoritative()
+    join = ledger().join
+    return 0 if join is None else join.authoritative()
 
 
 def _check_count(name: str, value: Any) -> None:

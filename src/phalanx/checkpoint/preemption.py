@@ -18,6 +18,7 @@ and resumes like a preempted one. A second Ctrl-C stops at once (KeyboardInterru
 from __future__ import annotations
 
 import signal
+from enum import IntEnum
 from types import FrameType
 from typing import Any, NoReturn, Sequence
 
@@ -25,8 +26,10 @@ import torch.distributed as dist
 
 from .. import comm
 from .._logging import get_logger
-from ..diagnostics import monitor, syncpoint
+from ..diagnostics import ledger
 from ..errors import PREEMPTED_EXIT_CODE
+from ..ledger import syncpoint
+from ..uneven import Joinable
 
 _log = get_logger("phalanx.preemption")
 
@@ -34,13 +37,18 @@ _log = get_logger("phalanx.preemption")
 # preemption. A preemption outranks an interrupt: a job its scheduler preempts exits 75
 # (resumable) even if someone pressed Ctrl-C as well.
 _NOTHING, _INTERRUPT, _PREEMPT = 0, 1, 2
-# What a PreemptionHandler shadows on a rank that has joined (phalanx.join).
-CHECK, EXIT = 1, 2
 # Exit status after an agreed stop on Ctrl-C: 128 + SIGINT, as a shell reports it.
 INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
 
 
-class PreemptionHandler:
+class PreemptAction(IntEnum):
+    """What a PreemptionHandler shadows on a rank that has joined (phalanx.join)."""
+
+    CHECK = 1  # the others' should_stop(): the verdict's flags
+    EXIT = 2  # the others' exit() (argument: the exit status)
+
+
+class PreemptionHandler(Joinable):
     r"""Context manager that turns SIGTERM/SIGUSR1 (and Ctrl-C) into a stop agreed by every rank.
 
     Inside the ``with`` block the given signals set a flag instead of ending the process.
@@ -151,23 +159,14 @@ class PreemptionHandler:
         if self._received is None:
             self._received = signal.Signals(signum)
 
-    def flags(self) -> tuple[int, int]:
+    def join_flags(self) -> tuple[int, int]:
         """This rank's news as sync-point flags: a preemption signal, Ctrl-C (SIGINT)."""
         return int(bool(self._caught - {signal.SIGINT})), int(signal.SIGINT in self._caught)
-
-    def join_begin(self, join: Any) -> None:
-        """Nothing to set up (phalanx.join)."""
-
-    def join_end(self, join: Any, last: int) -> None:
-        """Nothing to sync."""
-
-    def join_leave(self) -> None:
-        """Nothing to restore."""
 
     def join_shadow(self, action: int, verdict: Any) -> None:
         """Take part, on a rank that has joined (phalanx.join), in what the others do: the
         verdict of their check (``CHECK``), or their :meth:`exit` (``EXIT``)."""
-        if action == EXIT:
+        if action == PreemptAction.EXIT:
             raise SystemExit(verdict.announce[3])
         preempted, interrupted = verdict.flags
         self._stop = _PREEMPT if preempted else _INTERRUPT if interrupted else _NOTHING
@@ -192,12 +191,12 @@ class PreemptionHandler:
         if self._calls % self.check_every:
             return False
         if self._distributed:
-            diag = monitor.current()
-            if diag is not None:  # the check and the flags in one all-reduce
+            book = ledger()
+            if book.enabled:  # the check and the flags in one all-reduce
                 group = None if self.group is None else self._flag_group
-                verdict = diag.sync_point("PreemptionHandler.should_stop", group, flags=self.flags(),
-                                          announce=diag.joinable(self, CHECK) or (syncpoint.SYNC_ONLY,))
-                self.join_shadow(CHECK, verdict)
+                verdict = book.sync_point("PreemptionHandler.should_stop", group, flags=self.join_flags(),
+                                          announce=book.shadow(self, PreemptAction.CHECK) or (syncpoint.SYNC_ONLY,))
+                self.join_shadow(PreemptAction.CHECK, verdict)
             else:
                 self._stop = comm.all_reduce_max(self._report(), group=self._flag_group)
         else:
@@ -214,10 +213,10 @@ class PreemptionHandler:
         """End the process after the agreed stop: ``SystemExit(75)`` when preempted,
         ``SystemExit(130)`` after Ctrl-C (see :attr:`exit_code`). Ranks that have joined
         (phalanx.join) end with the same status."""
-        diag = monitor.current()
-        if diag is not None and diag.join is not None:
-            diag.sync_point("PreemptionHandler.exit", None if self.group is None else self._flag_group,
-                            announce=diag.joinable(self, EXIT, self.exit_code) or (syncpoint.UNSHADOWABLE,))
+        book = ledger()
+        if book.join is not None:
+            book.sync_point("PreemptionHandler.exit", None if self.group is None else self._flag_group,
+                            announce=book.shadow(self, PreemptAction.EXIT, self.exit_code) or (syncpoint.UNSHADOWABLE,))
         raise SystemExit(self.exit_code)
 
 

@@ -50,7 +50,8 @@ from torch import nn
 
 from .. import comm
 from ..ddp.comm_hook import Phases, Running
-from ..diagnostics.monitor import Watch, watch, watched
+from ..diagnostics import ledger
+from ..ledger import Collective
 from .lowprec import DTYPES, average_16bit
 
 
@@ -90,7 +91,7 @@ class _Meeting:
     """A meeting under way: the averagings issued (one per flat), what each was taken from
     (with ``overlap``), the step that applies it, its record in the collective log."""
 
-    def __init__(self, record: Watch | None, runs: list[Running], taken: list[torch.Tensor | None],
+    def __init__(self, record: Collective | None, runs: list[Running], taken: list[torch.Tensor | None],
                  apply_at: int) -> None:
         self.record, self.runs, self.taken, self.apply_at = record, runs, taken, apply_at
         self._averages: list[torch.Tensor] | None = None
@@ -105,7 +106,7 @@ class _Meeting:
     def averages(self) -> list[torch.Tensor]:
         """Wait for the averagings, in the order they were issued; their results."""
         if self._averages is None:
-            with self.record.failing():
+            with self.record.guard():
                 for run in self.runs:
                     while not run.done:
                         run.advance()
@@ -138,7 +139,8 @@ class _Periodic:
         else:  # the replicas start equal, as under DDP
             with torch.no_grad():
                 tensors = list(self.module.parameters()) + list(self.module.buffers())
-                with watched(f"{type(self).__name__} initial broadcast", tensors, self.group, check=True):
+                with ledger().collective(f"{type(self).__name__} initial broadcast", tensors, self.group,
+                                         check=True):
                     comm.broadcast_tensors(tensors, src=_rank_zero(self.group), group=self.group)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -177,10 +179,10 @@ class _Periodic:
         """Issue the meeting's averagings: the parameters' (:meth:`_message`), then the
         floating-point buffers' (BatchNorm statistics)."""
         buffers = _flats(self._buffers())
-        record = watch(f"{type(self).__name__} meeting", self.params + [b for bs in buffers for b in bs],
-                       self.group, check=True)
+        record = ledger().collective(f"{type(self).__name__} meeting",
+                                     self.params + [b for bs in buffers for b in bs], self.group, check=True)
         runs, taken = [], []
-        with record.failing():
+        with record.guard():
             for i, tensors in enumerate(self._groups + buffers):
                 flat = _cat(tensors)
                 taken.append(flat.clone() if overlap else None)

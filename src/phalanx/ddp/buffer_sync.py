@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..diagnostics.monitor import watched
+from ..diagnostics import ledger
 
 
 class BufferSync:
@@ -32,9 +32,9 @@ class BufferSync:
         self._last = comm.LastWorks()
 
     def _broadcast(self, tensors: list[torch.Tensor], src: int, shadow: Any) -> None:
-        with watched("DDP buffer broadcast", tensors, self.group, shadow=shadow):
+        with ledger().collective("DDP buffer broadcast", tensors, self.group, shadow=shadow) as c:
             pending = comm.broadcast_async(tensors, src=src, group=self.group)
-            pending.wait()
+            c.wait(pending)
         self._last.hold(pending)
 
     def sync(self, fresh: bool, src: int | None = None, shadow: Any = None) -> None:

@@ -10,18 +10,27 @@ there, before any bucket of the wrong size reaches Gloo.
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import Any
 
 import torch.distributed as dist
 
-from ..diagnostics import monitor, syncpoint
-from ..diagnostics.log import call_site
+from ..diagnostics import diagnostics, ledger
 from ..diagnostics.straggler import StepClock
+from ..ledger import syncpoint
+from ..ledger.log import call_site
 
 CHECK = "DistributedDataParallel forward"
-# What a DDP shadows on a rank that has joined (phalanx.join): a forward's check, the buffer
-# broadcast, a bucket, the sparse gradients.
-FORWARD, BUFFERS, BUCKET, SPARSE = 1, 2, 3, 4
+
+
+class DDPAction(IntEnum):
+    """What a DDP shadows on a rank that has joined (phalanx.join); the codes travel in sync
+    points between ranks: only add."""
+
+    FORWARD = 1  # a forward's check (its collectives are announced one by one)
+    BUFFERS = 2  # the buffer broadcast (argument: the source rank)
+    BUCKET = 3  # a bucket (argument: its index)
+    SPARSE = 4  # the sparse gradients
 
 
 class StepCheck:
@@ -41,25 +50,26 @@ class StepCheck:
         rank 0's buffers first). While ranks have joined (:mod:`phalanx.uneven`) the check is
         waited for and announces this DDP's step (``join_index``: its place in the join);
         returns the verdict then (who is still active), else ``None``."""
-        diag = monitor.current()
-        if diag is None or not (sync or broadcasts):
+        book = ledger()
+        if not book.enabled or not (sync or broadcasts):
             return None
         report = False
         if sync:
             if self.clock is None:
-                self.clock = StepClock(diag.straggler_every)
+                watcher = diagnostics()
+                self.clock = StepClock(0 if watcher is None else watcher.straggler_every)
             report = self.clock.due() and self._reported_at != self.clock.steps
-            self.clock.forward(diag.waited_s)
+            self.clock.forward(book.waited_s)
         what = CHECK + (" with a straggler report" if report else "")
-        announce = () if join_index is None else (syncpoint.JOINABLE, join_index, FORWARD)
-        verdict = diag.sync_point(what, self.group, wait=report, site=call_site(1), announce=announce)
+        announce = () if join_index is None else (syncpoint.JOINABLE, join_index, DDPAction.FORWARD)
+        verdict = book.sync_point(what, self.group, wait=report, site=call_site(1), announce=announce)
         if report:
             self._reported_at = self.clock.steps
-            diag.exchange_step_times(self.clock.take(), self.clock.steps, self.group)
-        return verdict if diag.join is not None else None
+            diagnostics().exchange_step_times(self.clock.take(), self.clock.steps, self.group)
+        return verdict if book.join is not None else None
 
     def backward_done(self) -> None:
         """A synchronising backward's gradients are averaged (the reducer calls this)."""
-        diag = monitor.current()
-        if diag is not None and self.clock is not None:
-            self.clock.backward_done(diag.waited_s)
+        book = ledger()
+        if book.enabled and self.clock is not None:
+            self.clock.backward_done(book.waited_s)

@@ -7,12 +7,12 @@ the active ranks) and the rank whose buffers are broadcast (the highest active o
 torch: rank 0 may have joined with stale buffers). Each bucket, the sparse gradients and the
 buffer broadcast are announced by the reducer and the buffer sync themselves.
 
-On a rank that has joined, :func:`shadow` takes part in each announced collective: zeros into
-every bucket (and its control tail), the average back into ``.grad`` (a ZeRO shard it owns
-steps with it), empty sparse gradients, the active rank's buffers received.
+On a rank that has joined, :meth:`JoinPart.shadow` takes part in each announced collective:
+zeros into every bucket (and its control tail), the average back into ``.grad`` (a ZeRO shard
+it owns steps with it), empty sparse gradients, the active rank's buffers received.
 
-When every rank has joined, :func:`end` gives every rank the parameters and buffers of the
-last rank to join (the highest of them), as torch's join does.
+When every rank has joined, :meth:`JoinPart.end` gives every rank the parameters and buffers
+of the last rank to join (the highest of them), as torch's join does.
 """
 
 from __future__ import annotations
@@ -21,79 +21,68 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .. import comm
-from .checkin import BUCKET, BUFFERS, FORWARD, SPARSE
+from ..ledger import syncpoint
+from .buffer_sync import BufferSync
+from .checkin import DDPAction
+from .reducer import Reducer
 
 
-def begin(ddp: Any, join: Any) -> None:
-    """``ddp`` is joinable number ``index`` of ``join``."""
-    index = join.joinables.index(ddp)
-    ddp._join_index = index
-    ddp._join_divide_initial = join.divide_by_initial_world_size
-    if ddp._reducer is not None:
-        ddp._reducer.join_index = index
+class JoinPart:
+    """One DDP's place in a running join (``index``) and what it does there.
 
+    Args:
+        group: the DDP's process group.
+    """
 
-def step_settings(ddp: Any, verdict: Any) -> int | None:
-    """After an active rank's forward check while ranks have joined: set the divisor of this
-    step's average; return the rank whose buffers count (``None`` outside a join)."""
-    if verdict is None or ddp._reducer is None:
-        return None
-    world = dist.get_world_size(ddp.process_group)
-    ddp._reducer.set_divisor(world if ddp._join_divide_initial else verdict.count)
-    return max(verdict.ranks)
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.index: int | None = None  # this DDP's place in a running phalanx.join
+        self.divide_initial = True
 
+    def begin(self, index: int, divide_initial: bool, reducer: Reducer | None) -> None:
+        """The DDP is joinable number ``index`` of a join starting now."""
+        self.index, self.divide_initial = index, divide_initial
+        if reducer is not None:
+            reducer.join_index = index
 
-def shadow(ddp: Any, action: int, verdict: Any) -> None:
-    """A rank that has joined takes part in what an active rank's DDP announced."""
-    reducer = ddp._reducer
-    args = verdict.announce[3:]
-    if action == FORWARD:
-        return  # its collectives are announced one by one
-    if action == BUFFERS:
-        ddp._buffer_sync.receive(args[0])
-    elif action == BUCKET:
-        _shadow_bucket(reducer, args[0])
-    elif action == SPARSE:
-        for work in reducer._sparse.launch(nothing=True):
-            work.wait()
+    def step_settings(self, verdict: Any, reducer: Reducer) -> int | None:
+        """After an active rank's forward check while ranks have joined: set the divisor of this
+        step's average; return the rank whose buffers count (``None`` outside a join)."""
+        if verdict is None:
+            return None
+        reducer.set_divisor(dist.get_world_size(self.group) if self.divide_initial else verdict.count)
+        return max(verdict.ranks)
 
+    def buffers_shadow(self, src: int | None) -> tuple[int, ...] | None:
+        """How a joined rank takes part in the buffer broadcast from ``src`` (``None``: outside
+        a join)."""
+        return None if src is None else (syncpoint.JOINABLE, self.index, DDPAction.BUFFERS, src)
 
-def _shadow_bucket(reducer: Any, b: int) -> None:
-    """Zeros into bucket ``b``'s collective (its tail too: no problem, no use reported); after
-    the last bucket, the averages into ``.grad`` as a backward would write them."""
-    bucket = reducer._buckets[b]
-    if bucket.buffer is None:
-        bucket.allocate()
-    bucket.buffer.zero_()
-    reducer.bucket_comm.launch(b, bucket.buffer).wait()
-    if b < len(reducer._buckets) - 1:
-        return
-    tail = bucket.tail
-    if tail[0].item() > 0:
-        reducer._raise_problems()  # the active ranks raise: so does this one, with them
-    used = (tail[1:] > 0).tolist() if reducer.allow_unused else None
-    for k in range(len(reducer._buckets)):
-        reducer._write_back(k, used)
-    for each in reducer._buckets:
-        if not each.keep:
-            each.release()
+    @staticmethod
+    def shadow(action: int, verdict: Any, reducer: Reducer, buffer_sync: BufferSync | None) -> None:
+        """A rank that has joined takes part in what an active rank's DDP announced."""
+        args = verdict.announce[3:]
+        if action == DDPAction.BUFFERS:
+            buffer_sync.receive(args[0])
+        elif action == DDPAction.BUCKET:
+            reducer.shadow_bucket(args[0])
+        elif action == DDPAction.SPARSE:
+            reducer.shadow_sparse()
+        # DDPAction.FORWARD: its collectives are announced one by one
 
+    def end(self, module: nn.Module, with_buffers: bool, last: int) -> None:
+        """Every rank has joined: every rank takes rank ``last``'s parameters (and buffers, when
+        the forwards broadcast them)."""
+        tensors = list(module.parameters()) + (list(module.buffers()) if with_buffers else [])
+        with torch.no_grad():
+            comm.broadcast_tensors(tensors, src=last, group=self.group)
 
-def end(ddp: Any, last: int) -> None:
-    """Every rank has joined: every rank takes rank ``last``'s parameters (and buffers, when
-    the forwards broadcast them)."""
-    tensors = list(ddp.module.parameters())
-    if ddp.forward_sync_buffers:
-        tensors += list(ddp.module.buffers())
-    with torch.no_grad():
-        comm.broadcast_tensors(tensors, src=last, group=ddp.process_group)
-
-
-def leave(ddp: Any) -> None:
-    """The join is over: the average is over the whole group again."""
-    ddp._join_index = None
-    if ddp._reducer is not None:
-        ddp._reducer.join_index = None
-        ddp._reducer.set_divisor(dist.get_world_size(ddp.process_group))
+    def leave(self, reducer: Reducer | None) -> None:
+        """The join is over: the average is over the whole group again."""
+        self.index = None
+        if reducer is not None:
+            reducer.join_index = None
+            reducer.set_divisor(dist.get_world_size(self.group))

@@ -21,7 +21,8 @@ from ..errors import UsageError
 from .options import is_default_group
 
 # Rebuilt after loading (see the module notes); stored as these values.
-_REBUILT = {"_reducer": None, "_buffer_sync": None, "bucket_plan": [], "_check": None, "_comm_hook": None,
+_REBUILT = {"_reducer": None, "_buffer_sync": None, "bucket_plan": [], "_check": None, "_join": None,
+            "_comm_hook": None,
             "_forwarded": False}
 
 

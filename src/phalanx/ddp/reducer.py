@@ -61,12 +61,13 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..diagnostics import monitor, syncpoint
-from ..diagnostics.log import Record, call_site
+from ..diagnostics import ledger
 from ..errors import UnusedParametersError
+from ..ledger import Collective, Ledger, syncpoint
+from ..ledger.log import call_site
 from .bucket_comm import BucketComm
 from .bucketing import Bucket, BucketSpec
-from .checkin import BUCKET, SPARSE
+from .checkin import DDPAction
 from .comm_hook import HookComm
 from .graph_walk import reachable_params
 from .problems import problem_message
@@ -140,7 +141,7 @@ class Reducer:
         self._known_unused: set[int] | None = None  # static_graph: learned in the first backward
         self._works: list[dist.Work] = []
         self._sparse_works: list[dist.Work] = []
-        self._diag: monitor.Diagnostics | None = None
+        self._ledger: Ledger = ledger()
         self._site = ""
         # Called at the end of each synchronising backward that succeeded (DDP's step clock).
         self.on_backward_done: Any = None
@@ -172,7 +173,7 @@ class Reducer:
         self._sparse.reset()
         self._next = 0
         self._works = []
-        self._records: list[Record | None] = []  # the buckets' in the collective log
+        self._records: list[Collective] = []  # the buckets' in the collective log
         self._sparse_works = []
         for bucket in self._buckets:
             bucket.pending = len(bucket.spec.slots)
@@ -218,8 +219,8 @@ class Reducer:
     def _start_backward(self) -> None:
         self._started = True
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-        self._diag = monitor.current()  # records each bucket: phalanx.diagnostics
-        self._site = call_site(1) if self._diag is not None else ""
+        self._ledger = ledger()  # records each bucket (phalanx.ledger)
+        self._site = call_site(1) if self._ledger.enabled else ""
         if self.walk_graph and self._reached is not None:
             unused = [k for k in range(len(self.params)) if k not in self._reached]
         elif self.static_graph and self._known_unused:
@@ -279,37 +280,30 @@ class Reducer:
                     return
                 self._write_tail(bucket.tail)
             op = f"DDP bucket {self._next}" + (self.bucket_comm.label if self._hooked else "")
-            record = self._record(op, bucket.buffer, BUCKET, self._next)
+            record = self._record(op, bucket.buffer, DDPAction.BUCKET, self._next)
             self._records.append(record)
             self._works.append(self._launch(self._next, bucket.buffer, record))
             self._next += 1
 
-    def _launch(self, b: int, flat: torch.Tensor, record: Record | None) -> Any:
+    def _launch(self, b: int, flat: torch.Tensor, record: Collective) -> Any:
         """Launch bucket ``b``. A communication hook's launch may wait for earlier buckets'
         collectives (:mod:`phalanx.ddp.comm_hook`): a failure there is reported as this
         bucket's (the hang report, :mod:`phalanx.diagnostics`)."""
-        try:
+        with record.guard():
             work = self.bucket_comm.launch(b, flat)
             if self._hooked and self.join_index is not None:
                 # phalanx.join: a rank that has joined runs each bucket's hook to its end before
                 # the next announcement (ddp/joining.py); so does this rank, or their hooks'
                 # collectives would come in different orders
                 work.wait()
-        except RuntimeError as e:
-            if record is None:
-                raise
-            raise self._diag.fail(record, e) from e
         return work
 
-    def _record(self, op: str, tensor: torch.Tensor | None, *shadow: int) -> Record | None:
-        """Record a collective (:mod:`phalanx.diagnostics`); ``shadow``: the action and
+    def _record(self, op: str, tensor: torch.Tensor | None, *shadow: int) -> Collective:
+        """Record a collective (:mod:`phalanx.ledger`); ``shadow``: the action and
         arguments a joined rank shadows it with (:mod:`phalanx.uneven`)."""
-        diag = self._diag
-        if diag is None:
-            return None
         announce = None if self.join_index is None else (syncpoint.JOINABLE, self.join_index, *shadow)
-        return diag.begin(op, () if tensor is None else (tensor,), self.bucket_comm.group,
-                          self._site, shadow=announce)
+        return self._ledger.collective(op, () if tensor is None else (tensor,), self.bucket_comm.group,
+                                       site=self._site, shadow=announce)
 
     def set_divisor(self, divisor: int) -> None:
         """Average over ``divisor`` ranks from the next gradient on (a join: the active ones).
@@ -319,11 +313,10 @@ class Reducer:
         if not self._hooked:
             self.bucket_comm.divisor = divisor
 
-    def _wait(self, work: dist.Work, record: Record | None) -> None:
-        if self._diag is None:
-            work.wait()
-        else:
-            self._diag.wait(work, record)
+    @staticmethod
+    def _wait(work: dist.Work, record: Collective) -> None:
+        record.wait(work)
+        record.end()
 
     def _write_tail(self, tail: torch.Tensor) -> None:
         sparse = self._sparse
@@ -341,7 +334,7 @@ class Reducer:
             for k in left:
                 self._assume_unused(k)
             self._launch_ready()  # every bucket but the last, before the sparse all-reduces
-            sparse = self._record("DDP sparse gradients", None, SPARSE) if self._sparse.params else None
+            sparse = self._record("DDP sparse gradients", None, DDPAction.SPARSE) if self._sparse.params else None
             self._sparse_works = self._sparse.launch()
             self._launch_ready(final=True)
             last = len(self._buckets) - 1
@@ -350,9 +343,9 @@ class Reducer:
                 if b < last and not self.allow_unused:
                     self._write_back(b, None)
             for work in self._sparse_works:
-                self._wait(work, None)
+                sparse.wait(work)
             if sparse is not None:
-                self._diag.end(sparse)
+                sparse.end()
             tail = self._buckets[last].tail
             if tail[0].item() > 0:
                 self._raise_problems()  # every rank sees the sum: all raise, none hangs
@@ -397,6 +390,32 @@ class Reducer:
                 view = bucket.views[k - bucket.first]
                 divisor = self.world_size if self._hooked else self.bucket_comm.divisor
                 self.params[k].grad = averaged_with_graph(local, view, divisor)
+
+    # ---- on a rank that has joined (phalanx.join): the others' collectives, shadowed --------
+    def shadow_bucket(self, b: int) -> None:
+        """Zeros into bucket ``b``'s collective (its tail too: no problem, no use reported);
+        after the last bucket, the averages into ``.grad`` as a backward would write them."""
+        bucket = self._buckets[b]
+        if bucket.buffer is None:
+            bucket.allocate()
+        bucket.buffer.zero_()
+        self.bucket_comm.launch(b, bucket.buffer).wait()
+        if b < len(self._buckets) - 1:
+            return
+        tail = bucket.tail
+        if tail[0].item() > 0:
+            self._raise_problems()  # the active ranks raise: so does this one, with them
+        used = (tail[1:] > 0).tolist() if self.allow_unused else None
+        for k in range(len(self._buckets)):
+            self._write_back(k, used)
+        for each in self._buckets:
+            if not each.keep:
+                each.release()
+
+    def shadow_sparse(self) -> None:
+        """Empty sparse gradients into the others' sparse all-reduces."""
+        for work in self._sparse.launch(nothing=True):
+            work.wait()
 
     def sparse_names(self) -> list[str]:
         """Names of the parameters whose gradients come sparse (in no bucket)."""

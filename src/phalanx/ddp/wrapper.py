@@ -21,14 +21,12 @@ from torch import nn
 
 from .. import comm
 from .._logging import get_logger
-from ..diagnostics import syncpoint
 from ..errors import UsageError
-from ..uneven import Join
-from . import joining
+from ..uneven import Join, Joinable
 from .bucket_comm import AllReduceMean, ReduceToOwner
 from .bucketing import BucketSpec, describe, plan_buckets
 from .buffer_sync import BufferSync
-from .checkin import BUFFERS, StepCheck
+from .checkin import StepCheck
 from .checks import (
     GradientOwners,
     agree_on_owners,
@@ -45,6 +43,7 @@ from .options import (
     resolve_group,
     warn_check_reduction,
 )
+from .joining import JoinPart
 from .pickling import picklable_state, unpickled_state
 from .reducer import Reducer, tensor_bytes
 from .sparse import sparse_positions
@@ -52,7 +51,7 @@ from .sparse import sparse_positions
 _log0 = get_logger(__package__, rank_zero_only=True)
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism: a replica of ``module`` per process, gradients averaged in backward.
 
     A drop-in for :class:`torch.nn.parallel.DistributedDataParallel` (torch 2.13's arguments,
@@ -262,8 +261,7 @@ class DistributedDataParallel(nn.Module):
         self.bucket_plan: list[BucketSpec] = []
         group = self.process_group
         self._check = StepCheck(group)
-        self._join_index: int | None = None  # this DDP's place in a running phalanx.join
-        self._join_divide_initial = True
+        self._join = JoinPart(group)  # its place in a running phalanx.join
         if dist.get_world_size(group) == 1:
             return
         self._build_reducer(None)
@@ -301,7 +299,7 @@ class DistributedDataParallel(nn.Module):
             sparse_params=[named[i] for i in sparse],
         )
         self._reducer.on_backward_done = self._check.backward_done
-        self._reducer.join_index = self._join_index  # rebuilt inside a join: still in it
+        self._reducer.join_index = self._join.index  # rebuilt inside a join: still in it
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._device is not None:
@@ -312,11 +310,11 @@ class DistributedDataParallel(nn.Module):
         refuse_distributed_autograd()
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         broadcasts = self._sync_buffers_next and self.forward_sync_buffers and self._buffer_sync is not None
-        verdict = self._check.forward(sync, broadcasts, self._join_index)
-        src = joining.step_settings(self, verdict)  # while ranks have joined (phalanx.join)
+        verdict = self._check.forward(sync, broadcasts, self._join.index)
+        src = self._join.step_settings(verdict, self._reducer)  # while ranks have joined
         if broadcasts:
-            shadow = None if src is None else (syncpoint.JOINABLE, self._join_index, BUFFERS, src)
-            self._buffer_sync.sync(fresh=self._reducer.awaiting_backward, src=src, shadow=shadow)
+            self._buffer_sync.sync(fresh=self._reducer.awaiting_backward, src=src,
+                                   shadow=self._join.buffers_shadow(src))
         output = self.module(*inputs, **kwargs)
         self._sync_buffers_next = sync
         self._reducer.prepare(sync, output)
@@ -342,17 +340,18 @@ class DistributedDataParallel(nn.Module):
         return Join([self], enable=enable, throw_on_early_termination=throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
+    # phalanx.join (ddp/joining.py)
     def join_begin(self, join: Join) -> None:
-        joining.begin(self, join)
+        self._join.begin(join.joinables.index(self), join.divide_by_initial_world_size, self._reducer)
 
     def join_shadow(self, action: int, verdict: Any) -> None:
-        joining.shadow(self, action, verdict)
+        self._join.shadow(action, verdict, self._reducer, self._buffer_sync)
 
     def join_end(self, join: Join, last: int) -> None:
-        joining.end(self, last)
+        self._join.end(self.module, self.forward_sync_buffers, last)
 
     def join_leave(self) -> None:
-        joining.leave(self)
+        self._join.leave(self._reducer)
 
     @property
     def broadcast_buffers(self) -> bool:

@@ -1,17 +1,16 @@
 """Diagnostics, always on: name the late rank, the mismatched collective and the slow rank.
 
-The files, in the order a collective goes through them:
+The ledger (:mod:`phalanx.ledger`) records and checks every collective; diagnostics watch it.
+The files:
 
+``attach.py``
+    :func:`ledger`: the ledger of the job's default group, attached on first use whoever made
+    the group (phalanx, torch, a launcher's environment), with the observer below.
+``monitor.py``
+    :class:`Diagnostics`, the ledger's observer: a failed wait becomes the hang report; the
+    straggler settings and last report.
 ``collectives.py``
     ``phalanx.all_reduce`` and the other group collectives: torch's, after a sync point.
-``monitor.py``
-    :class:`Diagnostics`, one per process: every collective is recorded (``begin``/``end``);
-    at sync points the ranks compare a fingerprint of what they issued (one tiny all-reduce)
-    and a mismatch raises :class:`~phalanx.errors.CollectiveMismatchError` on every rank,
-    before a payload of the wrong size reaches Gloo.
-``log.py``
-    The collective log: op, dtype, shape, group, the script's call site, start and end, the
-    running fingerprint.
 ``hang.py``
     When a collective waits past the watchdog limit (or a peer leaves): every rank publishes
     its log and stacks to the store; the report names the ranks that never arrived.
@@ -22,7 +21,7 @@ The files, in the order a collective goes through them:
 
 from __future__ import annotations
 
-from .monitor import current
+from .attach import diagnostics, ledger
 
 
 def straggler_report() -> dict | None:
@@ -40,5 +39,5 @@ def straggler_report() -> dict | None:
         >>> if report and report["slow"]:
         ...     print(report["lines"])
     """
-    diag = current()
+    diag = diagnostics()
     return None if diag is None else diag.straggler

@@ -2,11 +2,15 @@
 
 ``import phalanx as dist`` gives a script these in place of torch's. Each takes torch's
 arguments and returns what torch's returns; before the payload moves, the ranks meet at a
-sync point (:meth:`~phalanx.diagnostics.monitor.Diagnostics.sync_point`) that compares what
+sync point (:meth:`~phalanx.ledger.Ledger.sync_point`) that compares what
 every rank is about to issue (op, dtype, shape, root rank, reduction, group) and everything
 since the last point. A mismatch raises :class:`~phalanx.errors.CollectiveMismatchError` on
 every rank instead of reaching Gloo, which aborts the process when sizes differ. The cost is
 one small extra all-reduce per call; torch.distributed's own functions skip both.
+
+``monitored_barrier`` is its own check (it names the ranks that did not arrive within its
+``timeout``): it is recorded but meets at no sync point first, which would wait for those
+ranks past that timeout; inside a join it is announced like the others.
 
 Point-to-point calls (``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``) involve
 two ranks, not a group, and are passed through unchanged.
@@ -20,9 +24,9 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from . import syncpoint
-from .log import call_site, describe_tensors
-from .monitor import current
+from ..ledger import syncpoint
+from ..ledger.log import call_site, describe_tensors
+from .attach import ledger
 
 # Per collective: the arguments holding the tensor whose dtype and shape every rank must
 # agree on, and the arguments every rank must pass alike. The *_object collectives move
@@ -59,30 +63,38 @@ def checked(name: str) -> Callable[..., Any]:
     it has any: a process group of several ranks, diagnostics on)."""
     fn = getattr(dist, name)
     signature = inspect.signature(fn)
-    tensor_args, alike = _SPEC[name]
+    tensor_args = _SPEC[name][0]
 
     @functools.wraps(fn)
     def collective(*args: Any, **kwargs: Any) -> Any:
-        diag = current()
+        book = ledger()
         bound = signature.bind(*args, **kwargs)
         group = bound.arguments.get("group")
-        if diag is None or dist.get_world_size(group) == 1 or dist.get_rank(group) < 0:
+        if not book.enabled or dist.get_world_size(group) == 1 or dist.get_rank(group) < 0:
             return fn(*args, **kwargs)
         tensors = [bound.arguments[a] for a in tensor_args if a in bound.arguments]
-        dtype, shape = describe_tensors(tensors)
-        what = name + ("" if dtype == "-" else f" {dtype}{list(shape)}")
-        bound.apply_defaults()  # an argument left at its default and one passed alike agree
-        what += "".join(f" {a}={_value(bound.arguments[a])}" for a in alike
-                        if bound.arguments[a] != signature.parameters[a].default)
-        if group is not None and group is not dist.group.WORLD:
-            what += f" on {diag.group_name(group)}"
         site = call_site(2)
-        diag.sync_point(what, group, site=site, announce=_shadow(name, bound.arguments))
+        if name != "monitored_barrier" or book.join is not None:
+            book.sync_point(_what(name, signature, bound, tensors, book.group_name(group)), group,
+                            site=site, announce=_shadow(name, bound.arguments))
         op = name + (" (async)" if bound.arguments.get("async_op") else "")
-        with diag.collective(op, tensors, group, site, announced=True):
+        with book.collective(op, tensors, group, site=site, announced=True):
             return fn(*args, **kwargs)
 
     return collective
+
+
+def _what(name: str, signature: inspect.Signature, bound: inspect.BoundArguments,
+          tensors: list[Any], group_name: str) -> str:
+    """What the ranks compare at the sync point: op, dtype, shape, the arguments that must be
+    alike, the group."""
+    tensor_args, alike = _SPEC[name]
+    dtype, shape = describe_tensors(tensors)
+    what = name + ("" if dtype == "-" else f" {dtype}{list(shape)}")
+    bound.apply_defaults()  # an argument left at its default and one passed alike agree
+    what += "".join(f" {a}={_value(bound.arguments[a])}" for a in alike
+                    if bound.arguments[a] != signature.parameters[a].default)
+    return what + ("" if group_name == "world" else f" on {group_name}")
 
 
 def _shadow(name: str, arguments: dict[str, Any]) -> tuple[int, ...]:

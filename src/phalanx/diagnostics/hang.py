@@ -44,7 +44,7 @@ TAIL = 6
 def where(frame: Any) -> str:
     """``"train.py:45 in step"``: the innermost frame of ``frame``'s stack outside phalanx's and
     torch's plumbing (the caller's own code), or the innermost frame if all are plumbing."""
-    from .log import _is_plumbing
+    from ..ledger.log import _is_plumbing
 
     torch_file = getattr(sys.modules.get("torch"), "__file__", None)
     torch_dir = os.path.dirname(torch_file) + os.sep if torch_file else None

@@ -52,7 +52,7 @@ class StepClock:
 
     The DDP wrapper calls :meth:`forward` when a synchronising forward starts and
     :meth:`backward_done` when the backward's gradients are averaged, each with the seconds
-    this process has waited in collectives so far (:attr:`Diagnostics.waited_s`).
+    this process has waited in collectives so far (:attr:`phalanx.ledger.Ledger.waited_s`).
     :meth:`due` says when the window is full.
 
     Args:

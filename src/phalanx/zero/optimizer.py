@@ -15,6 +15,7 @@ checkpoint written at one world size loads at any other (pytorch/pytorch#65650).
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import Any, Callable, Iterable
 
 import torch
@@ -23,9 +24,9 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..agreement import agree
-from ..diagnostics import monitor
-from ..diagnostics.monitor import watched
+from ..diagnostics import ledger
 from ..errors import NotInitializedError
+from ..uneven import Joinable
 from . import clip as _clip
 from . import state as _state
 from .compat import (
@@ -37,11 +38,15 @@ from .compat import (
 )
 from .partition import partition_by_size
 
-# What a ZeroRedundancyOptimizer shadows on a rank that has joined (phalanx.join): a step.
-_STEP = 1
 
 
-class ZeroRedundancyOptimizer(Optimizer):
+class ZeroAction(IntEnum):
+    """What a ZeroRedundancyOptimizer shadows on a rank that has joined (phalanx.join)."""
+
+    STEP = 1
+
+
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
     r"""Wraps any ``torch.optim`` optimizer so each rank keeps the state of its own share only.
 
     Parameters are partitioned across the ranks of ``process_group``; each rank builds a
@@ -258,10 +263,9 @@ class ZeroRedundancyOptimizer(Optimizer):
             loss = self.optim.step(**kwargs)
         else:
             loss = self.optim.step(closure, **kwargs)
-        diag = monitor.current()
-        shadow = None if diag is None else diag.joinable(self, _STEP)
-        with watched("ZeroRedundancyOptimizer.step", group=self.process_group, check=True,
-                     shadow=shadow):
+        book = ledger()
+        with book.collective("ZeroRedundancyOptimizer.step", group=self.process_group, check=True,
+                             shadow=book.shadow(self, ZeroAction.STEP)):
             self._broadcast_owned()
         return loss
 
@@ -279,18 +283,10 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     # phalanx.join: a rank that has joined steps the shard it owns, with the average of the
     # active ranks' gradients (DDP's shadow writes it into .grad), and broadcasts it.
-    def join_begin(self, join: Any) -> None:
-        """Nothing to set up."""
-
+    # (join_end: nothing to sync, every step's broadcasts kept the replicas equal.)
     def join_shadow(self, action: int, verdict: Any) -> None:
-        self.optim.step()
+        self.optim.step()  # ZeroAction.STEP, the only one
         self._broadcast_owned()
-
-    def join_end(self, join: Any, last: int) -> None:
-        """Nothing to sync: every step's broadcasts kept the replicas equal."""
-
-    def join_leave(self) -> None:
-        """Nothing to restore."""
 
     def join_hook(self, **kwargs: Any) -> Any:
         """Refused: torch's ``Join`` (uneven inputs across ranks) is not supported."""

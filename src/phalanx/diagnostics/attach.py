@@ -1,0 +1,114 @@
+"""The ledger of the job's default process group, attached whoever made the group.
+
+:func:`ledger` is how every part of phalanx finds the ledger to record its collectives in.
+The first call on a default group of several ranks attaches one to it, with its observer (the
+hang and straggler reports of :class:`~phalanx.diagnostics.monitor.Diagnostics`):
+
+* made by ``phalanx.init_process_group``: with the settings it was given (``diagnostics=False``
+  attaches a disabled ledger; ``straggler_every``; the watchdog limit is its timeout);
+* made by ``torch.distributed.init_process_group`` (any ``init_method``, ``store=``), or by a
+  launcher's environment through torch: the same, with the defaults, the group's own timeout as
+  the watchdog limit and its store for the reports.
+
+One process alone, or no group at all, gets a disabled ledger. The ledger lives as long as its
+group: when the group is destroyed (by phalanx or torch) or replaced, the next call attaches a
+new one, and the old one's watchdog stops.
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import env as _env
+from ..ledger import Ledger
+from .monitor import Diagnostics
+from .straggler import DEFAULT_EVERY
+
+# The ledger of each live default group. c10d's ProcessGroup takes no attributes of its own,
+# so what belongs to a group is kept here, keyed weakly by the group: it goes with the group.
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# What a process with no group of several ranks is given: records nothing, only waits.
+_OFF = Ledger(0.0, enabled=False)
+
+
+class _Attached:
+    """A group's ledger and its observer, closed once (by destroy, the group's end or exit)."""
+
+    def __init__(self, ledger: Ledger, diagnostics: Diagnostics | None) -> None:
+        self.ledger, self.diagnostics = ledger, diagnostics
+
+    def close(self) -> None:
+        atexit.unregister(self.close)
+        self.ledger.close()
+        if self.diagnostics is not None:
+            self.diagnostics.close()
+
+
+def ledger() -> Ledger:
+    """The ledger of this process's default group (attached on first use); a disabled one
+    when there is no group of several ranks."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return _OFF
+    found = _ATTACHED.get(dist.group.WORLD)
+    return (found or attach(dist.group.WORLD)).ledger
+
+
+def diagnostics() -> Diagnostics | None:
+    """The hang and straggler reports watching the default group's ledger, if it has any."""
+    if ledger() is _OFF:
+        return None
+    return _ATTACHED[dist.group.WORLD].diagnostics
+
+
+def attach(group: Any, enabled: bool = True, straggler_every: int = DEFAULT_EVERY,
+           store: Any = None, timeout_s: float | None = None) -> _Attached:
+    """Attach a ledger to ``group`` (the default group, of several ranks). Every rank calls it at
+    the same point (with NCCL it makes a Gloo group for the sync points).
+
+    Args:
+        enabled: ``False``: a disabled ledger, no reports (``diagnostics=False``).
+        straggler_every: synchronising DDP steps per straggler report.
+        store: the job's store; default: the group's.
+        timeout_s: the watchdog limit; default: the group's timeout.
+    """
+    detach(group)
+    if not enabled:
+        found = _Attached(Ledger(0.0, enabled=False), None)
+    else:
+        timeout_s = _timeout_s(group) if timeout_s is None else timeout_s
+        check_group = dist.new_group(backend="gloo") if "nccl" in str(dist.get_backend(group)) else None
+        new = Ledger(timeout_s, check_group=check_group)
+        store = dist.distributed_c10d._get_default_store() if store is None else store
+        found = _Attached(new, Diagnostics(new, store, _env.diagnosis_file(), straggler_every))
+        # The watchdog thread must stop before the interpreter finalises: a daemon thread coming
+        # back from a store call then is killed inside C++ and the process aborts ("terminate
+        # called without an active exception"; seen in 1 of 3 runs ending in a hang report).
+        atexit.register(found.close)
+        weakref.finalize(group, found.close)
+    _ATTACHED[group] = found
+    return found
+
+
+def detach(group: Any = None) -> None:
+    """Stop the ledger of ``group`` (default: the default group), if one is attached."""
+    if group is None and dist.is_initialized():
+        group = dist.group.WORLD
+    found = None if group is None else _ATTACHED.pop(group, None)
+    if found is not None:
+        found.close()
+
+
+def _timeout_s(group: Any) -> float:
+    """The group's own timeout: its backend's option (c10d offers no public getter), else
+    torch's default for the backend."""
+    try:
+        device = torch.device("cuda" if "nccl" in str(dist.get_backend(group)) else "cpu")
+        return group._get_backend(device).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return dist.distributed_c10d._get_default_timeout(dist.get_backend(group)).total_seconds()

@@ -1,0 +1,284 @@
+"""The ledger: every collective phalanx issues, recorded, checked and announced in one place.
+
+One :class:`Ledger` serves a job's default process group (and the subgroups made from it):
+it keeps a :class:`~phalanx.ledger.log.CollectiveLog` per group, runs the sync points where
+the ranks compare what they issued (:mod:`~phalanx.ledger.syncpoint`), and, while a join runs,
+announces each collective to the ranks that have joined. It knows nothing of what watches it:
+
+* **observers** (:class:`Observer`, the hang reports of :mod:`phalanx.diagnostics`) are told
+  when a wait fails and may turn the error into a better one;
+* **a join** (:class:`JoinView`, :mod:`phalanx.uneven`) is told each sync point's verdict.
+
+The call site, the same for every collective::
+
+    with ledger.collective("ZeroRedundancyOptimizer.step", group=g, check=True, shadow=s) as c:
+        c.wait(dist.broadcast(t, src, group=g, async_op=True))
+
+``check=True`` puts a sync point first (the ranks agree, or every rank raises
+:class:`~phalanx.errors.CollectiveMismatchError`); a failed wait inside raises what the
+observers make of it (the hang report); the record ends with the block. A collective waited
+for later (DDP's buckets, an overlapped meeting) keeps the :class:`Collective` and calls
+:meth:`Collective.wait`, :meth:`Collective.guard` and :meth:`Collective.end` itself. A
+disabled ledger (``init_process_group(diagnostics=False)``, one process) hands out collectives
+that do nothing but wait.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol, Sequence
+
+import torch.distributed as dist
+
+from ..errors import CollectiveMismatchError, UsageError
+from . import syncpoint
+from .log import CollectiveLog, Record, call_site, describe_tensors
+
+
+class Observer(Protocol):
+    """Told when a recorded collective's wait fails (see the module notes)."""
+
+    def failed(self, record: Record, error: RuntimeError) -> RuntimeError | None:
+        """The error to raise instead of ``error`` (``None``: ``error`` itself). ``record`` is
+        still in flight: the ledger ends it afterwards."""
+
+
+class JoinView(Protocol):
+    """A running join, as the ledger sees it (:mod:`phalanx.uneven`)."""
+
+    def index(self, obj: Any) -> int | None:
+        """``obj``'s place among the joinables, or ``None``."""
+
+    def seen(self, verdict: syncpoint.Verdict) -> None:
+        """Every settled sync point's verdict (who is still active)."""
+
+    def authoritative(self) -> int:
+        """The rank whose state counts while ranks have joined."""
+
+
+@dataclass
+class _Check:
+    """A sync point in flight."""
+
+    what: str
+    site: str
+    since: list[str]  # the collectives before it, since the previous point
+    payload: Any
+    work: Any
+    collective: Collective
+    group: Any
+    world: int
+
+
+class Collective:
+    """One recorded collective (or a few, recorded as one): see :meth:`Ledger.collective`."""
+
+    def __init__(self, ledger: Ledger | None, record: Record | None) -> None:
+        self._ledger, self.record = ledger, record
+
+    def wait(self, work: Any) -> Any:
+        """Wait for ``work``; a failure raises what the observers make of it. Returns
+        ``work.wait()``'s value."""
+        if self._ledger is None:
+            return work.wait()
+        start = time.monotonic()
+        try:
+            with self.guard():
+                return work.wait()
+        finally:
+            self._ledger.waited_s += time.monotonic() - start
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Around code that may wait for this collective (a launch that waits for earlier
+        ones): a failure raises what the observers make of it."""
+        try:
+            yield
+        except RuntimeError as e:
+            if self.record is None:
+                raise
+            raise self._ledger.failure(self.record, e) from e
+
+    def end(self) -> None:
+        if self.record is not None and self.record.end is None:
+            CollectiveLog.end(self.record)
+
+    def __enter__(self) -> Collective:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if isinstance(exc, RuntimeError) and self.record is not None and self.record.end is None:
+                raise self._ledger.failure(self.record, exc) from exc
+        finally:
+            self.end()
+
+
+class Ledger:
+    """The collectives of one job's default process group: see the module notes.
+
+    Args:
+        timeout_s: the group's timeout (the watchdog limit of the observers).
+        check_group: a Gloo group over the world for sync points when the world is on NCCL
+            (CPU tensors never synchronise the GPU). Default ``None``: the world itself.
+        enabled: ``False``: nothing is recorded or checked (collectives only wait).
+    """
+
+    def __init__(self, timeout_s: float, check_group: Any = None, enabled: bool = True) -> None:
+        self.timeout_s = timeout_s
+        self.enabled = enabled
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.observers: list[Observer] = []
+        self.join: JoinView | None = None  # while a join runs
+        self.logs: dict[str, CollectiveLog] = {}
+        self.waited_s = 0.0  # seconds this process has spent waiting for collectives to end
+        self._check_group = check_group
+        self._names: dict[int, str] = {}
+        self._pending: _Check | None = None  # a sync point started, not yet waited for
+        self._last_work: Any = None
+
+    # ---- the log --------------------------------------------------------------------------
+    def group_name(self, group: Any) -> str:
+        if group is None or group is dist.group.WORLD:
+            return "world"
+        name = self._names.get(id(group))
+        if name is None:
+            ranks = dist.get_process_group_ranks(group)
+            name = self._names[id(group)] = f"ranks {','.join(map(str, ranks))}"
+        return name
+
+    def log(self, group: Any) -> CollectiveLog:
+        name = self.group_name(group)
+        log = self.logs.get(name)
+        if log is None:
+            log = self.logs[name] = CollectiveLog()
+        return log
+
+    def in_flight(self) -> bool:
+        return any(log.in_flight() is not None for log in self.logs.values())
+
+    def shadow(self, obj: Any, action: int, *args: int) -> tuple[int, ...] | None:
+        """While a join runs: the announcement that joinable ``obj`` shadows ``action`` (with
+        ``args``); ``None`` outside a join or for an object not in it."""
+        index = None if self.join is None else self.join.index(obj)
+        return None if index is None else (syncpoint.JOINABLE, index, int(action), *args)
+
+    def collective(self, op: str, tensors: Sequence[Any] = (), group: Any = None, *,
+                   check: bool = False, shadow: tuple[int, ...] | None = None,
+                   site: str | None = None, announced: bool = False) -> Collective:
+        """Record a collective about to be issued (see the module notes).
+
+        Args:
+            op: how the log names it.
+            tensors: what it moves (the log's dtype and shape).
+            check: a sync point first: every rank of ``group`` agrees it is here.
+            shadow: how a rank that has joined takes part (an announcement of
+                :mod:`~phalanx.ledger.syncpoint`); default: it cannot (it raises).
+            site: the script's line that led here; default: found from the stack.
+            announced: the caller's own sync point announced it already.
+        """
+        if not self.enabled:
+            return Collective(None, None)
+        site = site or call_site(2)
+        if check:
+            self.sync_point(op, group, site=site, announce=shadow or (syncpoint.UNSHADOWABLE,))
+            announced = True
+        if self._pending is not None:
+            self.settle()  # nothing goes out before the ranks are known to agree
+        dtype, shape = describe_tensors(tensors)
+        if self.join is not None and not announced:
+            if self.group_name(group) != "world":
+                raise UsageError(f"{op} on {self.group_name(group)} inside phalanx.join: a join "
+                                 "announces collectives of the whole world only")
+            self.sync_point(f"{op} {dtype}{list(shape)}", group, site=site,
+                            announce=shadow or (syncpoint.UNSHADOWABLE,))
+        return Collective(self, self.log(group).begin(op, dtype, shape, self.group_name(group), site))
+
+    def failure(self, record: Record, error: RuntimeError) -> RuntimeError:
+        """What to raise for ``record``'s failed wait: the first observer's word, else
+        ``error``; ``record`` ends, failed."""
+        try:
+            for observer in self.observers:
+                better = observer.failed(record, error)
+                if better is not None:
+                    return better
+            return error
+        finally:
+            CollectiveLog.end(record, failed=True)
+
+    # ---- sync points ----------------------------------------------------------------------
+    def sync_point(self, what: str, group: Any = None, *, flags: Sequence[int] = (),
+                   site: str | None = None, wait: bool = True,
+                   announce: tuple[int, ...] = ()) -> syncpoint.Verdict | None:
+        """Every rank of ``group`` checks here that it agrees with the others on ``what`` and
+        on the collectives since the last point (:mod:`~phalanx.ledger.syncpoint`).
+
+        Args:
+            flags: this rank's flags; the verdict says which some rank raised.
+            wait: ``False`` only starts the check: the next collective recorded (or
+                :meth:`settle`) waits for it, so its latency hides behind the work in
+                between (a forward's, for DDP); ``None`` is returned. While a join runs,
+                every check is waited for.
+            announce: for ranks that have joined: how they take part in what follows.
+
+        Returns:
+            The :class:`~phalanx.ledger.syncpoint.Verdict` (with ``wait``); ``None`` when the
+            ledger is disabled.
+
+        Raises:
+            CollectiveMismatchError: on every rank, naming what each rank is at.
+        """
+        if not self.enabled:
+            return None
+        site = site or call_site(2)
+        h = syncpoint.fingerprint(f"{what} {announce}", self.log(group).fingerprint)
+        return self._meet(h, what, site, group, flags, announce, wait or self.join is not None)
+
+    def probe(self, group: Any, flags: Sequence[int] = ()) -> syncpoint.Verdict:
+        """A rank that has joined takes part in the next sync point of the others (zeros, but
+        its ``flags``) and learns what they announce (:mod:`phalanx.uneven`)."""
+        return self._meet(None, "joined: out of inputs", "", group, flags, (), True)
+
+    def _meet(self, h: int | None, what: str, site: str, group: Any, flags: Sequence[int],
+              announce: tuple[int, ...], wait: bool) -> syncpoint.Verdict | None:
+        log = self.log(group)
+        on = self._check_group if self._check_group is not None and group is None else group
+        world = dist.get_world_size(on)
+        payload = syncpoint.payload(h, announce, tuple(flags), dist.get_rank(on), world)
+        check = self.collective(f"check before {what}", (), group, site=site, announced=True)
+        with check.guard():
+            work = dist.all_reduce(payload, group=on, async_op=True)
+        self._last_work = work  # see phalanx.comm.LastWorks: dropped by the main thread
+        self._pending = _Check(what, site, log.since_check[:-1], payload, work, check, on, world)
+        log.checked()  # the next fingerprint starts here, whatever the verdict
+        return self.settle() if wait else None
+
+    def settle(self) -> syncpoint.Verdict | None:
+        """Wait for the pending sync point; raise on a mismatch; return its verdict."""
+        check, self._pending = self._pending, None
+        if check is None:
+            return None
+        check.collective.wait(check.work)
+        check.collective.end()
+        verdict = syncpoint.read(check.payload, check.world)
+        if not verdict.agree:
+            self._mismatch(check)
+        if self.join is not None:
+            self.join.seen(verdict)  # who is still active; raises for throw_on_early_termination
+        return verdict
+
+    def _mismatch(self, check: _Check) -> None:
+        mine = {"rank": dist.get_rank(), "at": f"{check.what} ({check.site})", "since": check.since}
+        everyone: list[Any] = [None] * dist.get_world_size(check.group)
+        dist.all_gather_object(everyone, mine, group=check.group)
+        raise CollectiveMismatchError(syncpoint.mismatch_message(everyone))
+
+    def close(self) -> None:
+        """A forward's check nothing came after: finish it (the job is ending)."""
+        if self._pending is not None:
+            try:
+                self.settle()
+            except RuntimeError:
+                pass  # leaving anyway: a last mismatch or a peer gone changes nothing now
