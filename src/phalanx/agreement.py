@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm, errors
+from .diagnostics import ledger
 
 # The exception types a peer's problem is raised as on the other ranks, by name.
 _REBUILDABLE = {cls.__name__: cls for cls in (
@@ -70,9 +71,10 @@ def agree(
             raise problem
         return
     if decided_by is not None:
-        _follow(decided_by, problem, group, keep)
+        _follow(what, decided_by, problem, group, keep)
         return
-    everyone = comm.all_gather_object((_describe(problem), list(items)), group)
+    with ledger().collective(f"agreement on {what}", group=group, announced=True):
+        everyone = comm.all_gather_object((_describe(problem), list(items)), group)
     _check_same([theirs for _, theirs in everyone], what)
     problems = {rank: p for rank, (p, _) in enumerate(everyone) if p is not None}
     if not problems:
@@ -87,20 +89,22 @@ def agree(
     raise _rebuild((first_type, f"{what} failed " + "; ".join(parts))) from problem
 
 
-def _follow(decider: int, problem: BaseException | None, group: dist.ProcessGroup | None,
+def _follow(what: str, decider: int, problem: BaseException | None, group: dist.ProcessGroup | None,
             keep: comm.LastWorks | None) -> None:
     """Every rank raises what rank ``decider`` (in ``group``) reported, if anything; the
     others' problems are not looked at."""
     src = decider if group is None else dist.get_global_rank(group, decider)
     failed = torch.tensor([problem is not None], device=comm.collective_device(group))
-    work = dist.broadcast(failed, src=src, group=group, async_op=True)
-    work.wait()
-    if keep is not None:
-        keep.hold(work)
+    box = [_describe(problem)]
+    with ledger().collective(f"agreement on {what}", (failed,), group, announced=True) as c:
+        work = dist.broadcast(failed, src=src, group=group, async_op=True)
+        c.wait(work)
+        if keep is not None:
+            keep.hold(work)
+        if failed.item():
+            dist.broadcast_object_list(box, src=src, group=group)
     if not failed.item():
         return
-    box = [_describe(problem)]
-    dist.broadcast_object_list(box, src=src, group=group)
     if dist.get_rank(group) == decider:
         raise problem
     raise _rebuild(box[0])

@@ -26,7 +26,7 @@ ALLOWED = {
     "uneven": {"diagnostics", "ledger", "errors", "comm"},
     "metrics": {"diagnostics", "ledger"},
     "process_group": {"env", "errors", "gate", "_logging", "diagnostics", "ledger"},
-    "agreement": {"comm", "errors"},
+    "agreement": {"comm", "errors", "diagnostics"},
     "sampler": {"process_group"},
     "batch": {"process_group", "_logging"},
     "sync_batchnorm": {"diagnostics", "ledger"},

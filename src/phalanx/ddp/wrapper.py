@@ -21,6 +21,7 @@ from torch import nn
 
 from .. import comm
 from .._logging import get_logger
+from ..diagnostics import ledger
 from ..errors import UsageError
 from ..uneven import Join, Joinable
 from .bucket_comm import AllReduceMean, ReduceToOwner
@@ -270,7 +271,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _broadcast_state(self, with_buffers: bool) -> None:
         tensors = list(self.module.parameters()) + (list(self.module.buffers()) if with_buffers else [])
-        with torch.no_grad():
+        with torch.no_grad(), ledger().collective("DDP initial broadcast", tensors, self.process_group):
             comm.broadcast_tensors(tensors, src=_rank_zero(self.process_group), group=self.process_group)
 
     def _build_reducer(self, owners: list[int | None] | None) -> None:

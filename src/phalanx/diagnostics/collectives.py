@@ -78,7 +78,8 @@ def checked(name: str) -> Callable[..., Any]:
             book.sync_point(_what(name, signature, bound, tensors, book.group_name(group)), group,
                             site=site, announce=_shadow(name, bound.arguments))
         op = name + (" (async)" if bound.arguments.get("async_op") else "")
-        with book.collective(op, tensors, group, site=site, announced=True):
+        with book.collective(op, tensors, group, site=site, announced=True,
+                             diagnosed=name == "monitored_barrier"):
             return fn(*args, **kwargs)
 
     return collective

@@ -13,8 +13,10 @@ Then:
 3. The requester assembles the report: the ranks that never arrived at the collective it
    waited in (the late ones: the root cause), the ones waiting with it, where each rank is.
    It publishes the report as ``final`` (the first one published stands), and every rank
-   raises it: the requester at once; a rank outside any collective is interrupted by a
-   signal to its main thread; a rank inside one raises it when that one fails in turn.
+   raises it: the requester once every rank that sent a snapshot has read it (at most
+   :data:`REPORT_WAIT_S`: the store may be hosted by the requester, and go with it); a rank
+   outside any collective is interrupted by a signal to its main thread; a rank inside one
+   raises it when that one fails in turn.
 4. Each rank writes the report beside its torch elastic error file, where ``phalanx run``
    finds it and names the late rank as the root cause, not the rank that timed out first.
 """
@@ -155,6 +157,7 @@ class Watchdog:
                     self.publish()
                     final = self.wait_final(REPORT_WAIT_S + POLL_S)
                     if final is not None:
+                        self._store.add("delivered", 1)
                         self._deliver(*final)
                     return
         except Exception:  # the store went away (the job is ending): nothing to report to
@@ -192,6 +195,13 @@ class Watchdog:
         mine = json.dumps({"text": text, "culprits": culprits})
         final = json.loads(self._store.compare_set("final", "", mine))
         return final["text"], final["culprits"]
+
+    def linger(self, readers: int) -> None:
+        """Wait (at most :data:`REPORT_WAIT_S`) until ``readers`` watchdogs have read the final
+        report, before this rank goes on to raise it and maybe exit with the store."""
+        deadline = time.monotonic() + REPORT_WAIT_S
+        while self._store.add("delivered", 0) < readers and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def close(self) -> None:
         self._stop.set()

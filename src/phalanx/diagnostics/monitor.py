@@ -92,6 +92,7 @@ class Diagnostics:
                 snaps = self._watchdog.request(ranks)
                 final = self._watchdog.settle(*assemble(kind, self.rank, record.group, ranks,
                                                         waited, snaps, self.ledger.timeout_s))
+                self._watchdog.linger(len(snaps))
         except Exception as store_error:  # the store is gone too: report what this rank knows
             final = (f"{error}\n(no report from the other ranks: the store is unreachable: "
                      f"{store_error})", [])

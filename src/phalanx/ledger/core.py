@@ -75,8 +75,8 @@ class _Check:
 class Collective:
     """One recorded collective (or a few, recorded as one): see :meth:`Ledger.collective`."""
 
-    def __init__(self, ledger: Ledger | None, record: Record | None) -> None:
-        self._ledger, self.record = ledger, record
+    def __init__(self, ledger: Ledger | None, record: Record | None, observed: bool = True) -> None:
+        self._ledger, self.record, self._observed = ledger, record, observed
 
     def wait(self, work: Any) -> Any:
         """Wait for ``work``; a failure raises what the observers make of it. Returns
@@ -99,7 +99,10 @@ class Collective:
         except RuntimeError as e:
             if self.record is None:
                 raise
-            raise self._ledger.failure(self.record, e) from e
+            better = self._ledger.failure(self.record, e, self._observed)
+            if better is e:
+                raise  # the error itself, its traceback and cause intact
+            raise better from e
 
     def end(self) -> None:
         if self.record is not None and self.record.end is None:
@@ -111,7 +114,9 @@ class Collective:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
             if isinstance(exc, RuntimeError) and self.record is not None and self.record.end is None:
-                raise self._ledger.failure(self.record, exc) from exc
+                better = self._ledger.failure(self.record, exc, self._observed)
+                if better is not exc:
+                    raise better from exc
         finally:
             self.end()
 
@@ -167,7 +172,8 @@ class Ledger:
 
     def collective(self, op: str, tensors: Sequence[Any] = (), group: Any = None, *,
                    check: bool = False, shadow: tuple[int, ...] | None = None,
-                   site: str | None = None, announced: bool = False) -> Collective:
+                   site: str | None = None, announced: bool = False,
+                   diagnosed: bool = False) -> Collective:
         """Record a collective about to be issued (see the module notes).
 
         Args:
@@ -178,6 +184,8 @@ class Ledger:
                 :mod:`~phalanx.ledger.syncpoint`); default: it cannot (it raises).
             site: the script's line that led here; default: found from the stack.
             announced: the caller's own sync point announced it already.
+            diagnosed: its failure says what went wrong already (``monitored_barrier`` names
+                the ranks that did not arrive): the observers are not asked.
         """
         if not self.enabled:
             return Collective(None, None)
@@ -194,13 +202,14 @@ class Ledger:
                                  "announces collectives of the whole world only")
             self.sync_point(f"{op} {dtype}{list(shape)}", group, site=site,
                             announce=shadow or (syncpoint.UNSHADOWABLE,))
-        return Collective(self, self.log(group).begin(op, dtype, shape, self.group_name(group), site))
+        record = self.log(group).begin(op, dtype, shape, self.group_name(group), site)
+        return Collective(self, record, observed=not diagnosed)
 
-    def failure(self, record: Record, error: RuntimeError) -> RuntimeError:
-        """What to raise for ``record``'s failed wait: the first observer's word, else
-        ``error``; ``record`` ends, failed."""
+    def failure(self, record: Record, error: RuntimeError, observed: bool = True) -> RuntimeError:
+        """What to raise for ``record``'s failed wait: the first observer's word (when
+        ``observed``), else ``error``; ``record`` ends, failed."""
         try:
-            for observer in self.observers:
+            for observer in self.observers if observed else ():
                 better = observer.failed(record, error)
                 if better is not None:
                     return better
