@@ -71,9 +71,10 @@ def agree(
             raise problem
         return
     if decided_by is not None:
-        _follow(what, decided_by, problem, group, keep)
+        _follow(decided_by, problem, group, keep)
         return
-    with ledger().collective(f"agreement on {what}", group=group, announced=True):
+    # recorded as "agreement": what is agreed on may differ between ranks (a checkpoint's path)
+    with ledger().collective("agreement", group=group, announced=True):
         everyone = comm.all_gather_object((_describe(problem), list(items)), group)
     _check_same([theirs for _, theirs in everyone], what)
     problems = {rank: p for rank, (p, _) in enumerate(everyone) if p is not None}
@@ -89,14 +90,14 @@ def agree(
     raise _rebuild((first_type, f"{what} failed " + "; ".join(parts))) from problem
 
 
-def _follow(what: str, decider: int, problem: BaseException | None, group: dist.ProcessGroup | None,
+def _follow(decider: int, problem: BaseException | None, group: dist.ProcessGroup | None,
             keep: comm.LastWorks | None) -> None:
     """Every rank raises what rank ``decider`` (in ``group``) reported, if anything; the
     others' problems are not looked at."""
     src = decider if group is None else dist.get_global_rank(group, decider)
     failed = torch.tensor([problem is not None], device=comm.collective_device(group))
     box = [_describe(problem)]
-    with ledger().collective(f"agreement on {what}", (failed,), group, announced=True) as c:
+    with ledger().collective("agreement", (failed,), group, announced=True) as c:
         work = dist.broadcast(failed, src=src, group=group, async_op=True)
         c.wait(work)
         if keep is not None:
