@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import phalanx
 from phalanx import comm_hooks
-from phalanx.ddp.comm_hook import GradBucket
+from phalanx.hooks import GradBucket
 from tests.harness import error_of, run_ranks
 
 # One bucket (torch's PowerSGD needs it on Gloo): 100 MiB holds the whole model.

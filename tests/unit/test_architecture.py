@@ -29,9 +29,12 @@ ALLOWED = {
     "sampler": {"process_group"},
     "batch": {"process_group", "_logging"},
     "sync_batchnorm": {"diagnostics"},
-    "ddp": {"comm", "agreement", "errors", "_logging", "diagnostics", "uneven"},
+    "hooks": set(),  # the hook writer's contract: no DDP, no phalanx (torch keeps them apart)
+    "ddp": {"comm", "agreement", "errors", "_logging", "diagnostics", "uneven", "hooks"},
     "zero": {"comm", "agreement", "errors", "diagnostics"},
-    "comm_hooks": {"comm", "ddp", "diagnostics"},
+    # compression hooks and model averaging stand on the contract, not on the DDP that runs them
+    "comm_hooks": {"hooks"},
+    "model_averaging": {"comm", "diagnostics", "hooks", "comm_hooks"},
     "checkpoint": {"comm", "agreement", "process_group", "errors", "_logging", "ddp",
                    "diagnostics"},
     "launcher": {"env", "errors", "_logging", "gate"},

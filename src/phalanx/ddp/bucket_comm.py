@@ -1,7 +1,7 @@
 """How one bucket's flat buffer is reduced: the :class:`BucketComm` protocol and its strategies.
 
 :class:`AllReduceMean` (the default) and :class:`ReduceToOwner` (ZeRO stage 2);
-:class:`~phalanx.ddp.comm_hook.HookComm` (a communication hook) lives in ``comm_hook.py``.
+:class:`~phalanx.ddp.hook_comm.HookComm` (a communication hook) lives in ``hook_comm.py``.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ from ..errors import UnusedParametersError
 from .bucket_comm import BucketComm
 from .bucketing import Bucket, BucketSpec
 from .checkin import BUCKET, SPARSE
-from .comm_hook import HookComm
+from .hook_comm import HookComm
 from .graph_walk import reachable_params
 from .problems import problem_message
 from .sparse import SparseGradients
@@ -83,7 +83,7 @@ class Reducer:
         bucket_comm (BucketComm): how each bucket is reduced:
             :class:`~phalanx.ddp.bucket_comm.AllReduceMean`,
             :class:`~phalanx.ddp.bucket_comm.ReduceToOwner` or, with a communication hook,
-            :class:`~phalanx.ddp.comm_hook.HookComm` (divisor 1: the hook averages).
+            :class:`~phalanx.ddp.hook_comm.HookComm` (divisor 1: the hook averages).
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket (saves memory
             and the copy back). Default ``False``.
         find_unused_parameters: walk the graph after each forward to find parameters that
@@ -286,7 +286,7 @@ class Reducer:
 
     def _launch(self, b: int, flat: torch.Tensor, record: Record | None) -> Any:
         """Launch bucket ``b``. A communication hook's launch may wait for earlier buckets'
-        collectives (:mod:`phalanx.ddp.comm_hook`): a failure there is reported as this
+        collectives (:mod:`phalanx.ddp.hook_comm`): a failure there is reported as this
         bucket's (the hang report, :mod:`phalanx.diagnostics`)."""
         try:
             work = self.bucket_comm.launch(b, flat)

@@ -23,6 +23,7 @@ from .. import comm
 from .._logging import get_logger
 from ..diagnostics import syncpoint
 from ..errors import UsageError
+from ..hooks import GradBucket
 from ..uneven import Join
 from . import joining
 from .bucket_comm import AllReduceMean, ReduceToOwner
@@ -36,8 +37,8 @@ from .checks import (
     check_group,
     refuse_distributed_autograd,
 )
-from .comm_hook import SHARDED_WITH_HOOK, GradBucket, HookComm, check_registration
 from .devices import to_device
+from .hook_comm import SHARDED_WITH_HOOK, HookComm, check_registration
 from .options import (
     NOTHING_IGNORED,
     TORCH_ONLY_ATTRIBUTES,
@@ -439,10 +440,11 @@ class DistributedDataParallel(nn.Module):
     def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], torch.futures.Future]) -> None:
         """Reduce each bucket with ``hook(state, bucket)`` (torch's contract) instead of the all-reduce.
 
-        The contract, and where phalanx differs from torch, are in :mod:`phalanx.ddp.comm_hook`:
-        torch's hooks work unchanged (PowerSGD also with several buckets on Gloo, bf16 also
-        without NCCL); :mod:`phalanx.comm_hooks` has phalanx's. Call it on every rank, once,
-        before the first forward (torch's rule), and again after unpickling.
+        The contract is in :mod:`phalanx.hooks`; where phalanx differs from torch, in
+        :mod:`phalanx.ddp.hook_comm`: torch's hooks work unchanged (PowerSGD also with several
+        buckets on Gloo, bf16 also without NCCL); :mod:`phalanx.comm_hooks` has phalanx's. Call
+        it on every rank, once, before the first forward (torch's rule), and again after
+        unpickling.
 
         Raises:
             TypeError: ``hook`` cannot be called as ``hook(state, bucket)``.

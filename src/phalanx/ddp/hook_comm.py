@@ -1,12 +1,11 @@
-"""Communication hooks: torch's ``register_comm_hook`` contract on phalanx's buckets.
+"""The reducer's side of ``register_comm_hook``: :class:`HookComm`, the
+:class:`~phalanx.ddp.bucket_comm.BucketComm` that calls a communication hook on each bucket.
 
-A hook is called as ``hook(state, bucket)`` once per bucket and backward, in bucket order on
-every rank, and returns a ``torch.futures.Future`` whose value is the bucket's reduced
-(averaged) flat buffer. ``bucket`` is a :class:`GradBucket`, with the methods of
-``torch.distributed.GradBucket``. As in torch, the buffer holds this rank's gradients
-*undivided*: the hook does the averaging. :class:`HookComm` is the
-:class:`~phalanx.ddp.bucket_comm.BucketComm` that calls the hook; the reducer waits for
-every future at the end of the backward and writes the values back to ``.grad``.
+The hook writer's contract (``hook(state, bucket) -> Future``, :class:`~phalanx.hooks.GradBucket`,
+phased hooks) is :mod:`phalanx.hooks`. :class:`HookComm` builds each bucket's
+:class:`~phalanx.hooks.GradBucket` (this rank's gradients, undivided: the hook averages) and
+calls the hook; the reducer waits for every future at the end of the backward and
+:meth:`HookComm.write` puts the values back into the buckets, whence ``.grad``.
 
 **The control tail.** The last bucket also carries the reducer's unused-parameter counts,
 which must be summed exactly: with a hook they go in a small all-reduce of their own, issued
@@ -23,8 +22,8 @@ PowerSGD hook fails on Gloo with several buckets ("Received data size doesn't ma
 size"). phalanx runs such hooks one bucket at a time: bucket k's hook is called once bucket
 k-1's future is done. Any hook not known to issue everything at call time is treated so.
 
-**Phased hooks** (:class:`PhasedHook`, phalanx's own: :mod:`phalanx.comm_hooks`) keep the
-overlap and the order: a hook written as a generator that yields each collective's work
+**Phased hooks** (:class:`~phalanx.hooks.PhasedHook`, phalanx's own: :mod:`phalanx.comm_hooks`)
+keep the overlap and the order: a hook written as a generator that yields each collective's work
 handle is resumed by the reducer's thread at fixed points only: an *eager* one (PowerSGD:
 several collectives, each needing the last one's result) before each later bucket is
 launched, when every unfinished eager hook advances by one phase (waiting for its pending
@@ -33,7 +32,7 @@ order. Where a phase ends therefore depends on the bucket sequence alone, the sa
 rank. A hook with one collective (the 16-bit ones) is not eager: nothing waits for its
 all-reduce before the end of the backward, so the next buckets' all-reduces go out behind it
 while the backward goes on. Each bucket index has a dict the hook may keep things in from
-one backward to the next (:func:`bucket_memory`).
+one backward to the next (:func:`~phalanx.hooks.bucket_memory`).
 
 **Diagnostics** (:mod:`phalanx.diagnostics`): each bucket is one record of the collective log,
 ``DDP bucket k via <hook>``, from its launch to the end of its hook's work; the hook's own
@@ -58,142 +57,18 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
-from typing import Any, Callable, Generator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..errors import UsageError
+from ..hooks import GradBucket, PhasedHook, Running
 from .bucketing import BucketSpec
 
 # torch's hooks that issue their only collective while called (their callbacks only cast).
 _CALL_TIME_HOOKS = {("torch.distributed.algorithms.ddp_comm_hooks.default_hooks", name)
                     for name in ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook")}
-
-Phases = Generator[Any, None, torch.Tensor]
-
-
-class GradBucket:
-    """One bucket as a communication hook sees it: ``torch.distributed.GradBucket``'s methods.
-
-    Args:
-        index: the bucket's position in launch order (0 first).
-        buffer: its flat gradients (this rank's, undivided), without the control tail.
-        gradients: one view of ``buffer`` per parameter, shaped like the parameter.
-        parameters: the parameters, in the order of ``gradients``.
-        last: whether it is the last bucket of the backward.
-    """
-
-    __slots__ = ("_index", "_buffer", "_gradients", "_parameters", "_last", "_memory")
-
-    def __init__(self, index: int, buffer: torch.Tensor, gradients: list[torch.Tensor],
-                 parameters: list[torch.Tensor], last: bool, memory: dict | None = None) -> None:
-        self._index, self._buffer, self._gradients = index, buffer, gradients
-        self._parameters, self._last, self._memory = parameters, last, memory
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def gradients(self) -> list[torch.Tensor]:
-        return self._gradients
-
-    def parameters(self) -> list[torch.Tensor]:
-        return self._parameters
-
-    def is_last(self) -> bool:
-        return self._last
-
-    def set_buffer(self, buffer: torch.Tensor) -> None:
-        """Replace what :meth:`buffer` returns (torch's compress wrappers cast it)."""
-        self._buffer = buffer
-
-    def __repr__(self) -> str:
-        return f"GradBucket(index={self._index}, numel={self._buffer.numel()}, last={self._last})"
-
-
-def bucket_memory(bucket: Any) -> dict | None:
-    """The dict phalanx's DDP keeps for ``bucket``'s index from one backward to the next, for
-    a hook's own use (the same on every rank as long as the hook keeps it so); ``None`` for a
-    bucket of torch's DDP."""
-    return getattr(bucket, "_memory", None)
-
-
-class PhasedHook:
-    """A communication hook written as phases, which phalanx's reducer runs in a fixed order.
-
-    ``phases(state, bucket)`` is a generator: it issues a collective asynchronously, yields
-    its work handle (``dist.Work`` or anything with ``wait()``), is resumed once that is
-    done, and finally returns the bucket's averaged buffer. On phalanx's DDP the phases
-    advance at fixed points of the backward (see the module notes), so several collectives
-    per bucket keep the same order on every rank and still overlap the backward. Called as
-    a plain hook (e.g. registered on torch's DDP), it runs all phases at once and returns a
-    completed future.
-
-    Args:
-        phases: the generator function ``phases(state, bucket)``.
-        name: the hook's name, for messages. Default: the function's name.
-        eager: resume it before each later bucket's launch (default ``True``: a hook whose
-            collectives follow one another); ``False``: only at the end of the backward (a
-            hook whose last collective is issued at the call, unless something went wrong).
-
-    Example::
-
-        >>> @PhasedHook
-        ... def mean_hook(group, bucket):
-        ...     flat = bucket.buffer().div_(dist.get_world_size(group))
-        ...     yield dist.all_reduce(flat, group=group, async_op=True)
-        ...     return flat
-        >>> ddp.register_comm_hook(None, mean_hook)
-    """
-
-    def __init__(self, phases: Callable[[Any, Any], Phases], name: str | None = None, eager: bool = True) -> None:
-        self.phases, self.eager = phases, eager
-        self.__name__ = self.__qualname__ = name or getattr(phases, "__name__", "phased_hook")
-        self.__doc__ = getattr(phases, "__doc__", None)
-
-    def __call__(self, state, bucket):  # unannotated: torch's DDP checks the annotations it finds
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(run_phases(self.phases(state, bucket)))
-        return future
-
-    def __repr__(self) -> str:
-        return f"PhasedHook({self.__name__})"
-
-
-class Running:
-    """A phased hook under way: its generator and the work it waits for."""
-
-    __slots__ = ("_phases", "_work", "done", "result")
-
-    def __init__(self, phases: Phases) -> None:
-        self._phases = phases
-        self.done = False
-        self.result: Any = None
-        self._work: Any = None
-        self._resume()
-
-    def _resume(self) -> None:
-        try:
-            self._work = next(self._phases)
-        except StopIteration as end:
-            self.done, self.result, self._work = True, end.value, None
-
-    def advance(self) -> None:
-        """Wait for the pending collective and run the next phase."""
-        self._work.wait()
-        self._resume()
-
-
-def run_phases(phases: Phases) -> Any:
-    """Run a phased hook's (or any such generator's) phases one after the other, waiting for
-    each collective; return its result."""
-    running = Running(phases)
-    while not running.done:
-        running.advance()
-    return running.result
 
 
 class HookWork:
@@ -230,7 +105,7 @@ class HookComm:
         plan: the buckets, in launch order.
         named_params: the ``(name, parameter)`` pairs ``plan`` indexes into.
         state: passed to the hook as its first argument.
-        hook: ``hook(state, bucket) -> Future``, or a :class:`PhasedHook`.
+        hook: ``hook(state, bucket) -> Future``, or a :class:`~phalanx.hooks.PhasedHook`.
         group: process group of the DDP; ``None`` is the default group.
     """
 
@@ -241,8 +116,8 @@ class HookComm:
         self._state, self._hook = state, hook
         # how the collective log names each bucket's collectives (the same on every rank)
         self.label = f" via {hook_label(hook)}"
-        self._phases = getattr(hook, "phases", None) if isinstance(hook, PhasedHook) else None
-        self._eager = getattr(hook, "eager", True)
+        self._phases = hook.phases if isinstance(hook, PhasedHook) else None
+        self._eager = hook.eager if isinstance(hook, PhasedHook) else True
         self._serial = self._phases is None and not is_call_time_hook(hook)
         self._numels = [spec.numel for spec in plan]
         self._slots = [[(s.offset, s.shape) for s in spec.slots] for spec in plan]

@@ -49,9 +49,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..ddp.comm_hook import Phases, Running
+from ..comm_hooks.lowprec import DTYPES, average_16bit
 from ..diagnostics.monitor import Watch, watch, watched
-from .lowprec import DTYPES, average_16bit
+from ..hooks import Phases, Running
 
 
 def _module_and_group(model: nn.Module, group: dist.ProcessGroup | None) -> tuple[nn.Module, Any, bool]:
