@@ -109,6 +109,9 @@ class HookComm:
         group: process group of the DDP; ``None`` is the default group.
     """
 
+    divides_itself = True  # the hook averages, by the group's size, also in a join (as torch's)
+    runs_to_end_in_join = True  # the module notes: uneven inputs
+
     def __init__(self, plan: Sequence[BucketSpec], named_params: Sequence[tuple[str, torch.Tensor]],
                  state: Any, hook: Callable, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
