@@ -43,12 +43,14 @@ The files, in the order data flows through them:
 ``bucket_comm.py``
     How one bucket is reduced (the :class:`~phalanx.ddp.bucket_comm.BucketComm` protocol):
     all-reduce of the mean, or ZeRO stage 2's reduce to the owner.
+``hook_registration.py``
+    What ``register_comm_hook`` and ``_register_builtin_comm_hook`` accept, refused with
+    torch's exception classes and words; torch's built-in hooks as their Python twins.
 ``hook_comm.py``
     ``register_comm_hook``'s bucket communication (the hook writer's contract, ``GradBucket``
-    and phased hooks, is :mod:`phalanx.hooks`): the registration checks, the hook called on
-    each bucket, its future written back, the control tail reduced beside it, and
-    collectives kept in the same order on every rank (phased hooks; hooks that issue from
-    callbacks run one bucket at a time).
+    and phased hooks, is :mod:`phalanx.hooks`): the hook called on each bucket, its future
+    written back, the control tail reduced beside it, and collectives kept in the same order
+    on every rank (phased hooks; hooks that issue from callbacks run one bucket at a time).
 ``reference.py``
     A naive per-parameter DDP, the oracle the bucketed one is tested against.
 """

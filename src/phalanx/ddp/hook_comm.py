@@ -47,15 +47,19 @@ bucket's hook to its end before the next bucket is announced, so that the hooks'
 come in the same order on the joined ranks and the active ones (the hooks then no longer
 overlap the backward).
 
-**Refused**: a hook with ZeRO stage 2 (buckets reduced to their owner, not averaged),
-with sparse gradients (phalanx all-reduces them outside the buckets), registered twice or
-after a forward. With one process no reducer exists and the hook never runs. A pickled
-DDP comes back without its hook.
+**Sparse gradients** (``nn.Embedding(sparse=True)``...) are in no bucket: the hook reduces
+the dense buckets, and the sparse gradients are averaged as without a hook
+(:mod:`phalanx.ddp.sparse`); torch hands them to the hook as buckets of their own, which
+most hooks cannot reduce. A model whose gradients are all sparse never calls the hook.
+
+**A hook that returns no future** raises :class:`~phalanx.errors.UsageError` (a
+``ValueError`` and, as torch's, a ``RuntimeError``) from the backward, in torch's words.
+What registration refuses is :mod:`phalanx.ddp.hook_registration`. With one process no
+reducer exists and the hook never runs. A pickled DDP comes back without its hook.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections import deque
 from typing import Any, Callable, Sequence
 
@@ -65,6 +69,11 @@ import torch.distributed as dist
 from ..errors import UsageError
 from ..hooks import GradBucket, PhasedHook, Running
 from .bucketing import BucketSpec
+
+# torch's words (its C++ reducer's, after pybind's) for a hook that returns no future.
+NOT_A_FUTURE = "DDP communication hook's callback must return a torch.futures.Future object, but got"
+# How much of a value a message quotes.
+_QUOTED_CHARS = 60
 
 # torch's hooks that issue their only collective while called (their callbacks only cast).
 _CALL_TIME_HOOKS = {("torch.distributed.algorithms.ddp_comm_hooks.default_hooks", name)
@@ -142,18 +151,23 @@ class HookComm:
             self._previous.wait()  # its callbacks have issued all of its collectives
         tail = dist.all_reduce(flat[n:], group=self.group, async_op=True) if last else None
         grads = flat[:n]
+        work = HookWork(self, b, grads, tail)
+        if n == 0:  # only sparse gradients (averaged apart): the bucket holds the control tail alone
+            work.future = torch.futures.Future()
+            work.future.set_result(grads)
+            return work
         views = [grads[offset : offset + shape.numel()].view(shape) for offset, shape in self._slots[b]]
         bucket = GradBucket(b, grads, views, list(self._params[b]), last, self._memories[b])
-        work = HookWork(self, b, grads, tail)
         if self._phases is not None:
             work.running = Running(self._phases(self._state, bucket))
             if not work.running.done:
                 self._running.append(work.running)
-        else:
-            work.future = self._previous = self._hook(self._state, bucket)
-            if not isinstance(work.future, torch._C.Future):  # torch.futures.Future and then()'s
-                raise TypeError(f"the communication hook {_name(self._hook)} must return a "
-                                f"torch.futures.Future, got {type(work.future).__name__}")
+            return work
+        work.future = self._previous = self._hook(self._state, bucket)
+        if not isinstance(work.future, torch._C.Future):  # torch.futures.Future and then()'s
+            got = type(work.future)
+            raise UsageError(f"{NOT_A_FUTURE} {got.__module__}.{got.__qualname__}: the communication hook "
+                             f"{hook_name(self._hook)} returned {_short(work.future)} for bucket {b}")
         return work
 
     def _advance(self, running: Running) -> None:
@@ -173,34 +187,10 @@ class HookComm:
         if not isinstance(result, torch.Tensor) or result.numel() != grads.numel():
             got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
                    else type(result).__name__)
-            raise ValueError(f"the communication hook {_name(self._hook)} must return a future of "
+            raise ValueError(f"the communication hook {hook_name(self._hook)} must return a future of "
                              f"one tensor with the bucket's {grads.numel()} elements (bucket {b}), got {got}")
         if result.data_ptr() != grads.data_ptr() or result.dtype != grads.dtype:
             grads.copy_(result.reshape(-1))
-
-
-SHARDED_WITH_HOOK = (
-    "ZeRO stage 2 reduces each bucket to its owner, a communication hook averages it on every "
-    "rank; phalanx does not combine them. Use one or the other"
-)
-
-
-def check_registration(hook: Any, registered: tuple[Any, Any] | None, forwarded: bool, sharded: bool,
-                       sparse: Sequence[str]) -> None:
-    """Raise unless ``hook`` may be registered now (see ``register_comm_hook``)."""
-    check_hook(hook)
-    if registered is not None:
-        raise UsageError(f"register_comm_hook can be called once per DistributedDataParallel (as in "
-                         f"torch); {_name(registered[1])} is registered already")
-    if forwarded:
-        raise UsageError("register_comm_hook must be called before the first forward (as in torch): "
-                         "the reducer's buckets are in use")
-    if sharded:
-        raise UsageError(f"register_comm_hook after shard_gradients(): {SHARDED_WITH_HOOK}")
-    if sparse:
-        raise UsageError(f"register_comm_hook with sparse gradients: the hook reduces the dense buckets, "
-                         f"and {sparse} have sparse gradients (nn.Embedding(sparse=True)...), which "
-                         "phalanx all-reduces itself; use sparse=False with a comm hook")
 
 
 def is_call_time_hook(hook: Any) -> bool:
@@ -208,24 +198,16 @@ def is_call_time_hook(hook: Any) -> bool:
     return (getattr(hook, "__module__", None), getattr(hook, "__name__", None)) in _CALL_TIME_HOOKS
 
 
-def check_hook(hook: Any) -> None:
-    """``TypeError`` unless ``hook`` can be called as ``hook(state, bucket)``."""
-    if not callable(hook):
-        raise TypeError(f"a communication hook must be callable as hook(state, bucket) -> Future, "
-                        f"got {type(hook).__name__}")
-    try:
-        inspect.signature(hook).bind(None, None)
-    except TypeError:
-        raise TypeError(f"a communication hook is called as hook(state, bucket); {_name(hook)} "
-                        f"takes {inspect.signature(hook)}") from None
-    except ValueError:
-        pass  # no signature to inspect (a builtin): it will tell when called
-
-
 def hook_label(hook: Any) -> str:
     """The hook's name, the same in every process (no address, unlike some reprs)."""
     return getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or type(hook).__name__
 
 
-def _name(hook: Any) -> str:
+def hook_name(hook: Any) -> str:
+    """The hook's name for a message: its qualified name, or its repr."""
     return getattr(hook, "__qualname__", None) or repr(hook)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _QUOTED_CHARS else text[:_QUOTED_CHARS] + "..."

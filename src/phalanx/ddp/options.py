@@ -207,9 +207,6 @@ TORCH_ONLY_ATTRIBUTES = {
     "_register_fused_optim": "no optimizer step runs inside the backward; call optimizer.step() after "
                              "backward()",
     "_set_static_graph": "pass static_graph=True to the constructor",
-    "_register_builtin_comm_hook": "torch's C++ hooks are not there; register their Python twins with "
-                                   "register_comm_hook(None, default_hooks.allreduce_hook or fp16_compress_hook), "
-                                   "or phalanx.comm_hooks' hooks",
     "bucket_bytes_cap": _CAPS,
     "bucket_bytes_cap_list": _CAPS,
     "bucket_bytes_cap_default": _CAPS,

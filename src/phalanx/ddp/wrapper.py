@@ -38,7 +38,8 @@ from .checks import (
     refuse_distributed_autograd,
 )
 from .devices import to_device
-from .hook_comm import SHARDED_WITH_HOOK, HookComm, check_registration
+from .hook_comm import HookComm
+from .hook_registration import SHARDED_WITH_HOOK, builtin_hook, check_registration
 from .options import (
     NOTHING_IGNORED,
     TORCH_ONLY_ATTRIBUTES,
@@ -444,20 +445,31 @@ class DistributedDataParallel(nn.Module):
         :mod:`phalanx.ddp.hook_comm`: torch's hooks work unchanged (PowerSGD also with several
         buckets on Gloo, bf16 also without NCCL); :mod:`phalanx.comm_hooks` has phalanx's. Call
         it on every rank, once, before the first forward (torch's rule), and again after
-        unpickling.
+        unpickling. With sparse gradients the hook reduces the dense buckets; the sparse
+        gradients are averaged as without a hook.
 
         Raises:
-            TypeError: ``hook`` cannot be called as ``hook(state, bucket)``.
-            UsageError: registered already, after a forward, with :meth:`shard_gradients`,
-                or for a model with sparse gradients.
+            TypeError: ``hook`` is not callable (torch's words), or cannot be called as
+                ``hook(state, bucket)``.
+            ValueError: its annotations are not torch's (:mod:`phalanx.ddp.hook_registration`).
+            UsageError: registered already (torch's words), after a forward, or with
+                :meth:`shard_gradients`. From the backward: the hook returned no future.
 
         Example::
 
             >>> ddp.register_comm_hook(None, phalanx.comm_hooks.bf16_compress_hook)
         """
+        self._register(state, hook, builtin=False)
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch's built-in hook ``dist.BuiltinCommHookType.ALLREDUCE`` or ``FP16_COMPRESS``,
+        as its Python twin in torch's ``default_hooks`` (the same gradients), over this DDP's
+        group; the rules of :meth:`register_comm_hook`."""
+        self._register(self.process_group, builtin_hook(comm_hook_type), builtin=True)
+
+    def _register(self, state: Any, hook: Any, builtin: bool) -> None:
         sharded = self._reducer is not None and isinstance(self._reducer.bucket_comm, ReduceToOwner)
-        sparse = [] if self._reducer is None else self._reducer.sparse_names()
-        check_registration(hook, self._comm_hook, self._forwarded, sharded, sparse)
+        check_registration(hook, self._comm_hook, self._forwarded, sharded, builtin)
         self._comm_hook = (state, hook)
         if self._reducer is not None:
             self._build_reducer(None)
