@@ -4,8 +4,8 @@ The wrapper is thin: :func:`~phalanx.ddp.bucketing.plan_buckets` plans the bucke
 :class:`~phalanx.ddp.reducer.Reducer` fills and reduces them during the backward (all-reduce,
 or after :meth:`DistributedDataParallel.shard_gradients` a reduce to each bucket's owner), a
 :class:`~phalanx.ddp.buffer_sync.BufferSync` broadcasts rank 0's buffers before a forward.
-Arguments are resolved by :mod:`phalanx.ddp.options` and :mod:`phalanx.ddp.checks`, pickling
-by :mod:`phalanx.ddp.pickling`. A forward runs in three phases: before (inputs to
+Arguments are checked and resolved by :mod:`phalanx.ddp.options`, pickling by
+:mod:`phalanx.ddp.pickling`. A forward runs in three phases: before (inputs to
 ``device_ids[0]``, buffers broadcast), the module's own, after (arm the reducer).
 """
 
@@ -30,23 +30,11 @@ from .bucket_comm import AllReduceMean, ReduceToOwner
 from .bucketing import BucketSpec, describe, plan_buckets
 from .buffer_sync import BufferSync
 from .checkin import BUFFERS, StepCheck
-from .checks import (
-    GradientOwners,
-    agree_on_owners,
-    agree_on_replicas,
-    check_group,
-    refuse_distributed_autograd,
-)
+from .checks import GradientOwners, agree_on_owners, refuse_distributed_autograd
 from .devices import to_device
 from .hook_comm import HookComm
 from .hook_registration import SHARDED_WITH_HOOK, builtin_hook, check_registration
-from .options import (
-    NOTHING_IGNORED,
-    TORCH_ONLY_ATTRIBUTES,
-    resolve_arguments,
-    resolve_group,
-    warn_check_reduction,
-)
+from .options import NOTHING_IGNORED, TORCH_ONLY_ATTRIBUTES, check_group, resolve_arguments
 from .pickling import picklable_state, unpickled_state
 from .reducer import Reducer, tensor_bytes
 from .sparse import sparse_positions
@@ -217,31 +205,20 @@ class DistributedDataParallel(nn.Module):
         forward_sync_buffers: bool | None = None,
     ) -> None:
         super().__init__()
-        group = resolve_group(process_group, device_mesh)
-        check_group(group)
-        warn_check_reduction(check_reduction)
         flags = dict(find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view,
                      static_graph=static_graph, init_sync=init_sync,
                      skip_all_reduce_unused_params=skip_all_reduce_unused_params, batched_grad_copy=batched_grad_copy)
         torch_only = dict(delay_all_reduce_named_params=delay_all_reduce_named_params, device_mesh=device_mesh,
                           param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision)
-        problem, args = None, None
-        try:
-            args = resolve_arguments(module, device_ids, output_device, dim, flags, (broadcast_buffers,
-                                     forward_sync_buffers), bucket_cap_mb, bucket_cap_mb_list, torch_only)
-        except (TypeError, ValueError) as e:
-            problem = e
-        if init_sync is not False:
-            # every rank learns of every rank's problem: none is left waiting
-            agree_on_replicas(module, problem, {} if args is None else args.settings, group)
-        if problem is not None:  # init_sync=False: no exchange, this rank raises alone
-            raise problem
+        args = resolve_arguments(module, process_group, device_mesh, device_ids, output_device, dim,
+                                 (broadcast_buffers, forward_sync_buffers), (bucket_cap_mb, bucket_cap_mb_list),
+                                 check_reduction, flags, torch_only)
         self._device, self._caps = args.device, args.caps
         self.module = module
-        self.device_ids = list(device_ids) if device_ids else None
+        self.device_ids = args.device_ids
         self.output_device = output_device
         self.dim = dim
-        self.process_group = group
+        self.process_group = args.group
         self.device_mesh = device_mesh
         self.bucket_cap_mb = bucket_cap_mb
         self.bucket_cap_mb_list = bucket_cap_mb_list
