@@ -41,7 +41,7 @@ def verdict(problem: Exception | None) -> tuple[str, str]:
 def gradient_owners(module: nn.Module, group: dist.ProcessGroup | None, mid_iteration: bool,
                     optimizer: Any) -> list[int | None]:
     """The owner of each of ``module.named_parameters()`` by ``optimizer``, for
-    ``shard_gradients``; or a TypeError, ValueError or RuntimeError saying what is wrong."""
+    ``shard_gradients``; or a TypeError, ValueError or UsageError saying what is wrong."""
     if not callable(getattr(optimizer, "owners_of", None)) or not hasattr(optimizer, "process_group"):
         raise TypeError(
             "shard_gradients() needs a sharded optimizer such as phalanx.ZeroRedundancyOptimizer "
@@ -55,7 +55,7 @@ def gradient_owners(module: nn.Module, group: dist.ProcessGroup | None, mid_iter
             f"DDP has global ranks {ours}, the optimizer {theirs}"
         )
     if mid_iteration:
-        raise RuntimeError(
+        raise UsageError(
             "shard_gradients() was called between a forward and its backward; call it between "
             "iterations (after backward(), or before the first forward)"
         )

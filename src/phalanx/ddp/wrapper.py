@@ -389,7 +389,7 @@ class DistributedDataParallel(nn.Module):
             TypeError: ``optimizer`` has no ``owners_of()``: not a sharded optimizer.
             ValueError: its process group has other ranks than this DDP's, or it holds none
                 of this model's parameters.
-            RuntimeError: called between a forward and its backward.
+            UsageError: called between a forward and its backward (a ``RuntimeError`` too).
             RankMismatchError: the ranks disagree on owners or arguments (on every rank).
 
         .. warning::
