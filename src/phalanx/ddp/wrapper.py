@@ -421,8 +421,8 @@ class DistributedDataParallel(nn.Module):
         The contract is in :mod:`phalanx.hooks`; where phalanx differs from torch, in
         :mod:`phalanx.ddp.hook_comm`: torch's hooks work unchanged (PowerSGD also with several
         buckets on Gloo, bf16 also without NCCL); :mod:`phalanx.comm_hooks` has phalanx's. Call
-        it on every rank, once, before the first forward (torch's rule), and again after
-        unpickling. With sparse gradients the hook reduces the dense buckets; the sparse
+        it on every rank, once, before the first forward (torch's documentation: before the
+        first backward), and again after unpickling. With sparse gradients the hook reduces the dense buckets; the sparse
         gradients are averaged as without a hook.
 
         Raises:
