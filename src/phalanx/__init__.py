@@ -40,8 +40,8 @@ _LAZY = {
     "TrainingState": "checkpoint",
     "PreemptionHandler": "checkpoint",
     "DistributedDataParallel": "ddp",
-    "DiLoCo": "comm_hooks",
-    "LocalSGD": "comm_hooks",
+    "DiLoCo": "model_averaging",
+    "LocalSGD": "model_averaging",
     "barrier": "process_group",
     "destroy_process_group": "process_group",
     "get_device": "process_group",
@@ -64,10 +64,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from . import comm_hooks
     from .batch import accumulation_steps
     from .checkpoint import Checkpointer, PreemptionHandler, TrainingState
-    from .comm_hooks import DiLoCo, LocalSGD
     from .ddp import DistributedDataParallel
     from .diagnostics import straggler_report
     from .metrics import MetricSum
+    from .model_averaging import DiLoCo, LocalSGD
     from .process_group import (
         barrier,
         destroy_process_group,

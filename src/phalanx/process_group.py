@@ -189,8 +189,10 @@ def init_process_group(
         init_method: a torch URL (``"tcp://..."``, ``"file://..."``); default ``None``, which
             like ``"env://"`` reads the environment: the launcher's variables, or with
             ``rank``/``world_size`` given, ``MASTER_ADDR`` and ``MASTER_PORT`` alone.
-        timeout: how long to wait for the other ranks and for collectives. Default: torch's,
-            10 minutes for NCCL and 30 for the rest.
+        timeout: how long to wait for the other ranks and for collectives, after which every
+            rank reports where it is (the hang report). Default: ``phalanx run --watchdog``'s
+            seconds, else 5 minutes (``DEFAULT_TIMEOUT``; torch's are 10 minutes for NCCL and
+            30 for the rest).
         world_size, rank: override the environment's values. Default ``-1`` (use it). Given
             without a launcher, the process is not pinned to a GPU (as with torch).
         store: a ready c10d store to meet in (then ``init_method`` must be ``None``).

@@ -307,7 +307,7 @@ def test_shard_gradients_refuses_mistakes_on_every_rank(ranks):
         assert errors["other_model"] == ("ValueError", (
             "shard_gradients() needs the optimizer of this model: it holds none of the 6 parameters "
             "of this DistributedDataParallel's module"))
-        assert errors["mid_iteration"] == ("RuntimeError", (
+        assert errors["mid_iteration"] == ("UsageError", (
             "shard_gradients() was called between a forward and its backward; call it between "
             "iterations (after backward(), or before the first forward)"))
         assert errors["mid_iteration_grads"] == 6

@@ -30,9 +30,12 @@ ALLOWED = {
     "sampler": {"process_group"},
     "batch": {"process_group", "_logging"},
     "sync_batchnorm": {"diagnostics", "ledger"},
-    "ddp": {"comm", "agreement", "errors", "_logging", "diagnostics", "ledger", "uneven"},
+    "hooks": set(),  # the hook writer's contract: no DDP, no phalanx (torch keeps them apart)
+    "ddp": {"comm", "agreement", "errors", "_logging", "diagnostics", "ledger", "uneven", "hooks"},
     "zero": {"comm", "agreement", "errors", "diagnostics", "uneven"},
-    "comm_hooks": {"comm", "ddp", "diagnostics", "ledger"},
+    # compression hooks and model averaging stand on the contract, not on the DDP that runs them
+    "comm_hooks": {"hooks"},
+    "model_averaging": {"comm", "diagnostics", "ledger", "hooks", "comm_hooks"},
     "checkpoint": {"comm", "agreement", "process_group", "errors", "_logging", "ddp",
                    "diagnostics", "ledger", "uneven"},
     "launcher": {"env", "errors", "_logging", "gate"},

@@ -188,12 +188,6 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         raise LaunchConfigError(
             "--standalone picks a free port on loopback itself; drop --master-addr/--master-port"
         )
-    for option, value in (("--tee", args.tee), ("--redirects", args.redirects)):
-        if value is not None and args.log_dir is None:
-            raise LaunchConfigError(
-                f"{option} chooses what goes to the log files, so it needs --log-dir D "
-                "(without it every stream goes to the console)"
-            )
     torchrun.check_accepted(args)
     min_nnodes, nnodes = torchrun.parse_nnodes(args.nnodes)
     settings = {

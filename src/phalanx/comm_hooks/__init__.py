@@ -1,9 +1,10 @@
-"""Communication that beats torch's on slow links: compressed gradients, local SGD, DiLoCo.
+"""Compressed gradients that beat torch's on slow links: 16-bit and PowerSGD hooks.
 
 Hooks for :meth:`phalanx.DistributedDataParallel.register_comm_hook` (torch's names, so
 ``from phalanx import comm_hooks`` replaces torch's ``default_hooks``/``powerSGD_hook``
-imports), and training schemes that average the model every few steps instead of the
-gradients every step. The files:
+imports); the schemes that average the model every few steps instead of the gradients every
+step (local SGD, DiLoCo) are :mod:`phalanx.model_averaging`, as torch keeps
+``ddp_comm_hooks/`` and ``model_averaging/`` apart. The files:
 
 ``lowprec.py``
     ``fp16_compress_hook``, ``bf16_compress_hook`` and the :func:`average_16bit` under them:
@@ -12,13 +13,10 @@ gradients every step. The files:
 ``powersgd.py``
     ``PowerSGDState`` and ``powerSGD_hook``: rank-r approximations with error feedback and
     warm start, with any number of buckets on Gloo and NCCL; the state is checkpointable.
-``periodic.py``
-    :class:`LocalSGD` and :class:`DiLoCo` (also ``phalanx.LocalSGD``/``phalanx.DiLoCo``):
-    local steps, the model averaged (or an outer Nesterov step taken) every ``every`` steps,
-    optionally overlapped with the next ``overlap`` steps.
 
-The hooks are :class:`~phalanx.ddp.comm_hook.PhasedHook` generators: phalanx's reducer
-issues their collectives in the same order on every rank (:mod:`phalanx.ddp.comm_hook`).
+The hooks are :class:`~phalanx.hooks.PhasedHook` generators (the contract, :mod:`phalanx.hooks`):
+phalanx's reducer issues their collectives in the same order on every rank
+(:mod:`phalanx.ddp.hook_comm`); nothing here imports the DDP.
 :func:`by_name` gives the ``(state, hook)`` pair for a name a command line takes.
 """
 
@@ -27,7 +25,6 @@ from __future__ import annotations
 from typing import Any
 
 from .lowprec import average_16bit, bf16_compress_hook, fp16_compress_hook
-from .periodic import DiLoCo, LocalSGD
 from .powersgd import PowerSGDState, powerSGD_hook
 
 # What by_name() knows: the hooks a --comm-hook option offers ("none": no hook).
@@ -50,5 +47,5 @@ def by_name(name: str, process_group: Any = None, **options: Any) -> tuple[Any, 
     return process_group, {"fp16": fp16_compress_hook, "bf16": bf16_compress_hook}[name]
 
 
-__all__ = ["DiLoCo", "HOOK_NAMES", "LocalSGD", "PowerSGDState", "average_16bit", "bf16_compress_hook",
-           "by_name", "fp16_compress_hook", "powerSGD_hook"]
+__all__ = ["HOOK_NAMES", "PowerSGDState", "average_16bit", "bf16_compress_hook", "by_name",
+           "fp16_compress_hook", "powerSGD_hook"]

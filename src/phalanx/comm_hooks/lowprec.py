@@ -21,7 +21,7 @@ of the backward, as torch's does), and:
   no scale can save are sent unscaled, as torch would.
 
 The scale is remembered per bucket in ``memory`` (phalanx's DDP gives each hooked bucket
-one; see :func:`~phalanx.ddp.comm_hook.bucket_memory`). Without one (torch's DDP,
+one; see :func:`~phalanx.hooks.bucket_memory`). Without one (torch's DDP,
 :class:`~phalanx.DiLoCo`) every call agrees on its scale first.
 """
 
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..ddp.comm_hook import GradBucket, PhasedHook, Phases, bucket_memory
+from ..hooks import GradBucket, PhasedHook, Phases, bucket_memory
 
 # The sum of the ranks' largest scaled magnitudes is brought to [2**11, 2**12) ...
 TARGET_EXPONENT = 12
@@ -49,7 +49,7 @@ def average_16bit(flat: torch.Tensor, dtype: torch.dtype, group: dist.ProcessGro
     """The phases that leave the average of ``flat`` (1-D, floating point) over ``group`` in
     ``flat``, sent as ``dtype`` (``torch.float16`` or ``torch.bfloat16``); returns ``flat``.
 
-    A generator (see :class:`~phalanx.ddp.comm_hook.PhasedHook`): it yields the work of each
+    A generator (see :class:`~phalanx.hooks.PhasedHook`): it yields the work of each
     collective: normally one all-reduce; for fp16 a one-number all-reduce first when no
     agreed scale is in ``memory``, and a second all-reduce after a failed bound (module
     notes). ``memory``: a dict kept between calls for the same tensor (the same on every

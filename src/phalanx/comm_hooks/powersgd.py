@@ -12,7 +12,7 @@ small to gain are averaged exactly, packed into ``P``'s all-reduce.
   refines it); fresh ``Q``\\ s are drawn from a generator seeded by the seed, bucket and
   iteration, the same on every rank, leaving torch's global RNG alone.
 * **Order**: two all-reduces per bucket, issued by the reducer's thread at fixed points
-  (:class:`~phalanx.ddp.comm_hook.PhasedHook`), so several buckets work on Gloo; torch's
+  (:class:`~phalanx.hooks.PhasedHook`), so several buckets work on Gloo; torch's
   hook issues its second and third all-reduce from Gloo's callback thread, where they race
   the next bucket's first (its "Received data size doesn't match expected size").
 * **Checkpoints**: :meth:`PowerSGDState.state_dict` holds the iteration, the errors and the
@@ -28,7 +28,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from ..ddp.comm_hook import GradBucket, PhasedHook, Phases
+from ..hooks import GradBucket, PhasedHook, Phases
 
 
 @dataclass(frozen=True)

@@ -3,15 +3,16 @@
 The files, in the order data flows through them:
 
 ``options.py``
-    torch 2.13's constructor arguments beyond the core ones (``device_mesh``,
-    ``forward_sync_buffers``, ``bucket_cap_mb_list``...): each taken with torch's meaning,
-    or refused with a message saying what phalanx does instead.
+    Every constructor argument, checked and resolved in one call into the settings the
+    wrapper reads: the group, the module and flags, torch 2.13's arguments (each taken with
+    torch's meaning, or refused saying what phalanx does instead), the bucket caps, where
+    inputs go; then one exchange in which every rank learns whether all ranks hold the same
+    parameters, buffers and settings (:mod:`phalanx.agreement`).
 ``checks.py``
-    At construction: the module and flags, then one exchange in which every rank learns
-    whether all ranks hold the same parameters, buffers and settings
-    (:mod:`phalanx.agreement`). At each forward: the refusal of distributed autograd.
+    What ``shard_gradients`` needs of an optimizer; at each forward, the refusal of
+    distributed autograd.
 ``devices.py``
-    Where inputs go (``device_ids``), checked once and applied at each forward.
+    Each forward's inputs moved to ``device_ids[0]``.
 ``wrapper.py``
     :class:`DistributedDataParallel` itself: broadcasts rank 0's parameters and buffers,
     plans the buckets, installs the reducer; each forward runs before / the module / after.
@@ -43,11 +44,14 @@ The files, in the order data flows through them:
 ``bucket_comm.py``
     How one bucket is reduced (the :class:`~phalanx.ddp.bucket_comm.BucketComm` protocol):
     all-reduce of the mean, or ZeRO stage 2's reduce to the owner.
-``comm_hook.py``
-    ``register_comm_hook``'s bucket communication: torch's ``GradBucket`` interface, the
-    hook's future written back, the control tail reduced beside it, and collectives kept in
-    the same order on every rank (phased hooks; hooks that issue from callbacks run one
-    bucket at a time).
+``hook_registration.py``
+    What ``register_comm_hook`` and ``_register_builtin_comm_hook`` accept, refused with
+    torch's exception classes and words; torch's built-in hooks as their Python twins.
+``hook_comm.py``
+    ``register_comm_hook``'s bucket communication (the hook writer's contract, ``GradBucket``
+    and phased hooks, is :mod:`phalanx.hooks`): the hook called on each bucket, its future
+    written back, the control tail reduced beside it, and collectives kept in the same order
+    on every rank (phased hooks; hooks that issue from callbacks run one bucket at a time).
 ``reference.py``
     A naive per-parameter DDP, the oracle the bucketed one is tested against.
 """

@@ -1,7 +1,7 @@
 """How one bucket's flat buffer is reduced: the :class:`BucketComm` protocol and its strategies.
 
 :class:`AllReduceMean` (the default) and :class:`ReduceToOwner` (ZeRO stage 2);
-:class:`~phalanx.ddp.comm_hook.HookComm` (a communication hook) lives in ``comm_hook.py``.
+:class:`~phalanx.ddp.hook_comm.HookComm` (a communication hook) lives in ``hook_comm.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,17 @@ class BucketComm(Protocol):
     divisor: int
     """The reducer divides each gradient by this while copying it into its bucket (saving a
     pass over the buffer)."""
+    label: str
+    """What the collective log adds to ``DDP bucket k`` for this comm: ``""``, or
+    ``" via <hook>"`` (the same on every rank)."""
+    divides_itself: bool
+    """Whether the comm averages the sums itself (a communication hook, by the group's size):
+    :attr:`divisor` is then 1 and stays so under a join, and the average's divisor is the
+    group's size; otherwise the reducer may change :attr:`divisor` (a join's active ranks)."""
+    runs_to_end_in_join: bool
+    """Whether, inside a join, each bucket's work must be waited for before the next bucket is
+    announced (a hook's collectives, which must come in the same order on joined and active
+    ranks: :mod:`phalanx.ddp.joining`)."""
 
     def launch(self, b: int, flat: torch.Tensor) -> dist.Work:
         """Start reducing bucket ``b``'s flat buffer, asynchronously."""
@@ -49,6 +60,10 @@ class AllReduceMean:
         >>> torch.div(grad, comm.divisor, out=flat)  # what the reducer does with each gradient
         >>> comm.launch(0, flat).wait()              # flat: the average, on every rank
     """
+
+    label = ""
+    divides_itself = False
+    runs_to_end_in_join = False
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
@@ -82,6 +97,10 @@ class ReduceToOwner:
         >>> comm.launch(0, flat).wait()   # the sum reaches plan[0].owner (every rank if last)
         >>> comm.keeps(0)                 # True on plan[0].owner only (everywhere if None)
     """
+
+    label = ""
+    divides_itself = False
+    runs_to_end_in_join = False
 
     def __init__(self, plan: Sequence[BucketSpec], group: dist.ProcessGroup | None = None) -> None:
         self.group = group

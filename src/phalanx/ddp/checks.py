@@ -1,11 +1,9 @@
-"""DistributedDataParallel's checks of the module and flags, its cross-rank agreement check,
-what ``shard_gradients`` needs of an optimizer, and the refusal of distributed autograd at
-each forward.
+"""DistributedDataParallel's checks after construction: what ``shard_gradients`` needs of an
+optimizer (agreed on by every rank), and the refusal of distributed autograd at each forward.
 
-Arguments are checked on every rank and the verdicts exchanged in the same collective as the
-parameter descriptions (:func:`phalanx.agreement.agree`), so one rank's bad argument is
-raised on every rank and none waits (:mod:`phalanx.ddp.options` resolves torch's other
-arguments the same way).
+The constructor's arguments are checked by :mod:`phalanx.ddp.options`; both exchanges carry
+each rank's verdict (:func:`verdict`), so one rank's problem is raised on every rank and
+none waits (:func:`phalanx.agreement.agree`).
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..agreement import agree
-from ..errors import NotInitializedError, UsageError
+from ..errors import UsageError
 
 
 class GradientOwners(Protocol):
@@ -28,42 +26,6 @@ class GradientOwners(Protocol):
     process_group: dist.ProcessGroup | None
 
     def owners_of(self, params: Iterable[torch.Tensor]) -> list[int | None]: ...
-
-
-def check_group(group: Any) -> None:
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-    if not dist.is_initialized():
-        raise NotInitializedError(
-            "DistributedDataParallel needs a process group: call phalanx.init_process_group() first "
-            "(it runs as a single process when nothing in the environment says otherwise)"
-        )
-
-
-def check_module(module: Any) -> None:
-    """A module DDP can average: trainable parameters, all initialised (torch raises
-    ``RuntimeError`` for both: :class:`~phalanx.errors.UsageError` is one too)."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
-    if lazy:
-        raise UsageError(
-            f"DistributedDataParallel needs initialised parameters; {lazy} are not (a lazy module): "
-            "run one forward pass through the module before wrapping it"
-        )
-    if not any(p.requires_grad for p in module.parameters()):
-        raise UsageError(
-            "DistributedDataParallel needs a module with at least one parameter that requires a "
-            "gradient; this one has none (nothing to average)"
-        )
-
-
-def check_flags(flags: dict[str, Any], dim: Any) -> None:
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"dim must be an int (the batch dimension), got {dim!r}")
 
 
 # A default repr names an object by its address, which differs between processes even for the
@@ -76,25 +38,10 @@ def verdict(problem: Exception | None) -> tuple[str, str]:
     return ("arguments", "accepted" if problem is None else f"refused: {_ADDRESS.sub('', str(problem))}")
 
 
-def agree_on_replicas(module, problem, settings: dict[str, Any], group) -> None:
-    """One exchange: every rank's argument problem, settings, parameters and buffers agree,
-    or every rank raises (the first difference, or the problem all ranks share)."""
-    items: list[tuple[str, Any]] = [verdict(problem)]
-    if problem is None:
-        items.append(("settings", ", ".join(f"{k}={v}" for k, v in settings.items())))
-        items += [(n, _describe(p) + ("" if p.requires_grad else " frozen")) for n, p in module.named_parameters()]
-        items += [(f"buffer {n}", _describe(b)) for n, b in module.named_buffers()]
-    agree("DistributedDataParallel parameters, buffers and settings", group, items=items, problem=problem)
-
-
-def _describe(t: torch.Tensor) -> str:
-    return f"shape {tuple(t.shape)} {t.dtype}"
-
-
 def gradient_owners(module: nn.Module, group: dist.ProcessGroup | None, mid_iteration: bool,
                     optimizer: Any) -> list[int | None]:
     """The owner of each of ``module.named_parameters()`` by ``optimizer``, for
-    ``shard_gradients``; or a TypeError, ValueError or RuntimeError saying what is wrong."""
+    ``shard_gradients``; or a TypeError, ValueError or UsageError saying what is wrong."""
     if not callable(getattr(optimizer, "owners_of", None)) or not hasattr(optimizer, "process_group"):
         raise TypeError(
             "shard_gradients() needs a sharded optimizer such as phalanx.ZeroRedundancyOptimizer "
@@ -108,7 +55,7 @@ def gradient_owners(module: nn.Module, group: dist.ProcessGroup | None, mid_iter
             f"DDP has global ranks {ours}, the optimizer {theirs}"
         )
     if mid_iteration:
-        raise RuntimeError(
+        raise UsageError(
             "shard_gradients() was called between a forward and its backward; call it between "
             "iterations (after backward(), or before the first forward)"
         )

@@ -1,18 +1,28 @@
-"""torch 2.13's ``DistributedDataParallel`` arguments beyond phalanx's core ones: each is
-taken with torch's meaning, or refused with a message naming it and saying what phalanx
-does instead.
+"""DistributedDataParallel's constructor arguments, checked and resolved in one place.
 
-* ``device_mesh``: a 1-D mesh; its group is the one averaged over (as in torch).
+:func:`resolve_arguments`, called once by the wrapper, takes every argument as given and
+returns :class:`Settings`, what the wrapper reads:
+
+* ``process_group`` or a 1-D ``device_mesh`` (its group, as in torch): the group to average
+  over, checked before any collective (its errors raise on this rank alone).
+* the module (trainable parameters, none lazy) and the flags (``find_unused_parameters``,
+  ``static_graph``, ``init_sync``, ``dim``...);
 * ``broadcast_buffers`` (deprecated by torch 2.13) and ``forward_sync_buffers``: which of
-  the construction broadcast and the before-forward broadcasts include the buffers.
-* ``bucket_cap_mb`` and ``bucket_cap_mb_list``: the bucket caps.
-* ``check_reduction``: deprecated, ignored, with torch's ``FutureWarning``.
+  the construction broadcast and the before-forward broadcasts include the buffers;
+* ``bucket_cap_mb`` and ``bucket_cap_mb_list``: the bucket caps;
+* ``device_ids`` and ``output_device``: where inputs go (moved there by
+  :mod:`phalanx.ddp.devices` at each forward);
+* ``check_reduction``: deprecated, ignored, with torch's ``FutureWarning``;
 * ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``, ``mixed_precision``, and a
-  module marked with parameters to ignore: refused (:func:`refuse_torch_only`).
+  module marked with parameters to ignore: refused (:func:`refuse_torch_only`), each with a
+  message naming it and saying what phalanx does instead.
 
-``dim``, ``init_sync``, ``skip_all_reduce_unused_params`` and ``batched_grad_copy`` are
-checked with the other flags (:mod:`phalanx.ddp.checks`); the wrapper's docstring says what
-each does here. :func:`resolve_arguments` runs every check of the arguments.
+Every rank checks its arguments, and the verdicts are exchanged in the same collective as
+the parameter descriptions and the settings (:func:`agree_on_replicas`,
+:func:`phalanx.agreement.agree`), so one rank's bad argument is raised on every rank and
+none waits; with ``init_sync=False`` there is no exchange and a rank raises alone. The
+wrapper's docstring says what each argument does here; :data:`TORCH_ONLY_ATTRIBUTES`, why
+torch's attributes that phalanx lacks are missing.
 """
 
 from __future__ import annotations
@@ -26,10 +36,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import UsageError
+from ..agreement import agree
+from ..errors import NotInitializedError, UsageError
 from .bucketing import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MIB
-from .checks import check_flags, check_module
-from .devices import input_device
+from .checks import verdict
 
 # torch 2.13's text, word for word, so that filters written for torch's warning match ours.
 CHECK_REDUCTION_WARNING = (
@@ -47,33 +57,57 @@ NOTHING_IGNORED = (
 
 
 @dataclass(frozen=True)
-class Arguments:
-    """What the constructor's arguments come to."""
+class Settings:
+    """What the constructor's arguments come to, checked (on every rank, unless ``init_sync=False``)."""
 
+    group: dist.ProcessGroup | None  # the group to average over (None: the world)
+    device_ids: list | None  # as given, as a list (None for None or [])
     device: torch.device | None  # where inputs go (None: they stay where they are)
     caps: tuple[int, ...]  # bucket caps in bytes (plan_buckets' caps)
     forward_sync_buffers: bool  # broadcast buffers before forwards
     init_sync_buffers: bool  # broadcast buffers at construction
-    settings: dict[str, Any]  # what every rank must hold alike
 
 
-def resolve_arguments(module: Any, device_ids: Any, output_device: Any, dim: Any, flags: dict[str, Any],
-                      buffers: tuple[Any, Any], bucket_cap_mb: Any, bucket_cap_mb_list: Any,
-                      torch_only: dict[str, Any]) -> Arguments:
-    """Check every argument (``TypeError``, ``ValueError``), and resolve them.
+def resolve_arguments(module: Any, process_group: Any, device_mesh: Any, device_ids: Any, output_device: Any,
+                      dim: Any, buffers: tuple[Any, Any], caps: tuple[Any, Any], check_reduction: Any,
+                      flags: dict[str, Any], torch_only: dict[str, Any]) -> Settings:
+    """Check every argument and resolve them (see the module notes); raise ``TypeError``,
+    ``ValueError`` or :class:`~phalanx.errors.UsageError`, on every rank with ``init_sync``.
 
-    ``buffers`` is ``(broadcast_buffers, forward_sync_buffers)``; ``torch_only`` holds the
-    arguments :func:`refuse_torch_only` takes, by name.
+    ``buffers`` is ``(broadcast_buffers, forward_sync_buffers)``, ``caps`` is
+    ``(bucket_cap_mb, bucket_cap_mb_list)``; ``flags`` holds the boolean flags (``init_sync``
+    among them) and ``torch_only`` the other arguments :func:`refuse_torch_only` takes, by name.
     """
+    group = resolve_group(process_group, device_mesh)
+    check_group(group)
+    warn_check_reduction(check_reduction)
+    problem, settings, agreed = None, None, {}
+    try:
+        settings, agreed = _checked(module, group, device_ids, output_device, dim, buffers, caps, flags, torch_only)
+    except (TypeError, ValueError) as e:
+        problem = e
+    if flags["init_sync"] is not False:
+        # every rank learns of every rank's problem: none is left waiting
+        agree_on_replicas(module, problem, agreed, group)
+    if problem is not None:  # init_sync=False: no exchange, this rank raises alone
+        raise problem
+    return settings  # type: ignore[return-value]  # not None: _checked raised otherwise
+
+
+def _checked(module: Any, group: Any, device_ids: Any, output_device: Any, dim: Any, buffers: tuple[Any, Any],
+             caps: tuple[Any, Any], flags: dict[str, Any], torch_only: dict[str, Any]) -> tuple[Settings, dict]:
+    """This rank's checks, in order: the settings, and what every rank must hold alike."""
     check_module(module)
     check_flags(flags, dim)
     refuse_torch_only(module, **torch_only)
     forward_sync, init_buffers = buffer_flags(*buffers)
-    caps = bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+    bucket_cap_mb, bucket_cap_mb_list = caps
+    byte_caps = bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
     device = input_device(module, device_ids, output_device)
-    settings = {"bucket_cap_mb": bucket_cap_mb, "broadcast_buffers": forward_sync, "init_sync_buffers": init_buffers,
-                "bucket_cap_mb_list": bucket_cap_mb_list, **flags}
-    return Arguments(device, caps, forward_sync, init_buffers, settings)
+    agreed = {"bucket_cap_mb": bucket_cap_mb, "broadcast_buffers": forward_sync, "init_sync_buffers": init_buffers,
+              "bucket_cap_mb_list": bucket_cap_mb_list, **flags}
+    listed = list(device_ids) if device_ids else None
+    return Settings(group, listed, device, byte_caps, forward_sync, init_buffers), agreed
 
 
 def resolve_group(process_group: Any, device_mesh: Any) -> Any:
@@ -92,6 +126,42 @@ def resolve_group(process_group: Any, device_mesh: Any) -> Any:
             "data-parallel dimension, e.g. mesh['dp']"
         )
     return device_mesh.get_group(mesh_dim=0)
+
+
+def check_group(group: Any) -> None:
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    if not dist.is_initialized():
+        raise NotInitializedError(
+            "DistributedDataParallel needs a process group: call phalanx.init_process_group() first "
+            "(it runs as a single process when nothing in the environment says otherwise)"
+        )
+
+
+def check_module(module: Any) -> None:
+    """A module DDP can average: trainable parameters, all initialised (torch raises
+    ``RuntimeError`` for both: :class:`~phalanx.errors.UsageError` is one too)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise UsageError(
+            f"DistributedDataParallel needs initialised parameters; {lazy} are not (a lazy module): "
+            "run one forward pass through the module before wrapping it"
+        )
+    if not any(p.requires_grad for p in module.parameters()):
+        raise UsageError(
+            "DistributedDataParallel needs a module with at least one parameter that requires a "
+            "gradient; this one has none (nothing to average)"
+        )
+
+
+def check_flags(flags: dict[str, Any], dim: Any) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int (the batch dimension), got {dim!r}")
 
 
 def refuse_torch_only(module: nn.Module, delay_all_reduce_named_params: Any,
@@ -139,7 +209,7 @@ def buffer_flags(broadcast_buffers: bool | None, forward_sync_buffers: bool | No
             raise TypeError(f"{name} must be True, False or None, got {value!r}")
     if forward_sync_buffers is not None:
         if broadcast_buffers is not None:
-            warnings.warn(BOTH_BUFFER_FLAGS_WARNING, FutureWarning, stacklevel=4)
+            warnings.warn(BOTH_BUFFER_FLAGS_WARNING, FutureWarning, stacklevel=5)  # the user's line
         return forward_sync_buffers, True
     both = True if broadcast_buffers is None else broadcast_buffers
     return both, both
@@ -147,7 +217,7 @@ def buffer_flags(broadcast_buffers: bool | None, forward_sync_buffers: bool | No
 
 def warn_check_reduction(check_reduction: Any) -> None:
     if check_reduction:  # torch's test: any true value
-        warnings.warn(CHECK_REDUCTION_WARNING, FutureWarning, stacklevel=3)
+        warnings.warn(CHECK_REDUCTION_WARNING, FutureWarning, stacklevel=4)  # the user's line
 
 
 def bucket_caps(bucket_cap_mb: Any, bucket_cap_mb_list: Any) -> tuple[int, ...]:
@@ -175,6 +245,53 @@ def _mib(name: str, value: Any, expected: str) -> int:
     if not value * MIB >= 1:  # a bucket of at least one byte; also refuses NaN
         raise ValueError(f"{name} must be positive (MiB per bucket), got {value}")
     return int(value * MIB)
+
+
+def input_device(module: nn.Module, device_ids: Any, output_device: Any) -> torch.device | None:
+    """Where inputs must go: ``device_ids[0]``, or ``None`` to leave them where they are."""
+    if not device_ids:
+        if output_device is not None:
+            raise ValueError(f"output_device={output_device!r} needs device_ids; got device_ids={device_ids!r}")
+        return None
+    if not isinstance(device_ids, (list, tuple)):
+        raise TypeError(f"device_ids must be a list such as [local_rank], got {type(device_ids).__name__}")
+    if len(device_ids) != 1:
+        raise ValueError(f"device_ids must name exactly one device (this process's), got {list(device_ids)}")
+    want = _as_cuda_device(device_ids[0])
+    have = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
+    if have != {want}:
+        found = ", ".join(sorted(str(d) for d in have))
+        raise ValueError(
+            f"device_ids={list(device_ids)} is for a module on {want}, but the module's tensors are on "
+            f"{found}. For a CPU module (or one spread over devices) leave device_ids=None; otherwise "
+            f"move the module there first (module.to({str(want)!r}))"
+        )
+    if output_device is not None and _as_cuda_device(output_device) != want:
+        raise ValueError(f"output_device must be None or device_ids[0] ({want}), got {output_device!r}")
+    return want
+
+
+def _as_cuda_device(device: Any) -> torch.device:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cuda", device)
+    if isinstance(device, (str, torch.device)):
+        return torch.device(device)
+    raise TypeError(f"a device id must be an int or a torch.device, got {type(device).__name__}")
+
+
+def agree_on_replicas(module, problem, settings: dict[str, Any], group) -> None:
+    """One exchange: every rank's argument problem, settings, parameters and buffers agree,
+    or every rank raises (the first difference, or the problem all ranks share)."""
+    items: list[tuple[str, Any]] = [verdict(problem)]
+    if problem is None:
+        items.append(("settings", ", ".join(f"{k}={v}" for k, v in settings.items())))
+        items += [(n, _describe(p) + ("" if p.requires_grad else " frozen")) for n, p in module.named_parameters()]
+        items += [(f"buffer {n}", _describe(b)) for n, b in module.named_buffers()]
+    agree("DistributedDataParallel parameters, buffers and settings", group, items=items, problem=problem)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)} {t.dtype}"
 
 
 def is_default_group(group: Any) -> bool:
@@ -207,9 +324,6 @@ TORCH_ONLY_ATTRIBUTES = {
     "_register_fused_optim": "no optimizer step runs inside the backward; call optimizer.step() after "
                              "backward()",
     "_set_static_graph": "pass static_graph=True to the constructor",
-    "_register_builtin_comm_hook": "torch's C++ hooks are not there; register their Python twins with "
-                                   "register_comm_hook(None, default_hooks.allreduce_hook or fp16_compress_hook), "
-                                   "or phalanx.comm_hooks' hooks",
     "bucket_bytes_cap": _CAPS,
     "bucket_bytes_cap_list": _CAPS,
     "bucket_bytes_cap_default": _CAPS,

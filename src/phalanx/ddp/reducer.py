@@ -68,7 +68,6 @@ from ..ledger.log import call_site
 from .bucket_comm import BucketComm
 from .bucketing import Bucket, BucketSpec
 from .checkin import DDPAction
-from .comm_hook import HookComm
 from .graph_walk import reachable_params
 from .problems import problem_message
 from .sparse import SparseGradients
@@ -84,7 +83,7 @@ class Reducer:
         bucket_comm (BucketComm): how each bucket is reduced:
             :class:`~phalanx.ddp.bucket_comm.AllReduceMean`,
             :class:`~phalanx.ddp.bucket_comm.ReduceToOwner` or, with a communication hook,
-            :class:`~phalanx.ddp.comm_hook.HookComm` (divisor 1: the hook averages).
+            :class:`~phalanx.ddp.hook_comm.HookComm` (divisor 1: the hook averages).
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket (saves memory
             and the copy back). Default ``False``.
         find_unused_parameters: walk the graph after each forward to find parameters that
@@ -116,7 +115,6 @@ class Reducer:
         self.params = [named_params[slot.index][1] for slot in slots]
         # what an average divides by (bucket_comm.divisor is 1 when a comm hook averages)
         self.world_size = dist.get_world_size(bucket_comm.group)
-        self._hooked = isinstance(bucket_comm, HookComm)
         self._sparse = SparseGradients(sparse_params, bucket_comm.group, self.world_size)
         tail = 1 + (len(slots) + len(sparse_params) if self.allow_unused else 0)
         self._buckets: list[Bucket] = []
@@ -279,7 +277,7 @@ class Reducer:
                 if not final:
                     return
                 self._write_tail(bucket.tail)
-            op = f"DDP bucket {self._next}" + (self.bucket_comm.label if self._hooked else "")
+            op = f"DDP bucket {self._next}{self.bucket_comm.label}"
             record = self._record(op, bucket.buffer, DDPAction.BUCKET, self._next)
             self._records.append(record)
             self._works.append(self._launch(self._next, bucket.buffer, record))
@@ -287,11 +285,11 @@ class Reducer:
 
     def _launch(self, b: int, flat: torch.Tensor, record: Collective) -> Any:
         """Launch bucket ``b``. A communication hook's launch may wait for earlier buckets'
-        collectives (:mod:`phalanx.ddp.comm_hook`): a failure there is reported as this
+        collectives (:mod:`phalanx.ddp.hook_comm`): a failure there is reported as this
         bucket's (the hang report, :mod:`phalanx.diagnostics`)."""
         with record.guard():
             work = self.bucket_comm.launch(b, flat)
-            if self._hooked and self.join_index is not None:
+            if self.bucket_comm.runs_to_end_in_join and self.join_index is not None:
                 # phalanx.join: a rank that has joined runs each bucket's hook to its end before
                 # the next announcement (ddp/joining.py); so does this rank, or their hooks'
                 # collectives would come in different orders
@@ -310,7 +308,7 @@ class Reducer:
         A communication hook divides as it does (torch's and phalanx's: by the group's size),
         as with torch's join."""
         self._sparse.divisor = divisor
-        if not self._hooked:
+        if not self.bucket_comm.divides_itself:
             self.bucket_comm.divisor = divisor
 
     @staticmethod
@@ -388,7 +386,7 @@ class Reducer:
             bucket = self._buckets[self._bucket_of[k]]
             if bucket.keep and (used is None or used[k]):
                 view = bucket.views[k - bucket.first]
-                divisor = self.world_size if self._hooked else self.bucket_comm.divisor
+                divisor = self.world_size if self.bucket_comm.divides_itself else self.bucket_comm.divisor
                 self.params[k].grad = averaged_with_graph(local, view, divisor)
 
     # ---- on a rank that has joined (phalanx.join): the others' collectives, shadowed --------

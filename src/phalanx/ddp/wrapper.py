@@ -4,8 +4,8 @@ The wrapper is thin: :func:`~phalanx.ddp.bucketing.plan_buckets` plans the bucke
 :class:`~phalanx.ddp.reducer.Reducer` fills and reduces them during the backward (all-reduce,
 or after :meth:`DistributedDataParallel.shard_gradients` a reduce to each bucket's owner), a
 :class:`~phalanx.ddp.buffer_sync.BufferSync` broadcasts rank 0's buffers before a forward.
-Arguments are resolved by :mod:`phalanx.ddp.options` and :mod:`phalanx.ddp.checks`, pickling
-by :mod:`phalanx.ddp.pickling`. A forward runs in three phases: before (inputs to
+Arguments are checked and resolved by :mod:`phalanx.ddp.options`, pickling by
+:mod:`phalanx.ddp.pickling`. A forward runs in three phases: before (inputs to
 ``device_ids[0]``, buffers broadcast), the module's own, after (arm the reducer).
 """
 
@@ -23,28 +23,18 @@ from .. import comm
 from .._logging import get_logger
 from ..diagnostics import ledger
 from ..errors import UsageError
+from ..hooks import GradBucket
 from ..uneven import Join, Joinable
 from .bucket_comm import AllReduceMean, ReduceToOwner
 from .bucketing import BucketSpec, describe, plan_buckets
 from .buffer_sync import BufferSync
 from .checkin import StepCheck
-from .checks import (
-    GradientOwners,
-    agree_on_owners,
-    agree_on_replicas,
-    check_group,
-    refuse_distributed_autograd,
-)
-from .comm_hook import SHARDED_WITH_HOOK, GradBucket, HookComm, check_registration
+from .checks import GradientOwners, agree_on_owners, refuse_distributed_autograd
 from .devices import to_device
-from .options import (
-    NOTHING_IGNORED,
-    TORCH_ONLY_ATTRIBUTES,
-    resolve_arguments,
-    resolve_group,
-    warn_check_reduction,
-)
+from .hook_comm import HookComm
+from .hook_registration import SHARDED_WITH_HOOK, builtin_hook, check_registration
 from .joining import JoinPart
+from .options import NOTHING_IGNORED, TORCH_ONLY_ATTRIBUTES, check_group, resolve_arguments
 from .pickling import picklable_state, unpickled_state
 from .reducer import Reducer, tensor_bytes
 from .sparse import sparse_positions
@@ -215,31 +205,20 @@ class DistributedDataParallel(nn.Module, Joinable):
         forward_sync_buffers: bool | None = None,
     ) -> None:
         super().__init__()
-        group = resolve_group(process_group, device_mesh)
-        check_group(group)
-        warn_check_reduction(check_reduction)
         flags = dict(find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view,
                      static_graph=static_graph, init_sync=init_sync,
                      skip_all_reduce_unused_params=skip_all_reduce_unused_params, batched_grad_copy=batched_grad_copy)
         torch_only = dict(delay_all_reduce_named_params=delay_all_reduce_named_params, device_mesh=device_mesh,
                           param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision)
-        problem, args = None, None
-        try:
-            args = resolve_arguments(module, device_ids, output_device, dim, flags, (broadcast_buffers,
-                                     forward_sync_buffers), bucket_cap_mb, bucket_cap_mb_list, torch_only)
-        except (TypeError, ValueError) as e:
-            problem = e
-        if init_sync is not False:
-            # every rank learns of every rank's problem: none is left waiting
-            agree_on_replicas(module, problem, {} if args is None else args.settings, group)
-        if problem is not None:  # init_sync=False: no exchange, this rank raises alone
-            raise problem
+        args = resolve_arguments(module, process_group, device_mesh, device_ids, output_device, dim,
+                                 (broadcast_buffers, forward_sync_buffers), (bucket_cap_mb, bucket_cap_mb_list),
+                                 check_reduction, flags, torch_only)
         self._device, self._caps = args.device, args.caps
         self.module = module
-        self.device_ids = list(device_ids) if device_ids else None
+        self.device_ids = args.device_ids
         self.output_device = output_device
         self.dim = dim
-        self.process_group = group
+        self.process_group = args.group
         self.device_mesh = device_mesh
         self.bucket_cap_mb = bucket_cap_mb
         self.bucket_cap_mb_list = bucket_cap_mb_list
@@ -410,7 +389,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             TypeError: ``optimizer`` has no ``owners_of()``: not a sharded optimizer.
             ValueError: its process group has other ranks than this DDP's, or it holds none
                 of this model's parameters.
-            RuntimeError: called between a forward and its backward.
+            UsageError: called between a forward and its backward (a ``RuntimeError`` too).
             RankMismatchError: the ranks disagree on owners or arguments (on every rank).
 
         .. warning::
@@ -439,23 +418,35 @@ class DistributedDataParallel(nn.Module, Joinable):
     def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], torch.futures.Future]) -> None:
         """Reduce each bucket with ``hook(state, bucket)`` (torch's contract) instead of the all-reduce.
 
-        The contract, and where phalanx differs from torch, are in :mod:`phalanx.ddp.comm_hook`:
-        torch's hooks work unchanged (PowerSGD also with several buckets on Gloo, bf16 also
-        without NCCL); :mod:`phalanx.comm_hooks` has phalanx's. Call it on every rank, once,
-        before the first forward (torch's rule), and again after unpickling.
+        The contract is in :mod:`phalanx.hooks`; where phalanx differs from torch, in
+        :mod:`phalanx.ddp.hook_comm`: torch's hooks work unchanged (PowerSGD also with several
+        buckets on Gloo, bf16 also without NCCL); :mod:`phalanx.comm_hooks` has phalanx's. Call
+        it on every rank, once, before the first forward (torch's documentation: before the
+        first backward), and again after unpickling. With sparse gradients the hook reduces the dense buckets; the sparse
+        gradients are averaged as without a hook.
 
         Raises:
-            TypeError: ``hook`` cannot be called as ``hook(state, bucket)``.
-            UsageError: registered already, after a forward, with :meth:`shard_gradients`,
-                or for a model with sparse gradients.
+            TypeError: ``hook`` is not callable (torch's words), or cannot be called as
+                ``hook(state, bucket)``.
+            ValueError: its annotations are not torch's (:mod:`phalanx.ddp.hook_registration`).
+            UsageError: registered already (torch's words), after a forward, or with
+                :meth:`shard_gradients`. From the backward: the hook returned no future.
 
         Example::
 
             >>> ddp.register_comm_hook(None, phalanx.comm_hooks.bf16_compress_hook)
         """
+        self._register(state, hook, builtin=False)
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch's built-in hook ``dist.BuiltinCommHookType.ALLREDUCE`` or ``FP16_COMPRESS``,
+        as its Python twin in torch's ``default_hooks`` (the same gradients), over this DDP's
+        group; the rules of :meth:`register_comm_hook`."""
+        self._register(self.process_group, builtin_hook(comm_hook_type), builtin=True)
+
+    def _register(self, state: Any, hook: Any, builtin: bool) -> None:
         sharded = self._reducer is not None and isinstance(self._reducer.bucket_comm, ReduceToOwner)
-        sparse = [] if self._reducer is None else self._reducer.sparse_names()
-        check_registration(hook, self._comm_hook, self._forwarded, sharded, sparse)
+        check_registration(hook, self._comm_hook, self._forwarded, sharded, builtin)
         self._comm_hook = (state, hook)
         if self._reducer is not None:
             self._build_reducer(None)

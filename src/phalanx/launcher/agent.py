@@ -36,7 +36,7 @@ import threading
 import time
 
 from ..env import DistEnv
-from ..errors import PREEMPTED_EXIT_CODE, RendezvousError
+from ..errors import PREEMPTED_EXIT_CODE, RendezvousError, UsageError
 from .board import LeaderBoard
 from .config import STDERR, STDOUT, LaunchConfig
 from .console import Console
@@ -354,11 +354,13 @@ def launch(config: LaunchConfig) -> int:
     Raises:
         LaunchConfigError: the master port is in use, or the master address is not this host's.
         RendezvousError: the master or another node could not be reached in time.
+        UsageError: called on another thread than the main one (a ``RuntimeError`` too).
     """
     if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError(
+        raise UsageError(
             "launch() must run on the main thread: it handles signals, and the workers' "
-            "parent-death signal is tied to the thread that forks them"
+            "parent-death signal is tied to the thread that forks them; it was called on thread "
+            f"{threading.current_thread().name!r}"
         )
     console = Console(sys.stdout.buffer, sys.stderr.buffer, rank_prefix=config.rank_prefix)
     scratch = tempfile.mkdtemp(prefix="phalanx-")

@@ -218,8 +218,8 @@ class LaunchConfig:
         for option, choice in (("--redirects", self.redirects), ("--tee", self.tee)):
             if self.log_dir is None and choice != StreamChoice():
                 raise LaunchConfigError(
-                    f"{option} sends streams to the log files, so it needs --log-dir D "
-                    "(without both, every stream goes to the console)"
+                    f"{option} chooses what goes to the log files, so it needs --log-dir D "
+                    "(without it every stream goes to the console)"
                 )
         if self.log_dir is not None and os.path.exists(self.log_dir) and not os.path.isdir(self.log_dir):
             raise LaunchConfigError(f"--log-dir {self.log_dir!r} exists and is not a directory")

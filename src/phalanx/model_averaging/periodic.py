@@ -49,10 +49,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..ddp.comm_hook import Phases, Running
+from ..comm_hooks.lowprec import DTYPES, average_16bit
 from ..diagnostics import ledger
+from ..hooks import Phases, Running
 from ..ledger import Collective
-from .lowprec import DTYPES, average_16bit
 
 
 def _module_and_group(model: nn.Module, group: dist.ProcessGroup | None) -> tuple[nn.Module, Any, bool]:
