@@ -14,7 +14,8 @@ zeros, learns from the sums which ranks are still active and what they announced
 
 * a generic collective: the op's neutral element (zeros for a sum), or it receives;
 * a DDP bucket: zeros for its gradients (the others divide by the initial world size, or with
-  ``divide_by_initial_world_size=False`` by the ranks still active), and it keeps the average;
+  ``divide_by_initial_world_size=False`` by the ranks still active); its own ``.grad`` is left
+  alone, as in torch, unless a ZeroRedundancyOptimizer in the join steps with the average;
 * DDP's buffer broadcast: it receives the buffers of the highest active rank (torch's rule:
   rank 0 may have joined with stale buffers);
 * SyncBatchNorm: zeros and a count of 0, so the statistics of the active ranks stay exact;
@@ -54,6 +55,10 @@ class Joinable(ABC):
     ``ledger.shadow(self, action, *args)`` (an action of its own ``IntEnum``); a rank that has
     joined receives each announcement in :meth:`join_shadow`.
     """
+
+    # An optimizer that steps on a rank that has joined, with the averaged gradients of the
+    # active ranks (ZeRO: the shard it owns): a DDP in the join writes them into its .grad.
+    join_steps_with_gradients = False
 
     @abstractmethod
     def join_shadow(self, action: int, verdict: Verdict) -> None:

@@ -8,8 +8,9 @@ torch: rank 0 may have joined with stale buffers). Each bucket, the sparse gradi
 buffer broadcast are announced by the reducer and the buffer sync themselves.
 
 On a rank that has joined, :meth:`JoinPart.shadow` takes part in each announced collective:
-zeros into every bucket (and its control tail), the average back into ``.grad`` (a ZeRO shard
-it owns steps with it), empty sparse gradients, the active rank's buffers received.
+zeros into every bucket (and its control tail), empty sparse gradients, the active rank's
+buffers received. Its ``.grad`` is left alone, as torch's join does, unless an optimizer in the
+join steps with the averages (a ZeRO shard it owns): then they are written back into it.
 
 When every rank has joined, :meth:`JoinPart.end` gives every rank the parameters and buffers
 of the last rank to join (the highest of them), as torch's join does.
@@ -41,10 +42,11 @@ class JoinPart:
         self.group = group
         self.index: int | None = None  # this DDP's place in a running phalanx.join
         self.divide_initial = True
+        self.write_back = False  # a joined rank writes the averages into .grad
 
-    def begin(self, index: int, divide_initial: bool, reducer: Reducer | None) -> None:
+    def begin(self, index: int, divide_initial: bool, write_back: bool, reducer: Reducer | None) -> None:
         """The DDP is joinable number ``index`` of a join starting now."""
-        self.index, self.divide_initial = index, divide_initial
+        self.index, self.divide_initial, self.write_back = index, divide_initial, write_back
         if reducer is not None:
             reducer.join_index = index
 
@@ -61,14 +63,13 @@ class JoinPart:
         a join)."""
         return None if src is None else (syncpoint.JOINABLE, self.index, DDPAction.BUFFERS, src)
 
-    @staticmethod
-    def shadow(action: int, verdict: Any, reducer: Reducer, buffer_sync: BufferSync | None) -> None:
+    def shadow(self, action: int, verdict: Any, reducer: Reducer, buffer_sync: BufferSync | None) -> None:
         """A rank that has joined takes part in what an active rank's DDP announced."""
         args = verdict.announce[3:]
         if action == DDPAction.BUFFERS:
             buffer_sync.receive(args[0])
         elif action == DDPAction.BUCKET:
-            reducer.shadow_bucket(args[0])
+            reducer.shadow_bucket(args[0], self.write_back)
         elif action == DDPAction.SPARSE:
             reducer.shadow_sparse()
         # DDPAction.FORWARD: its collectives are announced one by one

@@ -390,21 +390,25 @@ class Reducer:
                 self.params[k].grad = averaged_with_graph(local, view, divisor)
 
     # ---- on a rank that has joined (phalanx.join): the others' collectives, shadowed --------
-    def shadow_bucket(self, b: int) -> None:
-        """Zeros into bucket ``b``'s collective (its tail too: no problem, no use reported);
-        after the last bucket, the averages into ``.grad`` as a backward would write them."""
+    def shadow_bucket(self, b: int, write_back: bool) -> None:
+        """Zeros into bucket ``b``'s collective (its tail too: no problem, no use reported).
+        With ``write_back`` (an optimizer in the join steps with them), after the last bucket
+        the averages go into ``.grad`` as a backward would write them; else ``.grad`` is left
+        alone, as torch's join does (the zeros go in a buffer of their own: with
+        ``gradient_as_bucket_view`` the bucket *is* ``.grad``)."""
         bucket = self._buckets[b]
         if bucket.buffer is None:
             bucket.allocate()
-        bucket.buffer.zero_()
-        self.bucket_comm.launch(b, bucket.buffer).wait()
+        flat = bucket.buffer if write_back else torch.empty_like(bucket.buffer)
+        flat.zero_()
+        self.bucket_comm.launch(b, flat).wait()
         if b < len(self._buckets) - 1:
             return
-        tail = bucket.tail
+        tail = flat[bucket.spec.numel:]
         if tail[0].item() > 0:
             self._raise_problems()  # the active ranks raise: so does this one, with them
         used = (tail[1:] > 0).tolist() if self.allow_unused else None
-        for k in range(len(self._buckets)):
+        for k in range(len(self._buckets)) if write_back else ():
             self._write_back(k, used)
         for each in self._buckets:
             if not each.keep:

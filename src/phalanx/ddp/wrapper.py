@@ -322,7 +322,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # phalanx.join (ddp/joining.py)
     def join_begin(self, join: Join) -> None:
-        self._join.begin(join.joinables.index(self), join.divide_by_initial_world_size, self._reducer)
+        self._join.begin(join.joinables.index(self), join.divide_by_initial_world_size,
+                         any(j.join_steps_with_gradients for j in join.joinables), self._reducer)
 
     def join_shadow(self, action: int, verdict: Any) -> None:
         self._join.shadow(action, verdict, self._reducer, self._buffer_sync)

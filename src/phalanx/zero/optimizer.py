@@ -284,6 +284,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     # phalanx.join: a rank that has joined steps the shard it owns, with the average of the
     # active ranks' gradients (DDP's shadow writes it into .grad), and broadcasts it.
     # (join_end: nothing to sync, every step's broadcasts kept the replicas equal.)
+    join_steps_with_gradients = True  # the DDP in the join writes the averages into .grad
     def join_shadow(self, action: int, verdict: Any) -> None:
         self.optim.step()  # ZeroAction.STEP, the only one
         self._broadcast_owned()
