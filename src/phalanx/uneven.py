@@ -87,13 +87,14 @@ class JoinState:
         self.throw = throw
         self.world = world
         self.active: tuple[int, ...] = tuple(range(world))  # at the last sync point
+        self.joined = False  # this rank ran out of inputs
 
     def seen(self, verdict: Any) -> None:
         """A sync point's verdict: the ranks still active (while some are)."""
         if verdict.count:
             self.active = verdict.ranks
             if self.throw and verdict.count < self.world:
-                raise early_termination(verdict.ranks, self.world)
+                raise early_termination(verdict.ranks, self.world, self.joined)
 
     def index(self, obj: Any) -> int | None:
         return next((i for i, j in enumerate(self.joinables) if j is obj), None)
@@ -198,6 +199,7 @@ def _shadow_until_all_joined(book: Ledger) -> int:
     """This rank has joined: take part in every announced collective until no rank is active;
     return the rank whose state counts at the end (the highest of the last to join)."""
     state = book.join
+    state.joined = True
     last = state.authoritative()
     while True:
         verdict = book.probe(None, flags=_flags(state))  # raises for throw_on_early_termination
@@ -211,11 +213,15 @@ def _shadow_until_all_joined(book: Ledger) -> int:
             _shadow(kind, args, verdict)
 
 
-def early_termination(active: Iterable[int], world: int) -> EarlyTerminationError:
+def early_termination(active: Iterable[int], world: int, joined_here: bool) -> EarlyTerminationError:
+    """torch's words first (its join says the first on a rank that ran out, the second on the
+    others), then which ranks ran out and which had inputs left."""
     active = set(active)
     joined = [r for r in range(world) if r not in active]
+    torch_words = (f"Rank {dist.get_rank()} exhausted all inputs. " if joined_here else
+                   "Detected at least one rank that exhausted inputs. Throwing across all ranks. ")
     return EarlyTerminationError(
-        f"Rank(s) {', '.join(map(str, joined))} ran out of inputs before the others "
+        f"{torch_words}Rank(s) {', '.join(map(str, joined))} ran out of inputs before the others "
         f"(throw_on_early_termination=True); rank(s) {', '.join(map(str, sorted(active)))} still "
         "had some. Give every rank as many batches, or let the ranks join (the default)")
 
