@@ -263,3 +263,32 @@ def test_sparse_embeddings_train_equal_to_torch(world):
         assert "".join(f"rank {r}: 'bag.weight'" for r in range(1, world))[:20] in message
         assert unused["only_sparse"][0] < 1e-6 and unused["only_sparse"][1] == torch.sparse_coo
         assert unused["only_sparse"][2] == [0]  # one bucket, for the control tail alone
+
+
+def _recognised_by_torch(rank, world_size, directory):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ours, theirs = phalanx.DistributedDataParallel(copy.deepcopy(net)), TorchDDP(copy.deepcopy(net))
+    out = {"isinstance": isinstance(ours, TorchDDP) and issubclass(type(ours), TorchDDP),
+           "keys": (sorted(get_model_state_dict(ours)), sorted(get_model_state_dict(theirs)))}
+    # a DCP checkpoint written from phalanx's DDP loads into torch's, and back
+    dcp.save(get_model_state_dict(ours), checkpoint_id=directory)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.zero_()
+    state = get_model_state_dict(theirs)
+    dcp.load(state, checkpoint_id=directory)
+    set_model_state_dict(theirs, state)
+    out["loaded"] = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
+    return out
+
+
+def test_torchs_checkpoint_helpers_see_phalanx_ddp_as_a_ddp(tmp_path):
+    for out in run_ranks(_recognised_by_torch, 2, str(tmp_path)):
+        assert out["isinstance"]
+        ours, theirs = out["keys"]
+        assert ours == theirs == ["0.bias", "0.weight", "2.bias", "2.weight"]
+        assert out["loaded"] == 0.0

@@ -487,3 +487,10 @@ class DistributedDataParallel(nn.Module, Joinable):
 def _rank_zero(group: dist.ProcessGroup | None) -> int:
     """The global rank of ``group``'s rank 0, whose parameters and buffers everyone takes."""
     return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+# torch's helpers that unwrap a DDP (torch.distributed.checkpoint.state_dict's keys without
+# "module.", a script's `model.module if isinstance(model, DDP) else model`) test isinstance
+# against torch's class. It is an ABC (torch's Joinable), so phalanx's registers as a virtual
+# subclass: a state dict's keys and a script's checks are the same after the import swap.
+torch.nn.parallel.DistributedDataParallel.register(DistributedDataParallel)

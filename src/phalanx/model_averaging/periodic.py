@@ -59,7 +59,8 @@ def _module_and_group(model: nn.Module, group: dist.ProcessGroup | None) -> tupl
     """The module to average, the group to average over, and whether ``model`` is a DDP."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (or a DDP of one), got {type(model).__name__}")
-    wrapped = hasattr(model, "require_backward_grad_sync") and isinstance(getattr(model, "module", None), nn.Module)
+    # phalanx's DDP is a (virtual) subclass of torch's: both are wrappers
+    wrapped = isinstance(model, nn.parallel.DistributedDataParallel)
     if wrapped and group is None:
         group = model.process_group
     return (model.module if wrapped else model), group, wrapped
