@@ -273,10 +273,12 @@ def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
     """Leave the job (or destroy ``group``). A no-op when nothing is initialised."""
     if not dist.is_initialized():
         return
-    if group is None:
-        detach()
-    time.sleep(_GLOO_SETTLE_S)  # releases the GIL: see _GLOO_SETTLE_S
-    dist.destroy_process_group(group)
+    try:
+        if group is None:
+            detach()  # raises when collectives are still under way, once the group is gone
+    finally:
+        time.sleep(_GLOO_SETTLE_S)  # releases the GIL: see _GLOO_SETTLE_S
+        dist.destroy_process_group(group)
 
 
 def is_initialized() -> bool:

@@ -211,3 +211,30 @@ def test_join_says_diagnostics_false_turned_its_ledger_off():
         assert error == ("UsageError", "Join needs phalanx's ledger of collectives, which "
                          "init_process_group(diagnostics=False) turned off: its sync points "
                          "announce what joined ranks shadow. Leave diagnostics on (the default)")
+
+
+def _overlapped_meeting_left_under_way(rank, world_size, finish):
+    phalanx.init_process_group(backend="gloo")
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    local = phalanx.LocalSGD(model, opt, every=2, overlap=2)
+    for _ in range(4):  # a meeting at step 4, to land at step 6
+        opt.zero_grad()
+        model(torch.randn(3, 4) + rank).sum().backward()
+        local.step()
+    if finish:
+        local.finish_meeting()
+    weights = [p.tolist() for p in model.parameters()]
+    return error_of(phalanx.destroy_process_group), weights, dist.is_initialized()
+
+
+def test_leaving_with_an_overlapped_meeting_under_way_is_refused_on_every_rank():
+    for error, _, initialised in run_ranks(_overlapped_meeting_left_under_way, 2, False, init=False):
+        assert error is not None and error[0] == "UsageError", error
+        assert error[1].startswith("destroy_process_group(): rank "), error
+        assert "LocalSGD meeting" in error[1] and "finish_meeting()" in error[1], error
+        assert not initialised  # the group is gone all the same
+    finished = run_ranks(_overlapped_meeting_left_under_way, 2, True, init=False)
+    assert [error for error, _, _ in finished] == [None, None]
+    assert finished[0][1] == finished[1][1]  # every rank holds the average

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from .. import env as _env
+from .._logging import get_logger
+from ..errors import UsageError
 from ..ledger import Ledger
 from .monitor import Diagnostics
 from .straggler import DEFAULT_EVERY
@@ -32,6 +34,8 @@ from .straggler import DEFAULT_EVERY
 # The ledger of each live default group. c10d's ProcessGroup takes no attributes of its own,
 # so what belongs to a group is kept here, keyed weakly by the group: it goes with the group.
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+_log = get_logger("phalanx.diagnostics")
 
 # What a process with no group of several ranks is given: records nothing, only waits.
 _OFF = Ledger(0.0, enabled=False)
@@ -42,12 +46,26 @@ class _Attached:
 
     def __init__(self, ledger: Ledger, diagnostics: Diagnostics | None) -> None:
         self.ledger, self.diagnostics = ledger, diagnostics
+        self._closed = False
 
-    def close(self) -> None:
+    def close(self) -> str | None:
+        """Stop (once); the collectives still under way, described, if any (else ``None``)."""
         atexit.unregister(self.close)
-        self.ledger.close()
+        if self._closed:
+            return None
+        self._closed = True
+        unfinished = self.ledger.close()
         if self.diagnostics is not None:
             self.diagnostics.close()
+        if not unfinished:
+            return None
+        problem = (f"rank {self.ledger.rank} leaves with collectives still under way: "
+                   f"{'; '.join(r.describe() for r in unfinished)}. Their results never land on "
+                   "this rank, whose state now differs from the others': finish them on every "
+                   "rank first (an overlapped LocalSGD/DiLoCo meeting: finish_meeting() after "
+                   "the last step)")
+        _log.error("%s", problem)  # at exit nobody else would say it
+        return problem
 
 
 def ledger() -> Ledger:
@@ -100,8 +118,9 @@ def detach(group: Any = None) -> None:
     if group is None and dist.is_initialized():
         group = dist.group.WORLD
     found = None if group is None else _ATTACHED.pop(group, None)
-    if found is not None:
-        found.close()
+    problem = None if found is None else found.close()
+    if problem is not None:
+        raise UsageError(f"destroy_process_group(): {problem}")
 
 
 def _timeout_s(group: Any) -> float:

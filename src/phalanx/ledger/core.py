@@ -284,10 +284,12 @@ class Ledger:
         dist.all_gather_object(everyone, mine, group=check.group)
         raise CollectiveMismatchError(syncpoint.mismatch_message(everyone))
 
-    def close(self) -> None:
-        """A forward's check nothing came after: finish it (the job is ending)."""
+    def close(self) -> list[Record]:
+        """The job is ending: finish a forward's check nothing came after; return the
+        collectives still under way (begun, never ended: their results never land)."""
         if self._pending is not None:
             try:
                 self.settle()
             except RuntimeError:
                 pass  # leaving anyway: a last mismatch or a peer gone changes nothing now
+        return [r for log in self.logs.values() for r in log.records if r.end is None]
