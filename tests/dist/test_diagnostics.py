@@ -178,3 +178,44 @@ def test_a_slow_rank_is_named_although_every_step_takes_as_long(slow_rank):
     assert lines[-1].startswith("straggler: rank 1 is ") and "slower than the median of the " \
         "other ranks, in time between steps (data, optimizer, logging): 0.5" in lines[-1]
     assert all(seen == [] for seen, _ in others)  # rank 0 logs; the others keep quiet
+
+
+def _rank_zero_only(rank, world_size):
+    torch.manual_seed(0)
+    model = phalanx.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
+    model(torch.randn(8, 4)).sum().backward()
+    out = {}
+    # 1. a barrier on rank 0 alone while the others train on
+    try:
+        if rank == 0:
+            phalanx.barrier()  # lonely barrier
+        else:
+            model(torch.randn(8, 4)).sum().backward()  # training on
+    except phalanx.CollectiveMismatchError as e:
+        out["barrier"] = str(e)
+    # 2. an evaluation through the DDP model on rank 0 alone, then a barrier everywhere
+    try:
+        if rank == 0:
+            with torch.no_grad():
+                model.eval()
+                model(torch.randn(8, 4))  # evaluation through ddp
+                model.train()
+        phalanx.barrier()  # everyone's barrier
+    except phalanx.CollectiveMismatchError as e:
+        out["evaluation"] = str(e)
+    return out
+
+
+def test_the_hint_fits_a_lonely_barrier_and_a_lonely_evaluation():
+    for out in run_ranks(_rank_zero_only, 2):
+        assert out["barrier"].endswith(
+            "A barrier waits for every rank of the group: one that some ranks skip (inside "
+            "`if rank == 0:`) waits for ranks that never come; call it on every rank"), out["barrier"]
+        assert f"rank 0 is at barrier ({_line('lonely barrier')})" in out["barrier"]
+        assert out["evaluation"].endswith(
+            "A forward through the DDP model broadcasts rank 0's buffers (BatchNorm statistics), a "
+            "collective: to evaluate on some ranks only, call `model.module`, or evaluate on every "
+            "rank"), out["evaluation"]
+        assert (f"rank 0 is at DistributedDataParallel forward without gradients "
+                f"({_line('evaluation through ddp')})") in out["evaluation"]

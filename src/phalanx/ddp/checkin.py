@@ -13,6 +13,7 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..diagnostics import diagnostics, ledger
@@ -21,6 +22,8 @@ from ..ledger import syncpoint
 from ..ledger.log import call_site
 
 CHECK = "DistributedDataParallel forward"
+# A forward under no_grad that only broadcasts the buffers: an evaluation through the DDP model.
+EVALUATION = f"{CHECK} without gradients"
 
 
 class DDPAction(IntEnum):
@@ -60,7 +63,8 @@ class StepCheck:
                 self.clock = StepClock(0 if watcher is None else watcher.straggler_every)
             report = self.clock.due() and self._reported_at != self.clock.steps
             self.clock.forward(book.waited_s)
-        what = CHECK + (" with a straggler report" if report else "")
+        what = (CHECK if sync or torch.is_grad_enabled() else EVALUATION) + (
+            " with a straggler report" if report else "")
         announce = () if join_index is None else (syncpoint.JOINABLE, join_index, DDPAction.FORWARD)
         verdict = book.sync_point(what, self.group, wait=report, site=call_site(1), announce=announce)
         if report:

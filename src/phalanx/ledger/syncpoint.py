@@ -126,9 +126,20 @@ def mismatch_message(everyone: list[dict[str, Any]]) -> str:
         by_place.setdefault(place, []).append(rank)
     parts = [f"{'ranks' if len(r) > 1 else 'rank'} {', '.join(map(str, r))} "
              f"{'are' if len(r) > 1 else 'is'} at {place}" for place, r in by_place.items()]
-    hint = ""
-    if any("DistributedDataParallel" in place for place in by_place) and len(by_place) > 1:
-        hint = (". A rank that runs out of batches before the others stops joining DDP's "
+    return f"{subject}: " + "; ".join(parts) + (_hint(list(by_place)) if len(by_place) > 1 else "")
+
+
+def _hint(places: list[str]) -> str:
+    """The likely fix, from what the ranks were doing (the most specific cause first)."""
+    if any(p.startswith("DistributedDataParallel forward without gradients") for p in places):
+        return (". A forward through the DDP model broadcasts rank 0's buffers (BatchNorm "
+                "statistics), a collective: to evaluate on some ranks only, call `model.module`, "
+                "or evaluate on every rank")
+    if any(p.startswith(("barrier ", "check before barrier ")) for p in places):
+        return (". A barrier waits for every rank of the group: one that some ranks skip (inside "
+                "`if rank == 0:`) waits for ranks that never come; call it on every rank")
+    if any("DistributedDataParallel" in p for p in places):
+        return (". A rank that runs out of batches before the others stops joining DDP's "
                 "steps: give every rank as many batches (DistributedSampler, drop_last) or "
                 "wrap the loop in `with model.join():`")
-    return f"{subject}: " + "; ".join(parts) + hint
+    return ""
