@@ -139,6 +139,7 @@ class Reducer:
         self._known_unused: set[int] | None = None  # static_graph: learned in the first backward
         self._works: list[dist.Work] = []
         self._sparse_works: list[dist.Work] = []
+        self._records: list[Collective] = []  # the buckets' in the collective log
         self._ledger: Ledger = ledger()
         self._site = ""
         # Called at the end of each synchronising backward that succeeded (DDP's step clock).
@@ -161,6 +162,8 @@ class Reducer:
                 work.wait()
             except Exception:
                 pass
+        for record in self._records:
+            record.end()  # a failed backward's buckets: no longer under way
         self._last.hold(*self._works, *self._sparse_works)
         self._started = False
         self._ready = [False] * len(self.params)

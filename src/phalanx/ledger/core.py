@@ -108,6 +108,10 @@ class Collective:
         if self.record is not None and self.record.end is None:
             CollectiveLog.end(self.record)
 
+    # A collective is under way while something holds it: dropped (a failed backward's buckets,
+    # the meeting of a LocalSGD thrown away), it is over, whatever became of its results.
+    __del__ = end
+
     def __enter__(self) -> Collective:
         return self
 
