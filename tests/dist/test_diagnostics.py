@@ -74,6 +74,7 @@ def _extra_barrier(rank, world_size):
         phalanx.destroy_process_group()
 
 
+@pytest.mark.slow  # waits out the watchdog's limit
 def test_a_rank_that_never_arrives_is_named_on_every_rank_within_the_limit():
     results = run_ranks(_extra_barrier, 2, init=False, timeout=60)
     for rank, (kind, message, culprits, took) in enumerate(results):
@@ -163,7 +164,7 @@ def _straggling(rank, world_size, slow_rank):
         phalanx.destroy_process_group()
 
 
-@pytest.mark.parametrize("slow_rank", [1, None])
+@pytest.mark.parametrize("slow_rank", [pytest.param(1, marks=pytest.mark.slow), None])  # 1: 31 steps of 0.5 s
 def test_a_slow_rank_is_named_although_every_step_takes_as_long(slow_rank):
     results = run_ranks(_straggling, 3 if slow_rank is None else 2, slow_rank, init=False)
     (lines, report), others = results[0], results[1:]

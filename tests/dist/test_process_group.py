@@ -243,6 +243,7 @@ def test_srun_without_launcher():
     assert results == [("slurm", r, 2, r, port, 1.0) for r in range(2)]
 
 
+@pytest.mark.slow  # both ranks wait out the rendezvous timeout
 def test_a_rank_that_never_joins_is_named():
     # a world of 3 in which only ranks 0 and 2 start: both name rank 1 after the timeout
     port = free_port()
