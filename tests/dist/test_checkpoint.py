@@ -76,7 +76,7 @@ def protocol(request, tmp_path_factory):
 
 
 def test_the_file_holds_the_bare_module_every_ranks_rng_and_rank_0s_extra(protocol):
-    world_size, directory, results = protocol
+    world_size, directory, _ = protocol
     path = os.path.join(directory, "ckpt-000000000005.ckpt")
     saved = read_checkpoint(path)
     assert not any(k.startswith("module.") for k in saved["model"])
@@ -84,7 +84,7 @@ def test_the_file_holds_the_bare_module_every_ranks_rng_and_rank_0s_extra(protoc
 
 
 def test_rank_0_alone_writes_and_every_rank_gets_the_path(protocol):
-    world_size, directory, results = protocol
+    _, directory, results = protocol
     path = os.path.join(directory, "ckpt-000000000005.ckpt")
     for rank, out in enumerate(results):
         assert out["path"] == path
@@ -92,8 +92,8 @@ def test_rank_0_alone_writes_and_every_rank_gets_the_path(protocol):
 
 
 def test_load_restores_the_state_the_parameters_and_each_ranks_rng(protocol):
-    world_size, directory, results = protocol
-    for rank, out in enumerate(results):
+    world_size, _, results = protocol
+    for out in results:
         assert out["state"] == (1, 5, world_size, {"rank0_says": 0})
         assert out["restored_draws"] == out["draws"]
         assert out["restored_params"] == out["params"]
@@ -102,16 +102,16 @@ def test_load_restores_the_state_the_parameters_and_each_ranks_rng(protocol):
 
 
 def test_a_step_that_differs_across_ranks_is_named_on_every_rank(protocol):
-    world_size, directory, results = protocol
+    world_size, _, results = protocol
     last = world_size - 1
-    for rank, out in enumerate(results):
+    for out in results:
         assert out["step_mismatch"] == ("RankMismatchError", (
             f"save(epoch, step) differs across ranks: ranks {last} disagree with rank 0, which "
             f"has epoch=1, step=6; rank {last} has epoch=1, step=7"))
 
 
 def test_an_extra_that_cannot_be_checkpointed_is_named_on_every_rank(protocol):
-    _, directory, results = protocol
+    _, _, results = protocol
     for out in results:
         assert out["bad_extra"][0] == "TypeError"
         assert out["bad_extra"][1].startswith("Cannot checkpoint extra['f']: it is a builtins.")
