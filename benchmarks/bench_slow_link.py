@@ -10,8 +10,8 @@ turns (A B C ..., then backwards) of ``--every`` steps, so a change in load hurt
     python benchmarks/bench_slow_link.py --loopback --model cnn --steps 120   # no namespaces
 
 Needs root (``ip netns``, ``tc``) unless ``--loopback``, which runs both ranks on this
-machine's loopback with no limit: the convergence runner (the test suite uses it with the
-digits example's CNN). For each method it reports the mean step time of the slowest rank
+machine's loopback with no limit: the convergence runner (with the digits example's CNN; the
+test suite runs one method for a few steps as a smoke test). For each method it reports the mean step time of the slowest rank
 over the timed steps (all but ``--warmup``: mean, not median, as local SGD's steps are
 cheap but every ``--every``-th), the bytes this rank's interface sent per step (netns
 only: TCP/IP included), and the test accuracy after ``--steps`` steps; with ``--repeats``

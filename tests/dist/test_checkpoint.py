@@ -67,38 +67,80 @@ def _protocol(rank, world_size, directory, wrapper):
 
 
 # torch's DDP imports torch._dynamo (seconds of CPU): one world size each keeps it cheap
-@pytest.mark.parametrize("world_size, wrapper", [(2, "torch"), (3, "phalanx")])
-def test_save_load_protocol_and_errors_on_every_rank(tmp_path, world_size, wrapper):
-    directory = str(tmp_path)
-    results = run_ranks(_protocol, world_size, directory, wrapper)
+@pytest.fixture(scope="module", params=[(2, "torch"), (3, "phalanx")], ids=["world2-torch", "world3-phalanx"])
+def protocol(request, tmp_path_factory):
+    """(world size, directory, every rank's results) of one group of ranks running _protocol."""
+    world_size, wrapper = request.param
+    directory = str(tmp_path_factory.mktemp("protocol"))
+    return world_size, directory, run_ranks(_protocol, world_size, directory, wrapper)
+
+
+def test_the_file_holds_the_bare_module_every_ranks_rng_and_rank_0s_extra(protocol):
+    world_size, directory, _ = protocol
     path = os.path.join(directory, "ckpt-000000000005.ckpt")
     saved = read_checkpoint(path)
     assert not any(k.startswith("module.") for k in saved["model"])
     assert len(saved["rng"]) == world_size and saved["extra"] == {"rank0_says": 0}
-    last = world_size - 1
+
+
+def test_rank_0_alone_writes_and_every_rank_gets_the_path(protocol):
+    _, directory, results = protocol
+    path = os.path.join(directory, "ckpt-000000000005.ckpt")
     for rank, out in enumerate(results):
         assert out["path"] == path
         assert out["writes"] == (1 if rank == 0 else 0)
+
+
+def test_load_restores_the_state_the_parameters_and_each_ranks_rng(protocol):
+    world_size, _, results = protocol
+    for out in results:
         assert out["state"] == (1, 5, world_size, {"rank0_says": 0})
         assert out["restored_draws"] == out["draws"]
         assert out["restored_params"] == out["params"]
+    # every rank drew its own numbers: the RNG states really are per rank
+    assert len({str(out["draws"]) for out in results}) == world_size
+
+
+def test_a_step_that_differs_across_ranks_is_named_on_every_rank(protocol):
+    world_size, _, results = protocol
+    last = world_size - 1
+    for out in results:
         assert out["step_mismatch"] == ("RankMismatchError", (
             f"save(epoch, step) differs across ranks: ranks {last} disagree with rank 0, which "
             f"has epoch=1, step=6; rank {last} has epoch=1, step=7"))
+
+
+def test_an_extra_that_cannot_be_checkpointed_is_named_on_every_rank(protocol):
+    _, _, results = protocol
+    for out in results:
         assert out["bad_extra"][0] == "TypeError"
         assert out["bad_extra"][1].startswith("Cannot checkpoint extra['f']: it is a builtins.")
+
+
+def test_a_failed_write_is_named_on_every_rank(protocol):
+    _, directory, results = protocol
+    for out in results:
         kind, message = out["write_fails"]
         assert kind == "CheckpointError" and message.startswith(
             f"Saving checkpoint {directory}/a_file/ckpt-000000000008.ckpt failed on rank 0: ")
+
+
+def test_a_model_that_does_not_fit_on_one_rank_is_named_on_every_rank(protocol):
+    _, directory, results = protocol
+    path = os.path.join(directory, "ckpt-000000000005.ckpt")
+    for out in results:
         kind, message = out["one_rank_misfits"]
         assert kind == "CheckpointError" and message == (
             f"Loading {path} failed on rank(s) 1: Checkpoint {path} does not fit the model: "
             "'weight' has shape (3, 4) in the checkpoint and (2, 4) in the model")
+
+
+def test_a_missing_checkpoint_is_named_and_nothing_else_is_written(protocol):
+    _, directory, results = protocol
+    for out in results:
         assert out["missing"] == ("CheckpointError",
                                   f"Checkpoint {directory}/nope.ckpt does not exist")
         assert out["files"] == ["a_file", "ckpt-000000000005.ckpt"]
-    # every rank drew its own numbers: the RNG states really are per rank
-    assert len({str(out["draws"]) for out in results}) == world_size
 
 
 def _sharded(seed):

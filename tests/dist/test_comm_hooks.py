@@ -130,35 +130,86 @@ def _control_tail(rank):
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_16bit_hooks_average_within_their_precision_and_never_overflow(world_size):
-    for out in run_ranks(_compression, world_size):
-        assert out["buckets"] == 4
-        for scale in (1.0, 1e7):
-            # relative to the largest gradient: fp16 keeps 11 significant bits, bf16 8; two roundings
-            assert out[("fp16", scale)][0] and out[("fp16", scale)][1] < 2**-10 and out[("fp16", scale)][2]
-            assert out[("bf16", scale)][0] and out[("bf16", scale)][1] < 2**-7 and out[("bf16", scale)][2]
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def compression(request):
+    """(world size, every rank's results) of one group of ranks running _compression."""
+    return request.param, run_ranks(_compression, request.param)
+
+
+def _launch_order():
+    """The diagnostics' sync point; the layers' buckets in launch order (the last layer's
+    first), each with its bound; the control tail (one number)."""
+    sync, tail = ("int64", 12), ("float32", 1)
+    buckets = [("float16", n + 1) for n in (4 * 48 + 4, 48 * 48 + 48, 48 * 48 + 48, 16 * 48 + 48)]
+    return sync, tail, buckets
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e7])
+def test_16bit_hooks_average_within_their_precision_and_never_overflow(compression, scale):
+    _, results = compression
+    for out in results:
+        # relative to the largest gradient: fp16 keeps 11 significant bits, bf16 8; two roundings
+        assert out[("fp16", scale)][0] and out[("fp16", scale)][1] < 2**-10 and out[("fp16", scale)][2]
+        assert out[("bf16", scale)][0] and out[("bf16", scale)][1] < 2**-7 and out[("bf16", scale)][2]
+
+
+def test_torchs_fp16_hook_is_as_precise_but_overflows(compression):
+    _, results = compression
+    for out in results:
         assert out[("torch_fp16", 1.0)][1] < 2**-10
+        assert out[("torch_fp16", 1e7)][0] is False  # torch's fp16 hook overflows to inf
+
+
+def test_the_fp16_hook_all_reduces_each_bucket_once_with_its_bound(compression):
+    _, results = compression
+    for out in results:
+        assert out["buckets"] == 4
         # the diagnostics' sync point; the layers' buckets in launch order (the last layer's
         # first), each with its bound; the control tail (one number) before the last one
-        sync, tail = ("int64", 12), ("float32", 1)
-        buckets = [("float16", n + 1) for n in (4 * 48 + 4, 48 * 48 + 48, 48 * 48 + 48, 16 * 48 + 48)]
+        sync, tail, buckets = _launch_order()
         assert out["fp16 all-reduces"] == [[sync, *buckets[:3], tail, buckets[3]]] * 2, out["fp16 all-reduces"]
+
+
+def test_after_a_jump_each_bucket_agrees_on_a_scale_and_goes_again(compression):
+    _, results = compression
+    for out in results:
+        sync, tail, buckets = _launch_order()
         # the 1e7 jump: every bucket's bound failed at the end of the backward; each agreed on
         # a scale (one float32 number) and went again, in bucket order
         agree = ("float32", 1)
         retries = [x for b in buckets for x in (agree, b)]
         assert out["fp16 jump all-reduces"] == [sync, *buckets[:3], tail, buckets[3], *retries], (
             out["fp16 jump all-reduces"])
+
+
+def test_a_nan_on_one_rank_is_agreed_on_and_sent_unscaled(compression):
+    _, results = compression
+    for out in results:
         assert out["fp16 nan all-reduces"] == out["fp16 jump all-reduces"] and out["fp16 nan"] is True
+
+
+def test_a_fresh_fp16_hook_agrees_on_each_buckets_scale_first(compression):
+    _, results = compression
+    for out in results:
+        sync, tail, buckets = _launch_order()
+        agree = ("float32", 1)
         # nothing remembered: each bucket first agrees on its scale (one float32 number), and
         # sends at the end of the backward
         assert out["fp16 first all-reduces"] == [sync, agree, agree, agree, tail, agree, *buckets], (
             out["fp16 first all-reduces"])
-        assert out[("torch_fp16", 1e7)][0] is False  # torch's fp16 hook overflows to inf
+
+
+def test_the_control_tail_beside_a_16bit_hook_is_exact(compression):
+    world_size, results = compression
+    for out in results:
         assert out["tail grads"] == [None, None]  # no gradient on any rank: left alone
         # rank 1's gradient (2: a batch of two), averaged in bf16 (8 significant bits)
         assert all(abs(g - 2 / world_size) <= 2**-8 for g in out["tail b"]), out["tail b"]
+
+
+def test_unused_parameters_under_a_16bit_hook_are_named(compression):
+    _, results = compression
+    for out in results:
         assert out["tail error"][0] == "UnusedParametersError"
         assert "b.weight" in out["tail error"][1] and "c.weight" in out["tail error"][1]
 
@@ -210,11 +261,32 @@ def _conservation(ddp, state, applied, exact_sum, mean_error):
     return worst
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_powersgd_full_rank_is_exact_and_error_feedback_loses_nothing(world_size):
-    for out in run_ranks(_powersgd, world_size):
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def powersgd(request):
+    """(world size, every rank's results) of one group of ranks running _powersgd."""
+    return request.param, run_ranks(_powersgd, request.param)
+
+
+def test_powersgd_full_rank_is_exact(powersgd):
+    _, results = powersgd
+    for out in results:
         assert out["full rank"] < 1e-5
+
+
+def test_powersgd_compresses_every_bucket(powersgd):
+    _, results = powersgd
+    for out in results:
         assert out["buckets"] == (4, [0, 1, 2, 3])
+
+
+def test_powersgd_error_feedback_loses_nothing(powersgd):
+    _, results = powersgd
+    for out in results:
         assert out["compressed"] > 1e-2  # rank 2 of 48x48: lossy step by step...
         assert out["conserved"] < 1e-5  # ...but the errors hold exactly what is missing
+
+
+def test_powersgd_replicas_stay_equal(powersgd):
+    _, results = powersgd
+    for out in results:
         assert out["same"]

@@ -116,27 +116,59 @@ def _against_torch(rank, world_size, steps=5):
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_torchs_hooks_give_torchs_gradients(world_size):
-    results = run_ranks(_against_torch, world_size)
+# torch's hooks _against_torch runs on both DDPs: each of _hooks(), and two on bucket views
+TORCH_HOOKS = ["allreduce", "fp16", "bf16", "fp16_wrapper", "bf16_wrapper", "powerSGD", "allreduce as view",
+               "powerSGD as view"]
+# The same hook on the same buckets: the same operations. On 2 ranks bit for bit; on 3,
+# torch's DDP sums in another order now and then (Gloo's ring): within one unit in the
+# last place of the dtype the hook sums in, relative to the largest gradient (fp32;
+# fp16: 10 bits of mantissa, bf16: 7).
+ULP = {"fp16": 2**-10, "fp16_wrapper": 2**-10, "bf16": 2**-7, "bf16_wrapper": 2**-7}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def against_torch(request):
+    """(world size, every rank's results) of one group of ranks running _against_torch."""
+    return request.param, run_ranks(_against_torch, request.param)
+
+
+def test_every_hook_was_run(against_torch):
+    _, results = against_torch
     for rank_result in results:
-        # The same hook on the same buckets: the same operations. On 2 ranks bit for bit; on 3,
-        # torch's DDP sums in another order now and then (Gloo's ring): within one unit in the
-        # last place of the dtype the hook sums in, relative to the largest gradient (fp32;
-        # fp16: 10 bits of mantissa, bf16: 7).
-        ulp = {"fp16": 2**-10, "fp16_wrapper": 2**-10, "bf16": 2**-7, "bf16_wrapper": 2**-7}
+        assert sorted(rank_result) == sorted([*TORCH_HOOKS, "phalanx bf16 on torch", "phalanx powersgd on torch",
+                                              "batched_powerSGD"])
+
+
+@pytest.mark.parametrize("name", TORCH_HOOKS)
+def test_torchs_hooks_give_torchs_gradients(against_torch, name):
+    world_size, results = against_torch
+    for rank_result in results:
+        ulp = ULP
+        to_torch, to_exact = rank_result[name]
+        assert max(to_torch) <= (0.0 if world_size == 2 else ulp.get(name, 1e-6)), (name, to_torch)
+        if name.startswith("powerSGD"):  # rank 2 of 32x32 matrices is lossy, but not before iteration 2
+            assert to_exact[0] == to_exact[1] == 0.0 and min(to_exact[2:]) > 1e-3, to_exact
+        else:  # an average within the hook's precision
+            assert max(to_exact) <= 4 * ulp.get(name, 0.0), (name, to_exact)
+
+
+@pytest.mark.parametrize("name", ["bf16", "powersgd"])
+def test_phalanxs_phased_hooks_on_torchs_ddp_give_its_gradients(against_torch, name):
+    world_size, results = against_torch
+    for rank_result in results:
+        rank_result = dict(rank_result)  # popped from a copy: the fixture's results stay whole
+        ulp, tolerance = ULP, 0.0 if world_size == 2 else 1e-6
+        # the same operations on the same buckets (bf16: summed in bf16)
+        assert rank_result.pop(f"phalanx {name} on torch") <= (
+            0.0 if world_size == 2 else ulp.get(name, tolerance)), name
+
+
+def test_torchs_batched_powersgd_fails_alike_on_both_ddps(against_torch):
+    world_size, results = against_torch
+    for rank_result in results:
         tolerance = 0.0 if world_size == 2 else 1e-6
-        for name in ("bf16", "powersgd"):  # the same operations on the same buckets (bf16: summed in bf16)
-            assert rank_result.pop(f"phalanx {name} on torch") <= (
-                0.0 if world_size == 2 else ulp.get(name, tolerance)), name
-        diff, their_error, our_error = rank_result.pop("batched_powerSGD")
+        diff, their_error, our_error = rank_result["batched_powerSGD"]
         assert diff <= tolerance and our_error == their_error == ("AssertionError", "")
-        for name, (to_torch, to_exact) in rank_result.items():
-            assert max(to_torch) <= (0.0 if world_size == 2 else ulp.get(name, 1e-6)), (name, to_torch)
-            if name.startswith("powerSGD"):  # rank 2 of 32x32 matrices is lossy, but not before iteration 2
-                assert to_exact[0] == to_exact[1] == 0.0 and min(to_exact[2:]) > 1e-3, to_exact
-            else:  # an average within the hook's precision
-                assert max(to_exact) <= 4 * ulp.get(name, 0.0), (name, to_exact)
 
 
 def _powersgd_many_buckets(rank, world_size):
@@ -216,21 +248,43 @@ def _short_hook(state, bucket):
     return future
 
 
-def test_registration_errors():
-    out = run_ranks(_registration_errors, 2)[0]
+@pytest.fixture(scope="module")
+def registration_errors():
+    """Rank 0's results of one group of 2 ranks running _registration_errors (the tests below)."""
+    return run_ranks(_registration_errors, 2)[0]
+
+
+def test_a_hook_that_is_not_a_hook_is_named(registration_errors):
+    out = registration_errors
     assert out["not callable"] == ("TypeError", "Communication hook must be callable. phalanx calls it as "
                                    "hook(state, bucket) -> torch.futures.Future; got int")
     assert out["arity"][0] == "TypeError" and "is called as hook(state, bucket)" in out["arity"][1]
+
+
+def test_a_hook_is_registered_once_and_before_the_first_forward(registration_errors):
+    out = registration_errors
     assert out["twice"] == ("UsageError", "register_comm_hook or register_builtin_comm_hook can only be called "
                             "once. This DistributedDataParallel has allreduce_hook already")
     assert out["late"][0] == "UsageError" and "before the first forward" in out["late"][1]
+
+
+def test_a_hook_must_return_a_future_of_the_buckets_size(registration_errors):
+    out = registration_errors
     assert out["not a future"] == ("UsageError", "DDP communication hook's callback must return a "
                                    "torch.futures.Future object, but got builtins.int: the communication hook "
                                    "_registration_errors.<locals>.<lambda> returned 3 for bucket 0")
     assert out["wrong size"] == ("ValueError", "the communication hook _short_hook must return a future of one "
                                  "tensor with the bucket's 12 elements (bucket 0), got a tensor of 1 elements")
+
+
+def test_a_hook_and_zero_stage_2_exclude_each_other(registration_errors):
+    out = registration_errors
     assert out["after shard"][0] == "UsageError" and "ZeRO stage 2 reduces each bucket" in out["after shard"][1]
     assert out["shard after"][0] == "UsageError" and "shard_gradients() after register_comm_hook()" in out["shard after"][1]
+
+
+def test_bench_comm_hook_registers_the_hook_on_both_ddps(registration_errors):
+    out = registration_errors
     # phalanx bench --comm-hook NAME registers NAME on both DDPs (torch's PowerSGD: one bucket)
     bench = out["bench"]
     assert bench["none"][0] == {"phalanx": False, "torch": False}

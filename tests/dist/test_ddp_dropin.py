@@ -82,22 +82,44 @@ def _pickled(rank, world_size):
     return out
 
 
-def test_pickled_and_copied_ddp_keeps_training_equal_to_torch():
-    results = run_ranks(_pickled, 2)
-    for rank, out in enumerate(results):
-        for how in ("torch.save", "pickle", "deepcopy"):
-            res = out[how]
-            assert res["fresh_params"] and res["group"] is None, how
-            assert res["diff"] < 1e-6, (how, res)  # gradients still averaged: equal to torch's DDP
-            assert res["moved"] > 1e-3, how  # it did train after loading
-            assert res["hooks"] == 6, how  # one hook per parameter, rebuilt on the loaded ones
+@pytest.fixture(scope="module")
+def pickled():
+    """Every rank's results of one group of 2 ranks running _pickled (the tests below)."""
+    return run_ranks(_pickled, 2)
+
+
+@pytest.mark.parametrize("how", ["torch.save", "pickle", "deepcopy"])
+def test_pickled_and_copied_ddp_keeps_training_equal_to_torch(pickled, how):
+    for out in pickled:
+        res = out[how]
+        assert res["fresh_params"] and res["group"] is None, how
+        assert res["diff"] < 1e-6, (how, res)  # gradients still averaged: equal to torch's DDP
+        assert res["moved"] > 1e-3, how  # it did train after loading
+        assert res["hooks"] == 6, how  # one hook per parameter, rebuilt on the loaded ones
+
+
+def test_the_original_beside_its_copies_still_trains_equal_to_torch(pickled):
+    for out in pickled:
         assert out["original"] < 1e-6
+
+
+def test_a_copy_over_a_subgroup_shares_it_and_averages_over_it(pickled):
+    results = pickled
+    for out in results:
         assert out["sub_copy_shares_group"]
+    assert results[0]["sub_copy_grad"] == results[1]["sub_copy_grad"]  # averaged over the subgroup
+
+
+def test_a_ddp_over_a_subgroup_cannot_be_pickled(pickled):
+    for out in pickled:
         assert out["sub_pickle"][0] == "UsageError" and out["sub_torch_save"][0] == "UsageError"
         assert out["sub_pickle"][1].startswith(
             "a DistributedDataParallel over a process group cannot be pickled: the process group "
             "exists in this process only. As in torch, pickling needs process_group=None")
-    assert results[0]["sub_copy_grad"] == results[1]["sub_copy_grad"]  # averaged over the subgroup
+
+
+def test_unpickled_without_a_process_group_it_says_so(pickled):
+    results = pickled
     with pytest.raises(phalanx.NotInitializedError, match="needs a process group: call phalanx.init_process_group"):
         pickle.loads(results[0]["bytes"])
 
@@ -150,20 +172,36 @@ def _create_graph(rank, world_size):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_create_graph_averages_first_order_gradients_as_torch(world):
-    for out in run_ranks(_create_graph, world):
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def create_graph(request):
+    """(world size, every rank's results) of one group of ranks running _create_graph."""
+    return request.param, run_ranks(_create_graph, request.param)
+
+
+def test_create_graph_averages_first_order_gradients_as_torch(create_graph):
+    world, results = create_graph
+    for out in results:
         for ours, theirs, requires_grad, ours2, theirs2 in out["scalar"]:
             assert ours == pytest.approx(theirs, rel=1e-6) and requires_grad
             assert ours2 == pytest.approx(theirs2, rel=1e-6)  # torch's higher-order terms too
         # torch's values: rank r has 4 (r+1)^2; .grad accumulates the averages
         mean = sum(4 * (r + 1) ** 2 for r in range(world)) / world
         assert [s[0] for s in out["scalar"]] == pytest.approx([mean, 2 * mean, 3 * mean])
+
+
+def test_create_graph_warns_that_higher_order_gradients_are_not_averaged(create_graph):
+    _, results = create_graph
+    for out in results:
         assert out["warnings"] and set(out["warnings"]) == {HIGHER_ORDER_WARNING}
         assert "higher-order gradients are not averaged" in HIGHER_ORDER_WARNING
-        for view in (False, True):
-            first, second, requires_grad = out[f"mlp view={view}"]
-            assert first < 1e-6 and second < 1e-5 and requires_grad, (view, first, second)
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["view=False", "view=True"])
+def test_create_graph_on_an_mlp_where_torchs_ddp_fails(create_graph, view):
+    _, results = create_graph
+    for out in results:
+        first, second, requires_grad = out[f"mlp view={view}"]
+        assert first < 1e-6 and second < 1e-5 and requires_grad, (view, first, second)
 
 
 class Tables(nn.Module):
@@ -247,20 +285,44 @@ def _sparse(rank, world_size):
             "unused": _sparse_unused(rank, world_size)}
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_sparse_embeddings_train_equal_to_torch(world):
-    for rank, out in enumerate(run_ranks(_sparse, world)):
-        for view, res in out["view"].items():
-            for worst, looks in res["grads"]:
-                assert worst < 1e-6, (view, worst)
-                assert looks == {n: (torch.sparse_coo, True, torch.sparse_coo) for n in ("emb.weight", "bag.weight")}
-            assert max(res["params"]) < 1e-6, (view, res["params"])
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def sparse(request):
+    """(world size, every rank's results) of one group of ranks running _sparse."""
+    return request.param, run_ranks(_sparse, request.param)
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["view=False", "view=True"])
+def test_sparse_embeddings_train_equal_to_torch(sparse, view):
+    _, results = sparse
+    for out in results:
+        res = out["view"][view]
+        for worst, looks in res["grads"]:
+            assert worst < 1e-6, (view, worst)
+            assert looks == {n: (torch.sparse_coo, True, torch.sparse_coo) for n in ("emb.weight", "bag.weight")}
+        assert max(res["params"]) < 1e-6, (view, res["params"])
+
+
+def test_a_sparse_table_used_on_one_rank_or_none(sparse):
+    _, results = sparse
+    for out in results:
         unused = out["unused"]
         assert unused["one_rank"][0] == torch.sparse_coo and unused["one_rank"][1] < 1e-6
         assert unused["nowhere"] is None  # no gradient on any rank: .grad left alone
+
+
+def test_a_sparse_table_unused_without_find_unused_parameters_is_named(sparse):
+    world, results = sparse
+    for out in results:
+        unused = out["unused"]
         kind, message = unused["strict"]
         assert kind == "UnusedParametersError"
         assert "".join(f"rank {r}: 'bag.weight'" for r in range(1, world))[:20] in message
+
+
+def test_a_model_of_sparse_parameters_only(sparse):
+    _, results = sparse
+    for out in results:
+        unused = out["unused"]
         assert unused["only_sparse"][0] < 1e-6 and unused["only_sparse"][1] == torch.sparse_coo
         assert unused["only_sparse"][2] == [0]  # one bucket, for the control tail alone
 

@@ -238,14 +238,26 @@ def _all_cases(rank, world_size):
     return {name: _run_case(case, rank, world_size) for name, case in CASES.items()}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_equivalent_to_torch_ddp_and_single_process(world_size):
-    results = run_ranks(_all_cases, world_size, timeout=240)
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=["world1", "world2", "world3"])
+def ranks(request):
+    """(world size, every rank's results) of one group of ranks running every case."""
+    return request.param, run_ranks(_all_cases, request.param, timeout=240)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_equivalent_to_torch_ddp_and_single_process(ranks, name):
+    _, results = ranks
     for rank, by_case in enumerate(results):
-        for name, r in by_case.items():
-            assert r["vs_torch"] <= TOLERANCE, (rank, name, r)
-            assert r["vs_single"] <= TOLERANCE, (rank, name, r)
-            assert r["moved"] > 1e-3, (rank, name, "training changed nothing: the test would prove nothing")
+        r = by_case[name]
+        assert r["vs_torch"] <= TOLERANCE, (rank, name, r)
+        assert r["vs_single"] <= TOLERANCE, (rank, name, r)
+        assert r["moved"] > 1e-3, (rank, name, "training changed nothing: the test would prove nothing")
+
+
+# buckets are planned on more than one rank only: the 2- and 3-rank groups above
+@pytest.mark.parametrize("ranks", [2, 3], indirect=True, ids=["world2", "world3"])
+def test_the_cases_cut_the_buckets_they_mean_to(ranks):
+    world_size, results = ranks
     if world_size > 1:
         buckets = results[0]
         assert buckets["many_small_buckets"]["buckets"] >= 5

@@ -105,32 +105,63 @@ def _construction_errors(rank, world_size):
     return out
 
 
-def test_construction_errors_on_every_rank():
-    results = run_ranks(_construction_errors, WORLD, timeout=90)
-    for rank, out in enumerate(results):
+@pytest.fixture(scope="module")
+def construction_errors():
+    """Every rank's results of one group of WORLD ranks running _construction_errors."""
+    return run_ranks(_construction_errors, WORLD, timeout=90)
+
+
+def test_a_parameter_whose_shape_differs_across_ranks_is_named(construction_errors):
+    for out in construction_errors:
         assert out["shape"] == ("RankMismatchError", (
             "DistributedDataParallel parameters, buffers and settings differ across ranks: ranks 2 "
             "disagree with rank 0 (8 vs 8 entries on rank 0 and rank 2). First difference at position 4: "
             "rank 0 has 'branch.weight' shape (16, 16) torch.float32, rank 2 has 'branch.weight' shape "
             "(16, 17) torch.float32"))
+
+
+def test_a_parameter_on_one_rank_only_is_named(construction_errors):
+    for out in construction_errors:
         kind, message = out["count"]
         assert kind == "RankMismatchError"
         assert "ranks 1 disagree with rank 0 (8 vs 10 entries" in message
         assert "rank 0 has nothing, rank 1 has 'extra.weight' shape (2, 2) torch.float32" in message
+
+
+def test_a_parameter_frozen_on_one_rank_only_is_named(construction_errors):
+    for out in construction_errors:
         kind, message = out["frozen"]
         assert "rank 0 has 'head.bias' shape (3,) torch.float32, rank 1 has 'head.bias' shape (3,) torch.float32 frozen" in message
+
+
+def test_settings_that_differ_across_ranks_are_named(construction_errors):
+    for out in construction_errors:
         kind, message = out["settings"]
         assert kind == "RankMismatchError" and "ranks 1, 2 disagree with rank 0" in message
         assert "rank 0 has 'settings' bucket_cap_mb=25, broadcast_buffers=True" in message
         assert "rank 1 has 'settings' bucket_cap_mb=5," in message
+
+
+def test_arguments_refused_on_one_rank_fail_every_rank(construction_errors):
+    for out in construction_errors:
         kind, message = out["refused_on_one_rank"]
         assert kind == "RankMismatchError" and "ranks 2 disagree with rank 0" in message
         assert ("rank 0 has 'arguments' accepted, rank 2 has 'arguments' refused: bucket_cap_mb must be "
                 "positive (MiB per bucket), got -1") in message
+
+
+def test_bad_arguments_are_named(construction_errors):
+    for out in construction_errors:
         assert out["not_module"] == ("TypeError", "module must be a torch.nn.Module, got function")
         assert out["cap_type"] == ("TypeError", "bucket_cap_mb must be a number of MiB or None, got str")
         assert out["cap_zero"] == ("ValueError", "bucket_cap_mb must be positive (MiB per bucket), got 0")
         assert out["flag_type"] == ("TypeError", "find_unused_parameters must be True or False, got 'yes'")
+        assert out["group_type"] == (
+            "TypeError", "process_group must be a torch.distributed ProcessGroup or None, got str")
+
+
+def test_device_ids_that_do_not_fit_the_module_are_named(construction_errors):
+    for out in construction_errors:
         assert out["cpu_device_ids"] == ("ValueError", (
             "device_ids=[0] is for a module on cuda:0, but the module's tensors are on cpu. For a CPU "
             "module (or one spread over devices) leave device_ids=None; otherwise move the module there "
@@ -138,10 +169,12 @@ def test_construction_errors_on_every_rank():
         assert out["two_device_ids"] == (
             "ValueError", "device_ids must name exactly one device (this process's), got [0, 1]")
         assert out["output_device_alone"] == ("ValueError", "output_device=0 needs device_ids; got device_ids=None")
-        assert out["group_type"] == (
-            "TypeError", "process_group must be a torch.distributed ProcessGroup or None, got str")
-        assert out["all_frozen"][0] == "UsageError" and "at least one parameter that requires a gradient" in out["all_frozen"][1]
         assert out["empty_device_ids_ok"] is None
+
+
+def test_a_module_with_nothing_to_train_is_refused(construction_errors):
+    for out in construction_errors:
+        assert out["all_frozen"][0] == "UsageError" and "at least one parameter that requires a gradient" in out["all_frozen"][1]
 
 
 def _backward_errors(rank, world_size):

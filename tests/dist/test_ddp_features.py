@@ -94,17 +94,31 @@ def _later_forwards(rank):
     return out
 
 
-def test_two_forwards_then_backward_with_broadcast_buffers():
-    results = run_ranks(_two_forwards, 2)
-    for rank, out in enumerate(results):
+@pytest.fixture(scope="module")
+def two_forwards():
+    """Every rank's results of one group of 2 ranks running _two_forwards (the tests below)."""
+    return run_ranks(_two_forwards, 2)
+
+
+def test_two_forwards_then_backward_with_broadcast_buffers(two_forwards):
+    for rank, out in enumerate(two_forwards):
         assert out["diff"] < 1e-6
         assert out["replaced"] == (rank != 0)  # only receivers must not write into saved tensors
         assert out["in_place_after"] is True
         assert out["scale"] == [1.0] * 8
+
+
+@pytest.mark.parametrize("name", ["no_sync", "no_grad"])
+def test_a_later_forward_under_no_sync_or_no_grad_keeps_the_averaging(two_forwards, name):
+    for out in two_forwards:
         later = out["later"]
-        for name in ("no_sync", "no_grad"):
-            vs_torch, vs_local = later[name]
-            assert vs_torch < 1e-6 and vs_local > 1e-3, (name, later[name])
+        vs_torch, vs_local = later[name]
+        assert vs_torch < 1e-6 and vs_local > 1e-3, (name, later[name])
+
+
+def test_a_parameter_only_the_no_sync_forward_reaches_is_averaged(two_forwards):
+    for out in two_forwards:
+        later = out["later"]
         assert later["walked"] < 1e-6
 
 
@@ -213,18 +227,47 @@ def _pass_through(rank, world_size):
     return out
 
 
-def test_outputs_args_state_dict_and_modes():
-    results = run_ranks(_pass_through, 2)
-    for rank, out in enumerate(results):
+@pytest.fixture(scope="module")
+def pass_through():
+    """Every rank's results of one group of 2 ranks running _pass_through (the tests below)."""
+    return run_ranks(_pass_through, 2)
+
+
+def test_outputs_and_arguments_pass_through(pass_through):
+    for rank, out in enumerate(pass_through):
         assert (out["tuple"], out["dict"], out["named"], out["dataclass"]) == ("tuple", "dict", "Named", "Pair")
         assert out["seen"] == (2, "dataclass", rank)
         assert out["pair_extra"] == "text"
+
+
+def test_state_dict_keys_and_loading_are_torchs(pass_through):
+    for out in pass_through:
         assert out["keys"] == ["module.count", "module.lin.weight", "module.lin.bias"]  # as torch's DDP
-        assert out["eval"] == (False, False, False) and out["train"] is True
         assert out["loaded"] == [7.0, 7.0]
+
+
+def test_train_and_eval_modes_reach_the_module(pass_through):
+    for out in pass_through:
+        assert out["eval"] == (False, False, False) and out["train"] is True
+
+
+def test_no_sync_restores_the_flag_when_its_body_raises(pass_through):
+    for out in pass_through:
         assert (out["inside"], out["after"]) == (False, True)
+
+
+def test_a_no_grad_forward_between_steps_changes_nothing(pass_through):
+    for out in pass_through:
         assert out["grad_ok"]
+
+
+def test_an_output_left_out_of_the_loss_leaves_its_parameters_without_gradients(pass_through):
+    for out in pass_through:
         assert out["left_out"] == (True, ["right.weight", "right.bias"])
+
+
+def test_the_bucket_plan_is_logged_at_debug_on_rank_0(pass_through):
+    for rank, out in enumerate(pass_through):
         assert out["logged"] == ([] if rank else [
             "bucket plan, in launch order:\n"
             "bucket 0: 0.00 MiB torch.float32 on cpu: lin.bias\n"

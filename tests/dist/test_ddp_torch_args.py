@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -116,8 +117,14 @@ def _accepted(rank, world_size):
     return out
 
 
-def test_accepted_arguments_mean_what_they_mean_in_torch():
-    results = run_ranks(_accepted, 2)
+@pytest.fixture(scope="module")
+def accepted():
+    """Every rank's results of one group of 2 ranks running _accepted (the tests below)."""
+    return run_ranks(_accepted, 2)
+
+
+def test_buffer_flags_mean_what_they_mean_in_torch(accepted):
+    results = accepted
     for rank, out in enumerate(results):
         buffers = out["buffers"]
         # broadcast_buffers=False: the rank's own buffer, at construction too; otherwise rank 0's
@@ -128,21 +135,43 @@ def test_accepted_arguments_mean_what_they_mean_in_torch():
             res = buffers[name]
             assert res["stats"] < 1e-6 and res["flags"] == res["torch_flags"], (name, res)
         assert buffers["default"]["flags"] == (True, True) and buffers["broadcast_buffers=False"]["flags"] == (False, False)
+    # per-rank statistics without forward sync, rank 0's with it
+    fwd = [r["buffers"]["forward_sync_buffers=False"]["own_stats"] for r in results]
+    assert fwd[0] != fwd[1]
+
+
+def test_both_buffer_flags_given_warn_and_forward_sync_wins(accepted):
+    for out in accepted:
+        buffers = out["buffers"]
         assert buffers["both"] == (False, [("FutureWarning", BOTH_BUFFER_FLAGS_WARNING)])
+
+
+def test_without_init_sync_the_replicas_keep_their_own_values(accepted):
+    results = accepted
+    for rank, out in enumerate(results):
         diff, _, mark = out["no_init_sync"]
         assert diff == 0 and mark == [float(rank)] * 3
+    # replicas not synchronised at construction keep their own weights
+    assert results[0]["no_init_sync"][1] != results[1]["no_init_sync"][1]
+
+
+def test_check_reduction_warns_as_torch_does(accepted):
+    for out in accepted:
         ours, torch_warning = out["check_reduction"]
         assert ours == torch_warning == ("FutureWarning", CHECK_REDUCTION_WARNING)
+
+
+def test_dim_skip_unused_batched_copy_and_bucket_cap_list_give_torchs_results(accepted):
+    for out in accepted:
         diff, dim, unused_grad, plan = out["extras"]
         assert diff < 1e-6 and dim == 1 and unused_grad is None
         assert plan == [["unused.bias", "unused.weight", "out.bias", "out.weight", "bn.bias"],  # 104 bytes:
                         ["bn.weight", "lin.bias", "lin.weight"]]  # 0.0001 MiB closes it; then 1 MiB
+
+
+def test_a_device_mesh_gives_torchs_results(accepted):
+    for out in accepted:
         assert out["mesh"][0] < 1e-6 and out["mesh"][1]
-    # replicas not synchronised at construction keep their own weights
-    assert results[0]["no_init_sync"][1] != results[1]["no_init_sync"][1]
-    # per-rank statistics without forward sync, rank 0's with it
-    fwd = [r["buffers"]["forward_sync_buffers=False"]["own_stats"] for r in results]
-    assert fwd[0] != fwd[1]
 
 
 class Lazy(nn.Module):
@@ -180,33 +209,67 @@ def _refused(rank, world_size):
     return out
 
 
-def test_refused_arguments_and_exception_classes():
-    for out in run_ranks(_refused, 2):
+@pytest.fixture(scope="module")
+def refused():
+    """Every rank's results of one group of 2 ranks running _refused (the tests below)."""
+    return run_ranks(_refused, 2)
+
+
+def test_modules_and_meshes_ddp_cannot_take_raise_torchs_exception_classes(refused):
+    for out in refused:
         for name in ("frozen", "lazy", "group and mesh", "2-D mesh"):
             ours, theirs, (kind, _) = out[name]
             assert theirs == {"RuntimeError"} and ours == {"ValueError", "RuntimeError"}, name
             assert kind == "UsageError", name
+
+
+def test_modules_and_meshes_ddp_cannot_take_are_named(refused):
+    for out in refused:
         assert "at least one parameter that requires a gradient" in out["frozen"][2][1]
         assert out["lazy"][2][1] == ("DistributedDataParallel needs initialised parameters; ['lin.weight', "
                                      "'lin.bias'] are not (a lazy module): run one forward pass through the "
                                      "module before wrapping it")
         assert out["group and mesh"][2][1].startswith("DistributedDataParallel takes process_group or device_mesh, not both")
         assert "takes a 1-D device_mesh" in out["2-D mesh"][2][1] and "got a 2-D mesh" in out["2-D mesh"][2][1]
+
+
+def test_delayed_all_reduce_is_refused(refused):
+    for out in refused:
         assert out["delay"] == ("ValueError", (
             "delay_all_reduce_named_params and param_to_hook_all_reduce are torch's (all-reduce some "
             "parameters in one go once another one's gradient is ready); phalanx's DistributedDataParallel "
             "does not hold parameters back: it averages every trainable parameter in its buckets during "
             "the backward. Leave both None"))
+
+
+def test_mixed_precision_is_refused_pointing_to_autocast(refused):
+    for out in refused:
         kind, message = out["mixed_precision"]
         assert kind == "ValueError" and "mixed_precision=<object" in message and "Use torch.autocast" in message
+
+
+def test_dtensor_parameters_are_refused(refused):
+    for out in refused:
         kind, message = out["dtensor"]
         assert kind == "ValueError" and message.startswith("parameters ['weight'] are DTensors")
+
+
+def test_parameters_and_buffers_to_ignore_are_refused(refused):
+    for out in refused:
         assert out["ignore"] == ("ValueError", (
             "the module names parameters and buffers for DDP to ignore (['unused.weight'], set by "
             f"_set_params_and_buffers_to_ignore_for_model): {NOTHING_IGNORED}"))
         assert out["ignore_static"] == ("ValueError", "_set_params_and_buffers_to_ignore_for_model is torch's: "
                                         + NOTHING_IGNORED)
+
+
+def test_a_dim_that_is_not_an_int_is_refused(refused):
+    for out in refused:
         assert out["dim"] == ("TypeError", "dim must be an int (the batch dimension), got '0'")
+
+
+def test_torchs_attributes_phalanx_lacks_are_explained(refused):
+    for out in refused:
         for name, (kind, message) in out["attributes"].items():
             assert kind == "AttributeError", name
             assert message == f"phalanx's DistributedDataParallel has no {name!r}: {TORCH_ONLY_ATTRIBUTES[name]}"

@@ -40,9 +40,14 @@ def _mismatches(rank, world_size):
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_mismatched_collectives_raise_on_every_rank_naming_each(world_size):
-    results = run_ranks(_mismatches, world_size)
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def mismatches(request):
+    """(world size, every rank's results) of one group of ranks running _mismatches."""
+    return request.param, run_ranks(_mismatches, request.param)
+
+
+def test_mismatched_shapes_raise_on_every_rank_naming_each(mismatches):
+    world_size, results = mismatches
     others = ", ".join(map(str, range(1, world_size)))
     plural = "ranks" if world_size > 2 else "rank"
     verb = "are" if world_size > 2 else "is"
@@ -51,10 +56,23 @@ def test_mismatched_collectives_raise_on_every_rank_naming_each(world_size):
             "The ranks are at different collectives: rank 0 is at all_reduce float32[20] "
             f"({_line('shapes')}); {plural} {others} {verb} at all_reduce float32[12] "
             f"({_line('shapes')})"))
+
+
+def test_mismatched_collectives_raise_on_every_rank_naming_each(mismatches):
+    world_size, results = mismatches
+    others = ", ".join(map(str, range(1, world_size)))
+    plural = "ranks" if world_size > 2 else "rank"
+    verb = "are" if world_size > 2 else "is"
+    for out in results:
         assert out["ops"] == ("CollectiveMismatchError", (
             "The ranks are at different collectives: rank 0 is at all_reduce float32[4] "
             f"({_line('op all_reduce')}); {plural} {others} {verb} at broadcast "
             f"float32[4] src=0 ({_line('op broadcast')})"))
+
+
+def test_after_a_mismatch_the_ranks_are_in_step_again(mismatches):
+    world_size, results = mismatches
+    for out in results:
         assert out["after"] == sum(range(world_size)) and out["async"]
 
 
@@ -74,6 +92,7 @@ def _extra_barrier(rank, world_size):
         phalanx.destroy_process_group()
 
 
+@pytest.mark.slow  # waits out the watchdog's limit
 def test_a_rank_that_never_arrives_is_named_on_every_rank_within_the_limit():
     results = run_ranks(_extra_barrier, 2, init=False, timeout=60)
     for rank, (kind, message, culprits, took) in enumerate(results):
@@ -163,7 +182,7 @@ def _straggling(rank, world_size, slow_rank):
         phalanx.destroy_process_group()
 
 
-@pytest.mark.parametrize("slow_rank", [1, None])
+@pytest.mark.parametrize("slow_rank", [pytest.param(1, marks=pytest.mark.slow), None])  # 1: 31 steps of 0.5 s
 def test_a_slow_rank_is_named_although_every_step_takes_as_long(slow_rank):
     results = run_ranks(_straggling, 3 if slow_rank is None else 2, slow_rank, init=False)
     (lines, report), others = results[0], results[1:]

@@ -171,6 +171,7 @@ def _hang_on_a_torch_made_group(rank, world_size):
         return (type(e).__name__, str(e), e.culprits, time.monotonic() - start)
 
 
+@pytest.mark.slow  # waits out the group's timeout
 def test_a_hang_is_reported_on_a_group_torch_made_within_its_timeout():
     results = run_ranks(_hang_on_a_torch_made_group, 2, init=False, timeout=90)
     for rank, (kind, message, culprits, took) in enumerate(results):
@@ -189,6 +190,7 @@ def _monitored_barrier(rank, world_size):
     return error, time.monotonic() - start
 
 
+@pytest.mark.slow  # waits out the barrier's timeout
 def test_a_sync_point_never_outwaits_a_monitored_barriers_own_timeout():
     results = run_ranks(_monitored_barrier, 3, timeout=60)
     error, took = results[0]

@@ -136,20 +136,45 @@ def _against_reference(rank, world_size):
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_local_sgd_and_diloco_equal_the_naive_reference(world_size):
-    for out in run_ranks(_against_reference, world_size):
-        for kind in ("local", "diloco"):
-            assert out[(kind, "moved")] > 0.05  # training did something
-            # 2 ranks: a + b whatever the packing, bit for bit; 3: Gloo's ring order may differ
-            tolerance = 0.0 if world_size == 2 else 1e-6
-            for wrap in ("phalanx", "torch", "plain"):
-                assert out[(kind, wrap)] <= tolerance, (kind, wrap, out[(kind, wrap)])
-            for overlap in (2, EVERY):
-                assert out[(kind, "overlap changed", overlap)] > 1e-4  # a different algorithm
-                for wrap in ("phalanx", "plain"):
-                    assert out[(kind, wrap, overlap)] <= tolerance, (kind, wrap, overlap, out[(kind, wrap, overlap)])
-            assert out[(kind, "finished", EVERY)] <= tolerance
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def against_reference(request):
+    """(world size, every rank's results) of one group of ranks running _against_reference."""
+    return request.param, run_ranks(_against_reference, request.param)
+
+
+@pytest.mark.parametrize("kind", ["local", "diloco"])
+def test_local_sgd_and_diloco_equal_the_naive_reference(against_reference, kind):
+    world_size, results = against_reference
+    for out in results:
+        assert out[(kind, "moved")] > 0.05  # training did something
+        # 2 ranks: a + b whatever the packing, bit for bit; 3: Gloo's ring order may differ
+        tolerance = 0.0 if world_size == 2 else 1e-6
+        for wrap in ("phalanx", "torch", "plain"):
+            assert out[(kind, wrap)] <= tolerance, (kind, wrap, out[(kind, wrap)])
+
+
+@pytest.mark.parametrize("kind", ["local", "diloco"])
+def test_overlapped_meetings_equal_the_naive_reference(against_reference, kind):
+    world_size, results = against_reference
+    for out in results:
+        tolerance = 0.0 if world_size == 2 else 1e-6
+        for overlap in (2, EVERY):
+            assert out[(kind, "overlap changed", overlap)] > 1e-4  # a different algorithm
+            for wrap in ("phalanx", "plain"):
+                assert out[(kind, wrap, overlap)] <= tolerance, (kind, wrap, overlap, out[(kind, wrap, overlap)])
+
+
+@pytest.mark.parametrize("kind", ["local", "diloco"])
+def test_finish_meeting_lands_the_meeting_under_way(against_reference, kind):
+    world_size, results = against_reference
+    for out in results:
+        tolerance = 0.0 if world_size == 2 else 1e-6
+        assert out[(kind, "finished", EVERY)] <= tolerance
+
+
+def test_wrong_arguments_are_named(against_reference):
+    _, results = against_reference
+    for out in results:
         assert out["every"] == ("ValueError", "every must be a positive number of steps, got 0")
         assert out["optimizer"] == ("TypeError", "optimizer must be a torch.optim.Optimizer, got str")
         assert out["compress"] == ("ValueError", "compress must be None or one of ['bf16', 'fp16'], got 'int8'")

@@ -74,20 +74,55 @@ def _agreement_verdicts(rank, world_size):
     }
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_group_helpers_and_errors(world_size):
-    results = run_ranks(_many_checks, world_size)
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def many_checks(request):
+    """(world size, every rank's results) of one group of ranks running _many_checks."""
+    return request.param, run_ranks(_many_checks, request.param)
+
+
+def test_ranks_sizes_backend_and_device(many_checks):
+    world_size, results = many_checks
     for rank, out in enumerate(results):
         assert out["ids"] == (rank, world_size, rank, world_size, "gloo", "cpu")
+
+
+def test_broadcast_tensors_sends_rank_0s_values_across_dtypes_and_chunks(many_checks):
+    _, results = many_checks
+    for out in results:
         assert out["broadcast"] == [[[0.0] * 4] * 3, [0] * 5, [0.5] * 7]
+
+
+def test_all_reduce_any_is_true_everywhere_iff_true_somewhere(many_checks):
+    _, results = many_checks
+    for out in results:
         assert out["any"] == (True, False)
+
+
+def test_torchs_collectives_under_phalanxs_names(many_checks):
+    world_size, results = many_checks
+    for out in results:
         assert out["torch_collectives"] == (world_size * (world_size + 1) / 2, True, "gloo")
+
+
+def test_items_that_differ_across_ranks_name_the_first_difference(many_checks):
+    _, results = many_checks
+    for out in results:
         assert out["mismatch"] == (
             "parameters differ across ranks: ranks 1 disagree with rank 0 (2 vs 2 entries on "
             "rank 0 and rank 1). First difference at position 1: rank 0 has 'b' (3,), "
             "rank 1 has 'b' (4,)"
         )
+
+
+def test_init_twice_is_named(many_checks):
+    world_size, results = many_checks
+    for rank, out in enumerate(results):
         assert f"already rank {rank} of {world_size}" in out["twice"]
+
+
+def test_agree_raises_each_ranks_problem_on_every_rank(many_checks):
+    world_size, results = many_checks
+    for rank, out in enumerate(results):
         verdicts, last = out["agree"], world_size - 1
         assert verdicts["none"] is None and verdicts["decided_ok"] is None
         assert verdicts["all_same"] == ("ValueError", "bad lr")
@@ -199,13 +234,23 @@ def _every_init_method(rank, world_size, ports, tmp):
     return out
 
 
-def test_explicit_rank_and_world_size_with_every_init_method(tmp_path):
+@pytest.fixture(scope="module")
+def every_init_method(tmp_path_factory):
+    """Every rank's results of one group of 2 ranks running _every_init_method."""
     ports = [free_port() for _ in range(4)]
-    results = run_ranks(_every_init_method, 2, ports, str(tmp_path), init=False,
-                        env={k: None for k in _LAUNCHER_VARS})
-    for rank, out in enumerate(results):
-        for name in ("environ", "env://", "tcp://", "file://", "store="):
-            assert out[name] == ("arguments", rank, rank, 2, 3.0), (name, out[name])
+    tmp_path = tmp_path_factory.mktemp("init_methods")
+    return run_ranks(_every_init_method, 2, ports, str(tmp_path), init=False,
+                     env={k: None for k in _LAUNCHER_VARS})
+
+
+@pytest.mark.parametrize("name", ["environ", "env://", "tcp://", "file://", "store="])
+def test_explicit_rank_and_world_size_with_every_init_method(every_init_method, name):
+    for rank, out in enumerate(every_init_method):
+        assert out[name] == ("arguments", rank, rank, 2, 3.0), (name, out[name])
+
+
+def test_world_size_without_rank_is_named(every_init_method):
+    for out in every_init_method:
         assert out["half"] == (
             "EnvironmentConfigError", "init_process_group() got world_size= but no rank=, and "
             "RANK is not set in the environment; pass both rank= and world_size=")
@@ -243,6 +288,7 @@ def test_srun_without_launcher():
     assert results == [("slurm", r, 2, r, port, 1.0) for r in range(2)]
 
 
+@pytest.mark.slow  # both ranks wait out the rendezvous timeout
 def test_a_rank_that_never_joins_is_named():
     # a world of 3 in which only ranks 0 and 2 start: both name rank 1 after the timeout
     port = free_port()

@@ -1,5 +1,6 @@
 """DistributedSampler on real ranks: defaults from the process group, one cursor, exact eval."""
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
@@ -40,12 +41,30 @@ def _checks(rank, world_size):
     return out
 
 
-def test_defaults_cursor_and_exact_evaluation():
-    results = run_ranks(_checks, 3)
-    true_sum = float(sum(range(N)) * 10)
-    for rank, out in enumerate(results):
+@pytest.fixture(scope="module")
+def checks():
+    """Every rank's results of one group of 3 ranks running _checks (the tests below)."""
+    return run_ranks(_checks, 3)
+
+
+def test_defaults_come_from_the_process_group(checks):
+    for rank, out in enumerate(checks):
         assert out["ids"] == (rank, 3)
+
+
+def test_every_rank_reports_the_same_global_cursor(checks):
+    for out in checks:
         assert out["states_agree"] and out["position"] == 6
+
+
+def test_without_padding_evaluation_is_exact(checks):
+    true_sum = float(sum(range(N)) * 10)
+    for out in checks:
         assert out["exact"] == [true_sum, float(N)]
+
+
+def test_padding_by_default_counts_samples_twice_as_torch_does(checks):
+    true_sum = float(sum(range(N)) * 10)
+    for out in checks:
         # torch's behaviour, kept as the default: samples 0 and 1 (values 0, 10) counted twice
         assert out["padded"] == [true_sum + 10.0, float(N + 2)]

@@ -7,6 +7,7 @@ import os
 from datetime import timedelta
 
 import psutil
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -69,6 +70,7 @@ def _expect_error(rank, world_size):
     return None
 
 
+@pytest.mark.slow  # rank 0 waits out its rendezvous timeout
 def test_a_rank_with_another_secret_is_refused():
     results = run_ranks(_expect_error, 2, init=False, env=lambda r: {
         "PHALANX_JOB_SECRET": SECRET if r == 0 else "another-secret-0123456789"})

@@ -167,33 +167,68 @@ def _all_cases(rank, world_size):
     return out
 
 
+def _check_case(rank, out, name, kwargs):
+    case = out[name]
+    for what, err in case["errs"].items():
+        assert err <= TOL, (rank, name, what, err)
+    # one all-reduce forward, one backward; eval communicates nothing
+    assert case["collectives"] == [2] * STEPS, (rank, name)
+    assert case["eval_collectives"] == 0, (rank, name)
+    assert case["tracked"] == (STEPS if kwargs.get("track_running_stats", True) else None)
+
+
 def _check_cases(rank, out):
     for name, _sizes, _trail, kwargs in CASES:
-        case = out[name]
-        for what, err in case["errs"].items():
-            assert err <= TOL, (rank, name, what, err)
-        # one all-reduce forward, one backward; eval communicates nothing
-        assert case["collectives"] == [2] * STEPS, (rank, name)
-        assert case["eval_collectives"] == 0, (rank, name)
-        assert case["tracked"] == (STEPS if kwargs.get("track_running_stats", True) else None)
+        _check_case(rank, out, name, kwargs)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_matches_batchnorm_on_the_concatenated_batch(world_size):
-    results = run_ranks(_all_cases, world_size)
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def all_cases(request):
+    """(world size, every rank's results) of one group of ranks running _all_cases."""
+    return request.param, run_ranks(_all_cases, request.param)
+
+
+# the checks that need three ranks: the world3 group above, the world2 one has no results for them
+ON_3_RANKS = pytest.mark.parametrize("all_cases", [3], indirect=True, ids=["world3"])
+
+
+@pytest.mark.parametrize("name, kwargs", [(name, kwargs) for name, _, _, kwargs in CASES],
+                         ids=[name for name, *_ in CASES])
+def test_matches_batchnorm_on_the_concatenated_batch(all_cases, name, kwargs):
+    _, results = all_cases
     for rank, out in enumerate(results):
-        _check_cases(rank, out)
+        _check_case(rank, out, name, kwargs)
+
+
+@ON_3_RANKS
+def test_a_subgroup_pools_the_statistics_of_its_ranks_only(all_cases):
+    world_size, results = all_cases
+    for rank, out in enumerate(results):
         if world_size == 3 and rank < 2:
             assert out["subgroup"] <= TOL, out["subgroup"]
+
+
+def test_a_large_mean_keeps_the_statistics_exact(all_cases):
+    _, results = all_cases
+    for out in results:
         big = out["large_mean"]
         # float32 sums of squares would be off by ~100% here (E[x^2] ~ 1e8, var ~ 4)
         assert big["mean_rel"] <= 1e-7 and big["var_rel"] <= 1e-5, big
         assert big["out_err"] <= 2 * big["torch_out_err"], big
+
+
+def test_one_value_per_channel_over_all_ranks_raises_on_every_rank(all_cases):
+    _, results = all_cases
+    for rank, out in enumerate(results):
         assert "Expected more than 1 value per channel when training, got 1 value per channel " \
             "over all ranks" in out["single_value"], rank
+
+
+def test_eval_mode_equals_torchs_without_communicating(all_cases):
+    _, results = all_cases
+    for rank, out in enumerate(results):
         for track, (err, collectives) in out["eval_like_torch"].items():
             assert err <= TOL and collectives == 0, (rank, track, err, collectives)
-
 
 
 def _cnn():
@@ -236,13 +271,21 @@ def _ddp_cases(rank, world_size):
     return {flag: _train_in_ddp(rank, world_size, [3, 0, 4], flag) for flag in (True, False)}
 
 
-def test_inside_phalanx_ddp_with_and_without_broadcast_buffers():
-    for rank, out in enumerate(run_ranks(_ddp_cases, 3)):
-        for flag, errs in out.items():
-            # 7 layers x (weight, bias), 3 BNs x 3 buffers, the eval output
-            assert len(errs) == 24, errs
-            for what, err in errs.items():
-                assert err <= TOL, (rank, flag, what, err)
+@pytest.fixture(scope="module")
+def ddp_cases():
+    """Every rank's results of one group of 3 ranks running _ddp_cases."""
+    return run_ranks(_ddp_cases, 3)
+
+
+@pytest.mark.parametrize("flag", [True, False], ids=["broadcast_buffers=True", "broadcast_buffers=False"])
+def test_inside_phalanx_ddp_with_and_without_broadcast_buffers(ddp_cases, flag):
+    for rank, out in enumerate(ddp_cases):
+        errs = out[flag]
+        # 7 layers x (weight, bias), 3 BNs x 3 buffers, the eval output
+        assert len(errs) == 24, errs
+        for what, err in errs.items():
+            assert err <= TOL, (rank, flag, what, err)
+
 
 def _cuda_cases(rank, world_size):
     phalanx.init_process_group(backend="nccl")  # pins this rank to cuda:LOCAL_RANK

@@ -314,21 +314,35 @@ def _plain_run(name, steps, state_dict=None, first_step=0):
     return model, opt
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_equivalence_memory_and_add_param_group(world_size):
-    results = run_ranks(_train_checks, world_size)
-    for name in OPTIMIZERS:
-        expected = _flat(_plain_run(name, STEPS)[0])
-        for out in results:
-            mine = out[name]
-            assert mine["diff"] <= TOL, (name, mine["diff"])
-            assert (torch.tensor(mine["params"]) - expected).abs().max().item() <= TOL, name
-            assert mine["params"] == results[0][name]["params"]  # replicas identical
-            assert mine["owners"] == results[0][name]["owners"]
-            assert all(z == p for z, p in mine["lrs"]), name
-            assert mine["lrs"][0][0] != mine["lrs"][-1][0], name  # the scheduler did act
-            assert all(abs(a - b) <= TOL for a, b in mine["losses"]), name
-        assert sorted(set(results[0][name]["owners"])) == list(range(world_size))
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def ranks(request):
+    """(world size, every rank's results) of one group of ranks running all of _train_checks:
+    one spawn for the tests below, each asserting one check."""
+    return request.param, run_ranks(_train_checks, request.param)
+
+
+# the checks that need three ranks: the world3 group above, the world2 one has no results for them
+ON_3_RANKS = pytest.mark.parametrize("ranks", [3], indirect=True, ids=["world3"])
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_equivalent_to_the_plain_optimizer_with_its_scheduler_and_closures(ranks, name):
+    world_size, results = ranks
+    expected = _flat(_plain_run(name, STEPS)[0])
+    for out in results:
+        mine = out[name]
+        assert mine["diff"] <= TOL, (name, mine["diff"])
+        assert (torch.tensor(mine["params"]) - expected).abs().max().item() <= TOL, name
+        assert mine["params"] == results[0][name]["params"]  # replicas identical
+        assert mine["owners"] == results[0][name]["owners"]
+        assert all(z == p for z, p in mine["lrs"]), name
+        assert mine["lrs"][0][0] != mine["lrs"][-1][0], name  # the scheduler did act
+        assert all(abs(a - b) <= TOL for a, b in mine["losses"]), name
+    assert sorted(set(results[0][name]["owners"])) == list(range(world_size))
+
+
+def test_each_rank_holds_the_state_of_its_own_parameters_only(ranks):
+    world_size, results = ranks
     mem = [out["memory"] for out in results]
     total, per_param, owners = mem[0]["total"], mem[0]["per_param"], mem[0]["owners"]
     for rank, m in enumerate(mem):
@@ -338,6 +352,10 @@ def test_equivalence_memory_and_add_param_group(world_size):
     assert sum(m["local"] for m in mem) == total
     assert all(m["diff"] <= TOL and m["checksum"] == mem[0]["checksum"] for m in mem)
     assert owners.count(owners[0]) == 1  # the big table's owner holds nothing else
+
+
+def test_bucket_views_one_buffer_and_one_broadcast_per_owner(ranks):
+    world_size, results = ranks
     for rank, out in enumerate(results):
         buckets = out["buckets"]
         assert buckets["diff"] <= TOL and buckets["scaled"] == [-0.5] * 3
@@ -347,19 +365,32 @@ def test_equivalence_memory_and_add_param_group(world_size):
         assert buckets["broadcasts"] == 2 * len(owners)  # one broadcast per owner and step
         assert buckets["dtypes"] == ["torch.float32"] * 6 + ["torch.float64"]
         assert buckets["attrs"] == (world_size, rank, rank, True, True)
+
+
+def test_add_param_group_equals_the_plain_optimizers(ranks):
+    _, results = ranks
     for out in results:
         add = out["add_group"]
         assert add["diff"] <= TOL
         assert add["owners_after"][:3] == add["owners_before"]
         assert len(add["owners_after"]) == 6 and add["lr"] == [0.1, 0.02]
     assert sum(sum(out["add_group"]["local_groups"]) for out in results) == 6
-    if world_size == 3:
-        sub = [out["subgroup"] for out in results]
-        assert sub[0] is None and all(s["diff"] <= TOL for s in sub[1:])
-        assert set(sub[1]["owners"]) == {0, 1} and sub[2]["state"] == list(range(6))
-        tiny = [out["tiny"] for out in results]
-        assert [t["local"] for t in tiny] == [1, 1, 0] and tiny[2]["state"] == [0, 1]
-        assert all(t["diff"] <= TOL for t in tiny)
+
+
+@ON_3_RANKS
+def test_over_a_subgroup_owners_and_consolidation_are_in_its_ranks(ranks):
+    _, results = ranks
+    sub = [out["subgroup"] for out in results]
+    assert sub[0] is None and all(s["diff"] <= TOL for s in sub[1:])
+    assert set(sub[1]["owners"]) == {0, 1} and sub[2]["state"] == list(range(6))
+
+
+@ON_3_RANKS
+def test_a_rank_that_owns_nothing_still_steps_and_consolidates(ranks):
+    _, results = ranks
+    tiny = [out["tiny"] for out in results]
+    assert [t["local"] for t in tiny] == [1, 1, 0] and tiny[2]["state"] == [0, 1]
+    assert all(t["diff"] <= TOL for t in tiny)
 
 
 def _expect(errors, key, fn, kind):
@@ -450,12 +481,21 @@ def _error_checks(rank, world_size):
     return errors
 
 
-def test_errors_name_what_is_wrong():
-    results = run_ranks(_error_checks, 2)
-    for rank, errors in enumerate(results):
+@pytest.fixture(scope="module")
+def error_results():
+    """Every rank's errors from one group of 2 ranks running _error_checks (the tests below)."""
+    return run_ranks(_error_checks, 2)
+
+
+def test_a_wrong_optimizer_class_is_named(error_results):
+    for errors in error_results:
         assert errors["class"].startswith(
             "TypeError: optimizer_class must be a torch.optim.Optimizer subclass such as "
             "torch.optim.AdamW, got Adam (")
+
+
+def test_parameters_that_differ_across_ranks_are_named(error_results):
+    for errors in error_results:
         for key in ("mismatch", "add_mismatch"):
             assert errors[key].startswith("RankMismatchError: ZeroRedundancyOptimizer parameters "
                                           "differ across ranks: ranks 1 disagree with rank 0"), key
@@ -463,21 +503,41 @@ def test_errors_name_what_is_wrong():
                 "'torch.float32')") in errors["mismatch"]
         assert "rank 0 has 'param group 2 parameter 0' ((2,)," in errors["add_mismatch"]
         assert errors["groups_after_add"] == 2
+
+
+def test_state_dict_needs_a_fresh_consolidation_to_a_valid_rank(error_results):
+    for rank, errors in enumerate(error_results):
         assert errors["to"] == ("ValueError: Invalid rank 2 for consolidate_state_dict(to=...), "
                                 "rank should be in the interval [0, 1]")
         assert errors["unconsolidated"].startswith(
             f"RuntimeError: state_dict() on rank {rank}: no consolidated state here")
         assert errors["stale"].startswith(f"RuntimeError: state_dict() on rank {rank}")
+
+
+def test_state_cannot_be_set(error_results):
+    for errors in error_results:
         assert "ZeroRedundancyOptimizer.state is this rank's shard" in errors["setter"]
+
+
+def test_overlap_with_ddp_and_a_non_bool_bucket_view_are_refused(error_results):
+    for errors in error_results:
         assert errors["overlap"].startswith(
             "ValueError: overlap_with_ddp=True is not supported: it runs the optimizer step "
             "inside a torch DDP communication hook, and phalanx's DDP runs no ZeRO step in its hooks.")
         assert "call ddp.shard_gradients(zero) on every rank" in errors["overlap"]
         assert errors["flag"] == "TypeError: parameters_as_bucket_view must be a bool, got str 'yes'"
+
+
+def test_torchs_join_hooks_point_to_phalanxs_join(error_results):
+    for errors in error_results:
         assert errors["join"] == errors["join_device"] == errors["join_group"] == (
             "NotImplementedError: ZeroRedundancyOptimizer joins phalanx's join, not torch's Join: "
             "for uneven inputs use `with phalanx.join(model, optimizer):` "
             "(phalanx.Join([model, optimizer]))")
+
+
+def test_a_state_dict_that_does_not_fit_is_named(error_results):
+    for errors in error_results:
         assert errors["not_dict"] == ("TypeError: state_dict must be a dict as returned by "
                                       "ZeroRedundancyOptimizer.state_dict(), got list")
         assert errors["keys"].startswith("ValueError: state_dict lacks ['param_groups']")
@@ -492,9 +552,17 @@ def test_errors_name_what_is_wrong():
         assert errors["unknown_id"] == (
             "ValueError: state_dict does not fit: it has state for parameter ids [99] that none "
             "of its parameter groups lists")
+
+
+def test_the_failures_changed_nothing_and_a_fitting_state_dict_loads_with_torchs_hooks(error_results):
+    for rank, errors in enumerate(error_results):
         assert errors["unchanged"] and errors["reloaded"]
         assert errors["hooks"] == ((["load pre", "load post", "pre"], "post") if rank == 0 else
                                    (["load pre", "load post"], None))
+
+
+def test_a_plain_optimizers_state_dict_loads_each_ranks_share(error_results):
+    results = error_results
     owned = [errors["from_plain"][0] for errors in results]
     assert sum(owned) == 6 and all(n > 0 for n in owned)
     assert all(errors["from_plain"][1:] == (0.02, True) for errors in results)

@@ -252,10 +252,16 @@ def _assert_equivalent(name, case, results):
         assert sum(len(o - shared) for o in owned) == len(set.union(*owned) - shared)  # one owner each
 
 
-def test_stage2_trains_like_plain_ddp_and_unsharded_optimizer(ranks):
+@pytest.mark.parametrize("name", list(CASES))
+def test_stage2_trains_like_plain_ddp_and_unsharded_optimizer(ranks, name):
+    _, results = ranks
+    case = CASES[name]
+    _assert_equivalent(name, case, [out[name] for out in results])
+
+
+@pytest.mark.parametrize("ranks", [3], indirect=True, ids=["world3"])  # the 3-rank group only
+def test_stage2_over_a_subgroup_trains_like_plain_ddp(ranks):
     world_size, results = ranks
-    for name, case in CASES.items():
-        _assert_equivalent(name, case, [out[name] for out in results])
     if world_size == 3:  # DDP and ZeRO over global ranks [1, 2]: owners mapped to global ranks
         sub = [out["errors"]["subgroup"]["train"] for out in results[1:]]
         _assert_equivalent("subgroup", CASES["adam_no_sync_clip"], sub)

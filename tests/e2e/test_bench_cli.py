@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from tests.e2e.launch_helpers import base_env, finish, start
 
 HEADER = ("| model | implementation | processes | step ms (median) | phalanx/torch (median of "
           "paired step ratios; lower is better) | samples/s | scaling efficiency | exposed comm ms |")
 
 
+@pytest.mark.slow  # timing runs of both implementations
 def test_bench_prints_the_table_and_writes_the_chart(tmp_path):
     cmd = [sys.executable, "-m", "phalanx", "bench", "--model", "cnn", "--nproc-per-node", "2", "--steps", "2",
            "--repeats", "1", "--warmup", "1", "--batch-size", "4", "--out", str(tmp_path)]

@@ -6,8 +6,12 @@ from __future__ import annotations
 import re
 import sys
 
+import pytest
+
 from tests.e2e.launch_helpers import SCRIPTS, base_env, run
 from tests.harness import free_port
+
+pytestmark = pytest.mark.slow  # torch's DDP tutorial, run whole with mp.spawn
 
 
 def test_the_ddp_tutorial_runs_with_mp_spawn_and_phalanx_imports(tmp_path):

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 from tests.e2e.launch_helpers import (
@@ -34,6 +35,8 @@ from tests.e2e.launch_helpers import (
     wait_for_files,
 )
 from tests.harness import free_port
+
+pytestmark = pytest.mark.slow  # launchers lost, replaced and outlived, training for real
 
 SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "ckpt_train.py")
 SAMPLES, EPOCHS = 96, 2  # the script's defaults
@@ -79,6 +82,7 @@ def _ss(ns: str) -> list[tuple[str, int]]:
                                               capture_output=True, text=True).stdout)
 
 
+@pytest.mark.netns
 def test_a_node_lost_then_back_in_network_namespaces(tmp_path):
     """--nnodes 1:2, 2 nodes x 1 rank: node 1's launcher is SIGKILLed mid-training, node 0
     goes on alone from the last checkpoint; node 1 started again (without --node-rank) is

@@ -12,6 +12,8 @@ import pytest
 
 from tests.e2e.launch_helpers import ROOT, base_env, finish, phalanx_cmd, start
 
+pytestmark = pytest.mark.slow  # the example trains the digits for real, three times
+
 EXAMPLE = str(ROOT / "examples" / "train_digits.py")
 _FINAL = re.compile(r"final test accuracy (\d+\.\d+)% on 359 samples \((\d) process(es)?\)")
 

@@ -6,11 +6,14 @@ import json
 import os
 import sys
 
+import pytest
 import torch
 
 from phalanx.launcher.environment import usable_cpus
 from tests.e2e.launch_helpers import BEHAVE, TRAIN, base_env, phalanx_cmd, run
 from tests.harness import free_port
+
+pytestmark = pytest.mark.slow  # torch scripts under both launchers
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 

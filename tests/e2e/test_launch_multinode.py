@@ -29,6 +29,8 @@ from tests.e2e.launch_helpers import (
 )
 from tests.harness import free_port
 
+pytestmark = pytest.mark.slow  # two launchers per test, most of them training with torch
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
@@ -66,6 +68,7 @@ def test_two_nodes_on_loopback_equal_one_node(tmp_path, reference):
     _assert_same(torch.load(out), reference)
 
 
+@pytest.mark.netns
 def test_two_nodes_in_network_namespaces_equal_one_node(tmp_path, reference):
     out, listeners = tmp_path / "params.pt", tmp_path / "listeners"
     with veth_namespaces() as nodes:

@@ -1,7 +1,8 @@
 """phalanx run supervising real worker processes: failures, restarts, signals, orphans, logs.
 
 The workers here (tests/e2e/scripts/behave.py) do not import torch, so each launch takes a
-fraction of a second; the launcher is the thing under test.
+fraction of a second; the launcher is the thing under test. A worker's failure, a restart and
+a SIGKILLed launcher stay in the fast tier (`pytest -m "not slow"`); the rest is marked slow.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def test_restart_after_a_first_attempt_failure_succeeds(tmp_path):
     assert "succeeded on attempt 2" in res.err
 
 
+@pytest.mark.slow
 def test_a_worker_that_always_fails_gets_exactly_three_attempts(tmp_path):
     # It writes torch elastic's error file, as a script decorated with @record does: the
     # launcher shows that file's traceback.
@@ -98,6 +100,7 @@ def test_a_worker_that_always_fails_gets_exactly_three_attempts(tmp_path):
             "[phalanx]   ValueError: recorded by @record\n") in res.err
 
 
+@pytest.mark.slow
 def test_a_preempted_worker_is_reported_as_resumable_and_not_restarted(tmp_path):
     res = run(_launch(tmp_path, "--sleep", "60", "--fail-rank", "1",
                       "--exit-code", str(PREEMPTED_EXIT_CODE),
@@ -122,6 +125,7 @@ def _children(tmp_path) -> list[int]:
     return [int((tmp_path / f"child.{r}").read_text()) for r in (0, 1)]
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_is_forwarded_and_preemption_reported(tmp_path):
     # The workers catch SIGTERM and exit 75, as phalanx's preemption handler makes them do,
     # after checking that the child each started (a DataLoader worker, say) is still alive:
@@ -140,6 +144,7 @@ def test_sigterm_to_the_launcher_is_forwarded_and_preemption_reported(tmp_path):
     assert not wait_all_gone(_children(tmp_path), timeout=5)  # the leftovers killed after
 
 
+@pytest.mark.slow
 def test_sigusr1_is_only_forwarded_and_the_preempted_exit_reported(tmp_path):
     # Slurm's --signal announces preemption with SIGUSR1: the launcher passes it on to each
     # worker's main process and keeps watching; the workers, whose children must not die of
@@ -154,6 +159,7 @@ def test_sigusr1_is_only_forwarded_and_the_preempted_exit_reported(tmp_path):
     assert not wait_all_gone(_children(tmp_path), timeout=5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP, signal.SIGTERM])
 def test_stop_signals_end_every_worker_within_the_shutdown_timeout(tmp_path, signum):
     proc, _ = _start_and_wait(tmp_path, "--sleep", "60",
@@ -168,6 +174,7 @@ def test_stop_signals_end_every_worker_within_the_shutdown_timeout(tmp_path, sig
     assert f"signal {signum.name}" in res.err  # each worker died of the forwarded signal
 
 
+@pytest.mark.slow
 def test_a_worker_ignoring_sigterm_is_killed_after_the_configured_timeout(tmp_path):
     timeout = 2.0
     proc, _ = _start_and_wait(tmp_path, "--sleep", "60", "--ignore-sigterm", "0", "--grandchild",
@@ -207,6 +214,7 @@ def test_no_worker_outlives_a_sigkilled_launcher(tmp_path):
     assert not os.path.exists(scratch)  # the launcher's scratch directory went with it
 
 
+@pytest.mark.slow
 def test_log_dir_files_redirects_and_filters_per_rank(tmp_path):
     logs = tmp_path / "logs"
     opts = ("--standalone", "--nproc-per-node", "2", "--log-dir", str(logs), "--rdzv-id", "job")
@@ -236,6 +244,7 @@ def test_log_dir_files_redirects_and_filters_per_rank(tmp_path):
     assert again.out.splitlines() == ["worker 1 attempt 0 ready", "worker 1 done"]
 
 
+@pytest.mark.slow
 def test_a_hang_names_the_late_rank_as_the_root_cause():
     res = run(phalanx_cmd("--standalone", "--nproc-per-node", "2", "--watchdog", "5",
                           "--shutdown-timeout", "5", str(SCRIPTS / "hang.py")), timeout=60)

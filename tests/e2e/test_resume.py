@@ -22,6 +22,8 @@ from phalanx.checkpoint import read_checkpoint
 from phalanx.checkpoint.file import list_checkpoints
 from phalanx.errors import PREEMPTED_EXIT_CODE
 
+pytestmark = pytest.mark.slow  # launcher runs training for real, killed and resumed
+
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ckpt_train.py"
 SAMPLES, STEPS_PER_EPOCH, EPOCHS = 96, 12, 2  # the script's defaults, on 2 ranks
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
