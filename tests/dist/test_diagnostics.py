@@ -238,3 +238,28 @@ def test_the_hint_fits_a_lonely_barrier_and_a_lonely_evaluation():
             "rank"), out["evaluation"]
         assert (f"rank 0 is at DistributedDataParallel forward without gradients "
                 f"({_line('evaluation through ddp')})") in out["evaluation"]
+
+
+def _gross_straggler(rank, world_size):
+    import logging
+
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logging.getLogger("phalanx.diagnostics").addHandler(Keep())
+    model = phalanx.DistributedDataParallel(torch.nn.Linear(16, 16))
+    for _ in range(6):
+        if rank == 1:
+            time.sleep(0.3)  # a rank far slower than the other
+        model(torch.randn(32, 16)).sum().backward()
+    return seen
+
+
+def test_a_gross_straggler_is_named_after_a_handful_of_steps():
+    lines, quiet = run_ranks(_gross_straggler, 2)  # the default window: 200 steps
+    assert len(lines) == 1 and lines[0].startswith("straggler: rank 1 is "), lines
+    assert "in time between steps (data, optimizer, logging): 0.3" in lines[0], lines
+    assert quiet == []

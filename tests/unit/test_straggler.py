@@ -35,3 +35,12 @@ def test_a_rank_slower_in_its_data_is_named_and_even_ranks_are_not():
     compute = assess([[0.21, 0.0, 0.01], [0.1, 0.11, 0.01], [0.1, 0.11, 0.01]], steps=10)
     assert compute["slow"] == [0] and "in forward+backward: 0.210 s" in compute["lines"][0]
     assert compute["ranks"][0] == {"compute": 0.21, "wait": 0.0, "between": 0.01}
+
+
+def test_a_long_window_takes_a_first_look_after_five_steps():
+    clock = StepClock(every=200)
+    _steps(clock, compute=0.1, between=0.0, wait=0.0, n=5)
+    assert clock.due()
+    short = StepClock(every=10)
+    _steps(short, compute=0.1, between=0.0, wait=0.0, n=5)
+    assert not short.due()

@@ -11,7 +11,9 @@ Each synchronising DDP step, every rank splits its time three ways:
   the optimizer step, logging, whatever the script does between steps.
 
 A slow rank shows in compute or between; the others in wait. Every ``every`` steps the ranks
-exchange the medians of their last ``every`` steps, and rank 0 logs one line per rank whose
+exchange the medians of their last ``every`` steps (with a window longer than
+:data:`EARLY_WINDOW_MIN` steps, also once after the first :data:`EARLY_STEPS`, so that a gross
+straggler is named in a short run too), and rank 0 logs one line per rank whose
 compute + between is above :data:`SLOW_RATIO` times the median of the other ranks' and more
 than :data:`MIN_GAP_S` above it. :func:`phalanx.straggler_report` returns the last figures.
 """
@@ -32,6 +34,11 @@ MIN_GAP_S = 0.005
 # Default report interval in steps: a line at most every few hundred steps, and medians over
 # enough steps to be steady.
 DEFAULT_EVERY = 200
+# The first look: after this many steps (the first step's "between" is never measured, so 4
+# measured gaps), when the window is longer than EARLY_WINDOW_MIN (a window of 20 steps or fewer
+# is a first look already).
+EARLY_STEPS = 5
+EARLY_WINDOW_MIN = 20
 PHASES = ("compute", "wait", "between")
 
 
@@ -86,7 +93,10 @@ class StepClock:
     def due(self) -> bool:
         """Whether the next forward's sync point should carry a report (every rank agrees: the
         ranks' step counts are equal, or the sync point itself fails first)."""
-        return self.every > 0 and self.steps > 0 and self.steps % self.every == 0
+        if self.every <= 0 or self.steps == 0:
+            return False
+        early = self.every > EARLY_WINDOW_MIN and self.steps == EARLY_STEPS
+        return early or self.steps % self.every == 0
 
     def take(self) -> list[float]:
         """This window's medians (compute, wait, between), and a fresh window."""
