@@ -50,7 +50,7 @@ class _Attached:
 
     def close(self) -> str | None:
         """Stop (once); the collectives still under way, described, if any (else ``None``)."""
-        atexit.unregister(self.close)
+        atexit.unregister(self.close_at_exit)
         if self._closed:
             return None
         self._closed = True
@@ -64,8 +64,13 @@ class _Attached:
                    "this rank, whose state now differs from the others': finish them on every "
                    "rank first (an overlapped LocalSGD/DiLoCo meeting: finish_meeting() after "
                    "the last step)")
-        _log.error("%s", problem)  # at exit nobody else would say it
         return problem
+
+    def close_at_exit(self) -> None:
+        """The script never destroyed the group: nobody else would say what was left."""
+        problem = self.close()
+        if problem is not None:
+            _log.error("%s", problem)
 
 
 def ledger() -> Ledger:
@@ -107,8 +112,8 @@ def attach(group: Any, enabled: bool = True, straggler_every: int = DEFAULT_EVER
         # The watchdog thread must stop before the interpreter finalises: a daemon thread coming
         # back from a store call then is killed inside C++ and the process aborts ("terminate
         # called without an active exception"; seen in 1 of 3 runs ending in a hang report).
-        atexit.register(found.close)
-        weakref.finalize(group, found.close)
+        atexit.register(found.close_at_exit)
+        weakref.finalize(group, found.close_at_exit)
     _ATTACHED[group] = found
     return found
 
