@@ -159,7 +159,8 @@ def test_a_rank_that_runs_out_of_batches_is_named_on_every_rank():
         assert out["after"]
 
 
-def _straggling(rank, world_size, slow_rank):
+def _diagnostics_lines() -> list[str]:
+    """The messages phalanx's diagnostics log in this rank from now on."""
     import logging
 
     seen = []
@@ -169,6 +170,11 @@ def _straggling(rank, world_size, slow_rank):
             seen.append(record.getMessage())
 
     logging.getLogger("phalanx.diagnostics").addHandler(Keep())
+    return seen
+
+
+def _straggling(rank, world_size, slow_rank):
+    seen = _diagnostics_lines()
     phalanx.init_process_group(backend="gloo", straggler_every=10)
     try:
         torch.manual_seed(0)
@@ -241,15 +247,7 @@ def test_the_hint_fits_a_lonely_barrier_and_a_lonely_evaluation():
 
 
 def _gross_straggler(rank, world_size):
-    import logging
-
-    seen = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            seen.append(record.getMessage())
-
-    logging.getLogger("phalanx.diagnostics").addHandler(Keep())
+    seen = _diagnostics_lines()
     model = phalanx.DistributedDataParallel(torch.nn.Linear(16, 16))
     for _ in range(6):
         if rank == 1:
