@@ -58,6 +58,7 @@ _LAZY = {
     "MetricSum": "metrics",
     "straggler_report": "diagnostics",
     "ZeroRedundancyOptimizer": "zero",
+    "ShardedGradScaler": "zero",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
@@ -82,7 +83,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .sampler import DistributedSampler
     from .sync_batchnorm import SyncBatchNorm
     from .uneven import Join, join
-    from .zero import ZeroRedundancyOptimizer
+    from .zero import ShardedGradScaler, ZeroRedundancyOptimizer
 
 
 # torch.distributed's own collectives and types, reachable as phalanx.X so that
@@ -144,6 +145,7 @@ __all__ = [
     "RankExitedError",
     "RankMismatchError",
     "RendezvousError",
+    "ShardedGradScaler",
     "SyncBatchNorm",
     "TrainingState",
     "UnusedParametersError",

@@ -32,7 +32,7 @@ ALLOWED = {
     "sync_batchnorm": {"diagnostics", "ledger"},
     "hooks": set(),  # the hook writer's contract: no DDP, no phalanx (torch keeps them apart)
     "ddp": {"comm", "agreement", "errors", "_logging", "diagnostics", "ledger", "uneven", "hooks"},
-    "zero": {"comm", "agreement", "errors", "diagnostics", "uneven"},
+    "zero": {"comm", "agreement", "errors", "diagnostics", "ledger", "uneven"},
     # compression hooks and model averaging stand on the contract, not on the DDP that runs them
     "comm_hooks": {"hooks"},
     "model_averaging": {"comm", "diagnostics", "ledger", "hooks", "comm_hooks"},

@@ -131,6 +131,11 @@ def mismatch_message(everyone: list[dict[str, Any]]) -> str:
 
 def _hint(places: list[str]) -> str:
     """The likely fix, from what the ranks were doing (the most specific cause first)."""
+    if any(p.startswith("ZeroRedundancyOptimizer.step") for p in places):
+        return (". A rank skipped ZeroRedundancyOptimizer.step while the others stepped (a "
+                "GradScaler that found an inf in its own gradients only: with shard_gradients() "
+                "each rank holds its shard): use phalanx.ShardedGradScaler in place of torch's "
+                "GradScaler: it agrees on the skip")
     if any(p.startswith("DistributedDataParallel forward without gradients") for p in places):
         return (". A forward through the DDP model broadcasts rank 0's buffers (BatchNorm "
                 "statistics), a collective: to evaluate on some ranks only, call `model.module`, "

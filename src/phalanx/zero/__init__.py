@@ -14,6 +14,9 @@ The files, in the order data flows through them:
 ``clip.py``
     ``clip_grad_norm_`` over a gradient no rank holds whole (ZeRO stage 2): one all-reduce
     of the owners' shares of the norm.
+``scaler.py``
+    :class:`ShardedGradScaler`: torch's GradScaler whose inf/nan check the ranks agree on, so
+    that with sharded gradients every rank skips a step, or none does.
 ``state.py``
     The state dict: packed by global parameter index (not by rank), so it loads at any
     world size and into the plain optimizer.
@@ -25,5 +28,6 @@ Stage 2 (gradients reduced to their owner) is planned by
 
 from .optimizer import ZeroRedundancyOptimizer
 from .partition import optimizer_state_bytes, partition_by_size
+from .scaler import ShardedGradScaler
 
-__all__ = ["ZeroRedundancyOptimizer", "optimizer_state_bytes", "partition_by_size"]
+__all__ = ["ShardedGradScaler", "ZeroRedundancyOptimizer", "optimizer_state_bytes", "partition_by_size"]
