@@ -33,6 +33,12 @@ backward is what lets its tail count every late one. The cost: the last bucket's
 longer overlaps the backward work left after the last parameter's gradient (input gradients;
 nothing in most models).
 
+With ``static_graph=True`` the first backward also counts the gradients each parameter gets
+(a module run twice in a forward, e.g. checkpointed twice with reentrant checkpointing, gets
+two, each accumulated into ``.grad``) and settles every slot at its end, as torch's reducer
+delays its first iteration's all-reduces; from the second backward on a parameter is ready at
+its last gradient.
+
 Sparse gradients (``nn.Embedding(sparse=True)``...) are in no bucket: their all-reduces
 (sparse, one per parameter) start in ``_finalize``, after every bucket but the last, whose
 tail also says which ranks had them (:mod:`phalanx.ddp.sparse`). A gradient that has a graph
@@ -137,6 +143,9 @@ class Reducer:
         self.awaiting_backward = False
         self._reached: set[int] | None = None  # find_unused: reachable from the outputs
         self._known_unused: set[int] | None = None  # static_graph: learned in the first backward
+        # static_graph: how many gradients each parameter gets per backward (a module run twice,
+        # e.g. checkpointed twice with reentrant checkpointing, gets two), learned in the first
+        self._fires_expected: list[int] | None = None
         self._works: list[dist.Work] = []
         self._sparse_works: list[dist.Work] = []
         self._records: list[Collective] = []  # the buckets' in the collective log
@@ -170,6 +179,7 @@ class Reducer:
         self._assumed_unused: list[int] = []
         self._late: list[int] = []
         self._had_grad = [False] * len(self.params)  # a contribution that was a gradient
+        self._fires = [0] * len(self.params)  # gradients accumulated this backward (static_graph)
         self._graphs: dict[int, torch.Tensor] = {}  # create_graph: gradients with a graph
         self._sparse.reset()
         self._next = 0
@@ -203,6 +213,12 @@ class Reducer:
             return  # no_sync(), or a backward not preceded by a synchronising forward
         if not self._started:
             self._start_backward()
+        if self.static_graph:
+            self._fires[k] += 1
+            if self._fires_expected is None:
+                return  # the first backward: learn; _finalize settles every slot at its end
+            if self._fires[k] < self._fires_expected[k]:
+                return  # more of its gradient to come (a module run twice in the forward)
         if self._ready[k]:
             # Its slot was settled already (assumed unused, or a second gradient). Raising
             # here would leave the other ranks waiting: the last bucket's tail reports it.
@@ -331,6 +347,10 @@ class Reducer:
     def _finalize(self) -> None:
         """End of backward: settle what is left, wait, write back, report problems everywhere."""
         try:
+            if self.static_graph and self._fires_expected is None:
+                self._fires_expected = list(self._fires)
+                for k in (k for k, fires in enumerate(self._fires) if fires):
+                    self._mark_ready(k, self.params[k].grad)  # all of its gradients are in
             left = [k for k, ready in enumerate(self._ready) if not ready]
             for k in left:
                 self._assume_unused(k)
