@@ -93,8 +93,8 @@ def test_defaults_module_mode_and_stream_choices():
     (["--tee", "3", BEHAVE], "--tee chooses what goes to the log files, so it needs --log-dir D"),
     (["-r", "0:1", BEHAVE], "--redirects chooses what goes to the log files, so it needs --log-dir"),
     (["--log-dir", "d", "--tee", "9", BEHAVE], "Invalid --tee '9'"),
-    (["--bogus", BEHAVE], "unrecognized arguments: --bogus; not an option of phalanx's nor of "
-                          "torchrun's (phalanx run -h lists them all)"),
+    (["--bogus", BEHAVE], "phalanx run: error: unrecognized arguments: --bogus; not an option "
+                          "of phalanx run's, nor of torchrun's\n(`phalanx run -h` for help)\n"),
     (["--nnodes", "two", BEHAVE], "Invalid --nnodes 'two': expected a number of nodes N, or "
                                   "MIN:MAX (elastic: the job runs on MIN to MAX nodes)"),
     (["--nnodes", "3:2", BEHAVE], "Invalid --nnodes 3:2: expected MIN:MAX with 1 <= MIN <= MAX, "
@@ -171,6 +171,23 @@ def test_torchruns_other_options_are_refused_saying_what_to_do(capsys, argv, mes
     code, err = _main(capsys, "run", *argv, BEHAVE)
     assert code == 2
     assert message in err and "usage:" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--standalon", BEHAVE], "phalanx run: error: unrecognized arguments: --standalon; "
+                                     "did you mean --standalone?"),
+    (["run", "--nproc-per-nod=2", BEHAVE], "--nproc-per-nod=2; did you mean --nproc-per-node?"),
+    (["run", "--nproc_per_nod", "2", BEHAVE], "did you mean --nproc_per_node?"),
+    (["bench", "--step", "3"], "phalanx bench: error: unrecognized arguments: --step 3; did you "
+                               "mean --steps?"),
+    (["bench", "--bogus"], "phalanx bench: error: unrecognized arguments: --bogus\n"),
+])
+def test_a_mistyped_option_gets_the_closest_one_and_one_help_pointer(capsys, argv, message):
+    code, err = _main(capsys, *argv)
+    assert code == 2 and message in err, err
+    command = argv[0]
+    assert err.endswith(f"\n(`phalanx {command} -h` for help)\n") and err.count(" -h") == 1, err
+    assert "torchrun" not in err or command == "run"  # phalanx bench is not torchrun's
 
 
 def test_version_and_a_help_readable_in_a_terminal(capsys):

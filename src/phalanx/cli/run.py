@@ -138,7 +138,8 @@ USAGE = "phalanx run [options] script.py [script args...]"
 
 def add_run(commands: argparse._SubParsersAction) -> None:
     parser = add_manual_parser(
-        commands, "run", "start a script on several processes (torchrun-compatible)", __doc__)
+        commands, "run", "start a script on several processes (torchrun-compatible)", __doc__,
+        unknown_note="not an option of phalanx run's, nor of torchrun's")
     add = parser.add_argument
     add("--nproc-per-node", "--nproc_per_node", "--nproc", default="1", metavar="N|auto|cpu|gpu",
         help="workers on this node (default 1)")
