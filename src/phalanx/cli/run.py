@@ -57,6 +57,15 @@ they join), ``--rdzv-id``, ``--rdzv-conf join_timeout=S,last_call_timeout=S``,
 ``--local-ranks-filter``, ``--redirects``/``--tee``. The rest (etcd, ``--local-addr``,
 ``--numa-binding``...) are refused with what to do instead.
 
+**torchrun's environment variables.** As torchrun, every torchrun option not given on the
+command line is read from ``PET_`` and its name upper-cased (``PET_NPROC_PER_NODE``,
+``PET_NNODES``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR``, ``PET_MASTER_PORT``, ``PET_RDZV_*``,
+``PET_MAX_RESTARTS``...; flags: an integer, 0 for off): Kubernetes' training operator
+configures pods that way. With an endpoint, ``PET_MASTER_ADDR``/``PET_MASTER_PORT`` go
+unused, as in torchrun. A bad value is refused naming the variable; the variables of the
+options phalanx refuses are refused too. Give several nodes' job secret as
+``PHALANX_JOB_SECRET`` from a Kubernetes Secret.
+
 **Definitions.** A *node* is one machine (one launcher); a *worker* is one process running
 the script; a *round* is one attempt of the whole group: the first, each restart after a
 failure, and each new meeting after a membership change.
@@ -130,7 +139,7 @@ from ..launcher.config import (
     DEFAULT_SHUTDOWN_TIMEOUT,
     resolve_secret,
 )
-from . import torchrun
+from . import torchrun, torchrun_env
 from .text import add_manual_parser
 
 USAGE = "phalanx run [options] script.py [script args...]"
@@ -178,11 +187,13 @@ def add_run(commands: argparse._SubParsersAction) -> None:
     torchrun.add_options(parser)
     add("script", nargs="?", help="the training script (or module, with -m)")
     add("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    torchrun_env.add_defaults(parser)  # torchrun's PET_<OPTION> variables
     parser.set_defaults(handler=_run)
 
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """``phalanx run``'s parsed options -> a validated :class:`LaunchConfig`."""
+    args = torchrun_env.resolve(args)
     if args.script is None:
         raise LaunchConfigError(f"script is required: {USAGE}")
     if args.standalone and (args.master_addr is not None or args.master_port is not None):
@@ -231,7 +242,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return launch(config_from_args(args))
     except LaunchConfigError as e:
-        print(f"phalanx run: error: {e}", file=sys.stderr)
+        print(f"phalanx run: error: {torchrun_env.blame(str(e), args)}", file=sys.stderr)
         return 2
     except RendezvousError as e:
         print(f"phalanx run: error: {e}", file=sys.stderr)
