@@ -106,7 +106,10 @@ failure, no restart; the launcher exits 75.
 
 **Hangs.** A collective that waits longer than ``--watchdog`` seconds (default 300; a
 script's ``init_process_group(timeout=...)`` overrides it) ends in a hang report on every
-rank: which ranks never arrived, and where each rank is. The summary then names the late rank
+rank: which ranks never arrived, and where each rank is. ``--watchdog`` is the default
+timeout of the groups ``phalanx.init_process_group`` makes: a script that keeps
+``torch.distributed.init_process_group`` keeps torch's timeout (30 min, 10 with NCCL; torch
+reads it from no variable), so give it ``timeout=`` there; the launcher says so at start. The summary then names the late rank
 as the root cause (not the rank that gave up waiting first) and shows the report.
 
 **Signals.** SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to the launcher are forwarded to every
@@ -169,7 +172,8 @@ def add_run(commands: argparse._SubParsersAction) -> None:
         default=DEFAULT_SHUTDOWN_TIMEOUT, help="seconds from SIGTERM to SIGKILL (default %(default)s)")
     add("--watchdog", type=float, default=None, metavar="S",
         help="seconds a collective may wait before every rank reports where it is and the run "
-             "fails naming the late rank (default 300: init_process_group(timeout=...))")
+             "fails naming the late rank (default 300): the timeout of groups made by "
+             "phalanx.init_process_group; torch.distributed.init_process_group needs timeout=")
     add("--rdzv-timeout", "--rdzv_timeout", type=float, default=None,
         help=f"seconds to wait for the master and the other nodes (default {DEFAULT_RDZV_TIMEOUT:g})")
     add("--job-secret-file", default=None, metavar="PATH",
