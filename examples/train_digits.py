@@ -178,7 +178,8 @@ def train_epoch(model, loader, optimizer, scheduler, epoch, step, args, preempti
             ckpt.save(epoch, step, consumed=(i + 1) * args.batch_size, extra={"history": history})
             preemption.exit()  # exit status 75: preempted, resumable (130 after Ctrl-C)
     if bar is not None:
-        bar.close()
+        bar.refresh()  # its final state, 100%: mininterval may have skipped the last redraw,
+        bar.close()  # and a log keeps the state before leave=False clears the bar
     return loss_sum, seen, step
 
 

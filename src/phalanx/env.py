@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from .errors import EnvironmentConfigError
 
@@ -318,3 +318,24 @@ def watchdog_seconds(environ: Mapping[str, str] | None = None) -> float | None:
     if not seconds > 0:
         raise EnvironmentConfigError(f"{WATCHDOG_VAR}={raw!r} must be a number of seconds > 0")
     return seconds
+
+
+# torchrun takes each option its command line does not give from PET_<DEST>: "PET_" and the
+# option's argparse dest upper-cased, PET_NPROC_PER_NODE for --nproc-per-node
+# (torch/distributed/argparse_util.py, its `env` and `check_env` actions). Kubernetes'
+# training operator (PyTorchJob, TrainJob) configures torchrun's pods that way.
+TORCHRUN_PREFIX = "PET_"
+
+
+def torchrun_variable(dest: str) -> str:
+    """The variable torchrun reads option ``dest`` from: ``"nproc_per_node"`` ->
+    ``"PET_NPROC_PER_NODE"``."""
+    return TORCHRUN_PREFIX + dest.upper()
+
+
+def torchrun_options(dests: Iterable[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``{dest: value}`` for each of torchrun's options ``dests`` set in the environment as
+    :func:`torchrun_variable` names it (an empty value included: the caller says what it means)."""
+    environ = os.environ if environ is None else environ
+    return {dest: environ[torchrun_variable(dest)] for dest in dests
+            if torchrun_variable(dest) in environ}

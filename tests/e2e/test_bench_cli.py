@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from phalanx import cli
 from tests.e2e.launch_helpers import base_env, finish, start
 
 HEADER = ("| model | implementation | processes | step ms (median) | phalanx/torch (median of "
@@ -26,6 +27,8 @@ def test_bench_prints_the_table_and_writes_the_chart(tmp_path):
         ("single process", "1"), ("phalanx DDP", "1"), ("phalanx DDP", "2"), ("torch DDP", "2")]
     assert body[0][6] == "1.000" and float(body[2][4]) > 0  # the ratio is a number
     assert "Lower is better: below 1.000" in done.out
+    # --steps 2 --repeats 1: the medians rest on 2 steps, and the report says so under the table
+    assert "\nnote: only 2 timed steps per implementation (--steps 2 x --repeats 1)" in done.out
     png = (tmp_path / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
@@ -35,7 +38,24 @@ def test_bench_prints_the_table_and_writes_the_chart(tmp_path):
 def test_bench_refuses_bad_input(tmp_path):
     done = finish(start([sys.executable, "-m", "phalanx", "bench", "--nproc", "0", "--out",
                          str(tmp_path)], env=base_env()), timeout=60)  # the old spelling
-    assert done.code == 2 and "--nproc-per-node must be at least 1, got 0" in done.err
+    assert done.code == 2 and "--nproc-per-node" in done.err
+    assert "expected an integer >= 1, got 0" in done.err
     done = finish(start([sys.executable, "-m", "phalanx", "bench", "--model", "resnet"],
                         env=base_env()), timeout=60)
     assert done.code == 2 and "invalid choice: 'resnet'" in done.err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
+    (["--repeats", "0"], "argument --repeats: expected an integer >= 1, got 0"),
+    (["--batch-size", "0"], "argument --batch-size/--batch_size: expected an integer >= 1, got 0"),
+    (["--warmup", "-1"], "argument --warmup: expected an integer >= 0, got -1"),
+    (["--threads", "0"], "argument --threads: expected an integer >= 1, got 0"),
+    (["--steps", "two"], "argument --steps: expected an integer >= 1, got 'two'"),
+    (["--bucket-mb", "0"], "argument --bucket-mb/--bucket_mb: expected a number > 0, got 0"),
+])
+def test_bench_refuses_bad_counts_before_starting_any_rank(capsys, tmp_path, argv, message):
+    code = cli.main(["bench", *argv, "--out", str(tmp_path / "out")])  # in this process
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"phalanx bench: error: {message}\n"), err
+    assert "usage:" not in err and not (tmp_path / "out").exists()  # nothing ran

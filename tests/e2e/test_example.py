@@ -44,6 +44,10 @@ def test_quick_start_trains_saves_plots_and_resumes(tmp_path):
     # off a terminal, a bar's last state only: one line an epoch, not a line a redraw
     assert [line.count("epoch 1/3") for line in first.err.splitlines()
             if "epoch 1/3" in line] == [1], first.err[-3000:]
+    # ... and that state is the bar's end, not the last redraw before it ("96% 22/23")
+    for epoch in (1, 2, 3):
+        [bar] = [line for line in first.err.splitlines() if f"epoch {epoch}/3" in line]
+        assert "100%" in bar and "23/23" in bar, bar
     # one rank prefix per line: the launcher's, not a second one from phalanx's logging
     assert "[rank0]: phalanx.checkpoint: saved" in first.err and "[rank0]: [rank0]" not in first.err
     assert sorted(p.name for p in out.glob("ckpt-*.ckpt")) == [

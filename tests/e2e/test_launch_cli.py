@@ -93,8 +93,8 @@ def test_defaults_module_mode_and_stream_choices():
     (["--tee", "3", BEHAVE], "--tee chooses what goes to the log files, so it needs --log-dir D"),
     (["-r", "0:1", BEHAVE], "--redirects chooses what goes to the log files, so it needs --log-dir"),
     (["--log-dir", "d", "--tee", "9", BEHAVE], "Invalid --tee '9'"),
-    (["--bogus", BEHAVE], "unrecognized arguments: --bogus; not an option of phalanx's nor of "
-                          "torchrun's (phalanx run -h lists them all)"),
+    (["--bogus", BEHAVE], "phalanx run: error: unrecognized arguments: --bogus; not an option "
+                          "of phalanx run's, nor of torchrun's\n(`phalanx run -h` for help)\n"),
     (["--nnodes", "two", BEHAVE], "Invalid --nnodes 'two': expected a number of nodes N, or "
                                   "MIN:MAX (elastic: the job runs on MIN to MAX nodes)"),
     (["--nnodes", "3:2", BEHAVE], "Invalid --nnodes 3:2: expected MIN:MAX with 1 <= MIN <= MAX, "
@@ -171,6 +171,82 @@ def test_torchruns_other_options_are_refused_saying_what_to_do(capsys, argv, mes
     code, err = _main(capsys, "run", *argv, BEHAVE)
     assert code == 2
     assert message in err and "usage:" not in err
+
+
+def _pet(monkeypatch, **variables: str) -> None:
+    for name, value in variables.items():
+        monkeypatch.setenv(f"PET_{name}", value)
+
+
+@pytest.mark.parametrize("variables, argv, expected", [
+    # the training operator's PyTorchJob with a master (static rendezvous, fixed nodes)
+    ({"NNODES": "2", "NODE_RANK": "1", "NPROC_PER_NODE": "3", "MASTER_ADDR": "job-master-0",
+      "MASTER_PORT": "23456"}, [],
+     {"nnodes": 2, "node_rank": 1, "nproc_per_node": 3, "master_addr": "job-master-0",
+      "master_port": 23456}),
+    # ... with an elastic policy: c10d at an endpoint, MIN:MAX nodes, restarts, an id
+    ({"RDZV_BACKEND": "c10d", "RDZV_ENDPOINT": "job-worker-0:29400", "NNODES": "1:3",
+      "MAX_RESTARTS": "3", "NPROC_PER_NODE": "1", "RDZV_ID": "job", "RDZV_CONF": "timeout=900",
+      "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}, [],  # the endpoint wins, as in torchrun
+     {"master_addr": "job-worker-0", "master_port": 29400, "min_nnodes": 1, "nnodes": 3,
+      "node_rank": None, "max_restarts": 3, "run_id": "job", "rdzv_timeout": 900}),
+    # a value on the command line wins over the variable
+    ({"NPROC_PER_NODE": "3", "MAX_RESTARTS": "4", "ROLE": "env-role"},
+     ["--nproc_per_node", "2", "--role", "cli-role"],
+     {"nproc_per_node": 2, "max_restarts": 4, "role": "cli-role"}),
+    # flags: an integer, 0 for off; an empty variable of an option with a value is unset
+    ({"STANDALONE": "1", "NO_PYTHON": "0", "RDZV_ENDPOINT": "", "MONITOR_INTERVAL": "0.5",
+      "SHUTDOWN_TIMEOUT": "7", "VIRTUAL_LOCAL_RANK": "0"}, [],
+     {"standalone": True, "no_python": False, "monitor_interval": 0.5, "shutdown_timeout": 7}),
+])
+def test_torchruns_pet_variables_set_what_torchrun_reads_them_for(
+        monkeypatch, secret, variables, argv, expected):
+    _pet(monkeypatch, **variables)
+    config = _config(*argv, BEHAVE)
+    assert {key: getattr(config, key) for key in expected} == expected
+
+
+@pytest.mark.parametrize("variables, message", [
+    ({"MAX_RESTARTS": "three"}, "Invalid PET_MAX_RESTARTS='three': torchrun's --max-restarts is "
+                                "an integer\n"),
+    ({"MONITOR_INTERVAL": "fast"}, "Invalid PET_MONITOR_INTERVAL='fast': torchrun's "
+                                   "--monitor-interval is a number"),
+    ({"STANDALONE": ""}, "Invalid PET_STANDALONE='': expected an integer, as torchrun reads it "
+                         "(1: --standalone, 0: without it)"),
+    ({"START_METHOD": "thread"}, "Invalid PET_START_METHOD='thread': torchrun's --start-method "
+                                 "is one of spawn, fork, forkserver"),
+    ({"NPROC_PER_NODE": "0"}, "Invalid --nproc-per-node 0: expected a positive integer "
+                              "(--nproc-per-node came from PET_NPROC_PER_NODE='0')"),
+    ({"NNODES": "2", "NODE_RANK": "2"}, "Invalid --node-rank 2: with --nnodes 2 it must be in "
+     "[0, 1] (--nnodes came from PET_NNODES='2'; --node-rank came from PET_NODE_RANK='2')"),
+    ({"NNODES": "2"}, "(--nnodes came from PET_NNODES='2')"),  # no job secret
+    ({"LOCAL_ADDR": "10.0.0.2"}, "torchrun's --local-addr is not supported (set by "
+                                 "PET_LOCAL_ADDR='10.0.0.2': unset it): phalanx needs no address"),
+    ({"DUPLICATE_STDERR_FILTERS": "a"}, "(set by PET_DUPLICATE_STDERR_FILTERS='a': unset it)"),
+    ({"VIRTUAL_LOCAL_RANK": "1"}, "torchrun's --virtual-local-rank is not supported"),
+])
+def test_a_bad_pet_variable_is_named(monkeypatch, capsys, variables, message):
+    _pet(monkeypatch, **variables)
+    code, err = _main(capsys, "run", BEHAVE)
+    assert code == 2 and message in err, err
+    assert cli.main(["run", "-h"]) == 0  # the manual needs no valid variable
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--standalon", BEHAVE], "phalanx run: error: unrecognized arguments: --standalon; "
+                                     "did you mean --standalone?"),
+    (["run", "--nproc-per-nod=2", BEHAVE], "--nproc-per-nod=2; did you mean --nproc-per-node?"),
+    (["run", "--nproc_per_nod", "2", BEHAVE], "did you mean --nproc_per_node?"),
+    (["bench", "--step", "3"], "phalanx bench: error: unrecognized arguments: --step 3; did you "
+                               "mean --steps?"),
+    (["bench", "--bogus"], "phalanx bench: error: unrecognized arguments: --bogus\n"),
+])
+def test_a_mistyped_option_gets_the_closest_one_and_one_help_pointer(capsys, argv, message):
+    code, err = _main(capsys, *argv)
+    assert code == 2 and message in err, err
+    command = argv[0]
+    assert err.endswith(f"\n(`phalanx {command} -h` for help)\n") and err.count(" -h") == 1, err
+    assert "torchrun" not in err or command == "run"  # phalanx bench is not torchrun's
 
 
 def test_version_and_a_help_readable_in_a_terminal(capsys):

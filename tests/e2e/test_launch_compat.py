@@ -22,12 +22,9 @@ def _envs(record_dir) -> list[dict]:
     return [json.loads((record_dir / f"env.{r}.json").read_text()) for r in (0, 1)]
 
 
-def test_worker_environment_equals_torchruns(tmp_path):
-    port = str(free_port())
-    args = ["--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-            "--master-port", port, "--rdzv-id", "compat", "--max-restarts", "1"]
-    # an explicit OMP_NUM_THREADS is passed through by both; PYTHONUNBUFFERED left unset
-    env = base_env(OMP_NUM_THREADS="3", PYTHONUNBUFFERED=None)
+def _same_worker_environment(tmp_path, args: list[str], env: dict[str, str], port: str) -> None:
+    """torchrun and phalanx run, each with ``args`` and ``env``, give their 2 workers the same
+    environment."""
     ours, theirs = tmp_path / "phalanx", tmp_path / "torchrun"
     for launcher, record in ((TORCHRUN, theirs), (phalanx_cmd(), ours)):
         record.mkdir()
@@ -46,6 +43,45 @@ def test_worker_environment_equals_torchruns(tmp_path):
         assert (mine["RANK"], mine["LOCAL_RANK"], mine["WORLD_SIZE"]) == (str(rank), str(rank), "2")
         assert (mine["MASTER_ADDR"], mine["MASTER_PORT"]) == ("127.0.0.1", port)
         assert mine["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+
+
+def test_worker_environment_equals_torchruns(tmp_path):
+    port = str(free_port())
+    args = ["--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", port, "--rdzv-id", "compat", "--max-restarts", "1"]
+    # an explicit OMP_NUM_THREADS is passed through by both; PYTHONUNBUFFERED left unset
+    env = base_env(OMP_NUM_THREADS="3", PYTHONUNBUFFERED=None)
+    _same_worker_environment(tmp_path, args, env, port)
+
+
+def test_options_from_torchruns_pet_variables_as_torchrun_reads_them(tmp_path):
+    # Kubernetes' training operator sets these instead of passing options; a command-line
+    # option wins over its variable (--max-restarts 1 over PET_MAX_RESTARTS=5)
+    port = str(free_port())
+    env = base_env(PET_NNODES="1", PET_NPROC_PER_NODE="2", PET_MASTER_ADDR="127.0.0.1",
+                   PET_MASTER_PORT=port, PET_RDZV_ID="compat", PET_MAX_RESTARTS="5",
+                   OMP_NUM_THREADS="3", PYTHONUNBUFFERED=None)
+    _same_worker_environment(tmp_path, ["--max-restarts", "1"], env, port)
+    mine = _envs(tmp_path / "phalanx")[0]
+    assert (mine["TORCHELASTIC_RUN_ID"], mine["TORCHELASTIC_MAX_RESTARTS"]) == ("compat", "1")
+
+
+def test_every_pet_variable_of_torchrun_is_read_or_refused():
+    from torch.distributed.argparse_util import check_env, env
+    from torch.distributed.run import get_args_parser
+
+    from phalanx.cli import build_parser, torchrun_env
+
+    theirs = {a.dest: isinstance(a, check_env) for a in get_args_parser()._actions
+              if isinstance(a, (env, check_env))}
+    ours = {**{d: False for d in torchrun_env.VALUES}, **{d: True for d in torchrun_env.FLAGS},
+            **torchrun_env.REFUSED}
+    assert ours == theirs  # same options, the same flags among them
+    run_parser = build_parser()._subparsers._group_actions[0].choices["run"]
+    types = {a.dest: a.type for a in run_parser._actions}
+    for dest, kind in torchrun_env.VALUES.items():  # read as phalanx run reads the option
+        assert types[dest] in (kind, None if kind is str else kind), dest
+    assert set(torchrun_env.FLAGS) <= set(types)
 
 
 def test_omp_num_threads_defaults_to_cores_per_worker(tmp_path):

@@ -244,6 +244,22 @@ def test_log_dir_files_redirects_and_filters_per_rank(tmp_path):
     assert again.out.splitlines() == ["worker 1 attempt 0 ready", "worker 1 done"]
 
 
+def test_watchdog_says_once_at_start_that_a_torch_made_group_keeps_torchs_timeout(tmp_path):
+    # torch reads its default timeout from no variable: a script that keeps
+    # torch.distributed.init_process_group never sees --watchdog, and the launcher says so
+    res = run(phalanx_cmd("--standalone", "--nproc-per-node", "2", "--watchdog", "10",
+                          BEHAVE, "--record", str(tmp_path)))
+    assert res.code == 0, res.err
+    note = ("[phalanx] --watchdog 10 is the timeout of the process groups that "
+            "phalanx.init_process_group makes. A script that calls "
+            "torch.distributed.init_process_group keeps torch's (30 min; 10 with NCCL), which no "
+            "launcher can change: pass it timeout=datetime.timedelta(seconds=10), or call "
+            "phalanx.init_process_group")
+    assert res.err.splitlines()[0] == note and res.err.count("--watchdog") == 1, res.err
+    quiet = run(phalanx_cmd("--standalone", BEHAVE, "--record", str(tmp_path)))
+    assert quiet.code == 0 and "--watchdog" not in quiet.err, quiet.err
+
+
 @pytest.mark.slow
 def test_a_hang_names_the_late_rank_as_the_root_cause():
     res = run(phalanx_cmd("--standalone", "--nproc-per-node", "2", "--watchdog", "5",

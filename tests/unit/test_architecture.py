@@ -40,7 +40,7 @@ ALLOWED = {
                    "diagnostics", "ledger", "uneven"},
     "launcher": {"env", "errors", "_logging", "gate"},
     "bench": {"ddp", "comm_hooks", "process_group", "launcher", "diagnostics"},
-    "cli": {"launcher", "errors", "bench"},
+    "cli": {"launcher", "env", "errors", "bench"},  # env: torchrun's PET_ variables
     "__main__": {"cli"},
 }
 # Parts that must not import torch when imported (the launcher starts before its workers and

@@ -6,6 +6,7 @@ from phalanx.bench.report import (
     RATIO,
     STEP,
     busy_warning,
+    caveats,
     ddp_rows,
     format_table,
     paired_ratio,
@@ -52,3 +53,18 @@ def test_table_formats_ratios_and_missing_values():
     table = format_table([{"model": "cnn", STEP: 12.345, RATIO: 0.98765, "exposed comm ms": None}])
     assert table.splitlines() == [f"| model | {STEP} | {RATIO} | exposed comm ms |",
                                   "|---|---|---|---|", "| cnn | 12.3 | 0.988 | - |"]
+
+
+def test_caveats_for_unwarmed_or_few_steps_and_negative_exposed_comm():
+    rows = [{"implementation": "phalanx DDP", "processes": 2, "exposed comm ms": -1.25},
+            {"implementation": "torch DDP", "processes": 2, "exposed comm ms": 3.0},
+            {"implementation": "single process", "processes": 1, "exposed comm ms": None}]
+    assert caveats(rows[1:], steps=10, repeats=3, warmup=3) == []  # nothing to say
+    warmup, few, negative = caveats(rows, steps=1, repeats=1, warmup=0)
+    assert warmup.startswith("--warmup 0: the first timed step of each repeat paid one-time "
+                             "costs") and "scaling efficiency" in warmup
+    assert few.startswith("only 1 timed step per implementation (--steps 1 x --repeats 1)")
+    assert negative.startswith("exposed comm ms below 0 for phalanx DDP on 2 (-1.2): the steps "
+                               "with gradient sync were faster") and negative.endswith("read it as 0")
+    assert caveats([], steps=1, repeats=3, warmup=1) == []  # 3 timed steps: a median to trust
+    assert caveats([], steps=2, repeats=1, warmup=1)[0].startswith("only 2 timed steps")

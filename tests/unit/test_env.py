@@ -3,7 +3,14 @@
 
 import pytest
 
-from phalanx.env import DistEnv, detect, first_host, tasks_on_node
+from phalanx.env import (
+    DistEnv,
+    detect,
+    first_host,
+    tasks_on_node,
+    torchrun_options,
+    torchrun_variable,
+)
 from phalanx.errors import EnvironmentConfigError
 
 
@@ -94,3 +101,12 @@ def test_bad_environment_is_named(environ, message):
 def test_errors_are_value_errors():
     with pytest.raises(ValueError):
         detect({"RANK": "3", "WORLD_SIZE": "1"})
+
+
+def test_torchrun_options_are_read_from_pet_variables_as_torchrun_names_them():
+    # torch/distributed/argparse_util.py: "PET_" + the option's dest upper-cased
+    assert torchrun_variable("nproc_per_node") == "PET_NPROC_PER_NODE"
+    environ = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_RDZV_CONF": "", "NNODES": "9",
+               "PET_OTHER": "x"}
+    assert torchrun_options(["nnodes", "node_rank", "rdzv_conf", "master_addr"], environ) == {
+        "nnodes": "2", "node_rank": "1", "rdzv_conf": ""}  # set, even empty; nothing else

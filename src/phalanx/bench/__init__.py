@@ -9,7 +9,8 @@ The files, in the order data flows through them:
     No torch: turns the step times into the table (medians, paired ratio, scaling
     efficiency, exposed communication) and the chart.
 ``options.py``
-    No torch: ``--comm-hook``, shared by the engine and the ``phalanx bench`` command.
+    No torch: ``--comm-hook`` and the checks of the counts (``--steps``...), shared by the
+    engine and the ``phalanx bench`` command.
 ``netns.py``
     No torch: two network namespaces joined by a veth pair, optionally rate-limited by
     ``tc`` (benchmarks/bench_slow_link.py; the launcher's multi-node and elastic tests).

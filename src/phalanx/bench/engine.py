@@ -27,7 +27,7 @@ from torch import nn
 
 from ..ddp import DistributedDataParallel
 from ..diagnostics import ledger
-from .options import add_comm_hook_option
+from .options import add_comm_hook_option, at_least, positive_float
 from .ranks import RESULT_FLAG, serve
 
 # "phalanx-nodiag": phalanx's DDP with its diagnostics switched off during its steps, to
@@ -213,13 +213,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m phalanx.bench", description=main.__doc__)
     p.add_argument("--models", nargs="+", default=["mlp"], choices=sorted(MODELS))
     p.add_argument("--impls", nargs="+", default=["phalanx", "torch"], choices=IMPLEMENTATIONS)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=64, help="per process")
-    p.add_argument("--bucket-cap-mb", type=float, default=None)
+    p.add_argument("--repeats", type=at_least(1), default=5)
+    p.add_argument("--steps", type=at_least(1), default=10)
+    p.add_argument("--warmup", type=at_least(0), default=3)
+    p.add_argument("--batch-size", type=at_least(1), default=64, help="per process")
+    p.add_argument("--bucket-cap-mb", type=positive_float, default=None)
     add_comm_hook_option(p.add_argument)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--threads", type=at_least(1), default=1, help="torch threads per process")
     p.add_argument(RESULT_FLAG, dest="rank_result", required=True,
                    help="where rank 0 writes the step times")
     args = p.parse_args(argv)

@@ -11,7 +11,9 @@ Step times are each step's time on the slowest rank. Definitions used in the tab
   the same per-process batch; 1.00 is perfect scaling, and at one process it is the bare
   model's step time over the wrapped one's (the wrapper's overhead);
 * **exposed comm**: median step time minus the median step time under ``no_sync()``, the
-  communication the backward pass did not hide;
+  communication the backward pass did not hide; below 0 when the steps with sync were the
+  faster ones, which is timing noise around a communication hidden entirely (read it as 0;
+  :func:`caveats` says so under the table, the chart draws 0);
 * **phalanx/torch**: the median over steps of phalanx's step time over torch's step time
   taken beside it (the two alternate step by step, so a change in machine load cancels);
   lower is better. It is printed beside the median step times, which it is not the ratio of.
@@ -35,6 +37,38 @@ LEGEND = (
     "load cancels); not the ratio of the two median step times. Lower is better: below 1.000\n"
     "phalanx is faster."
 )
+
+
+# A median of fewer timed steps than this is one step, or the mean of two: one slow step (a
+# page fault, the scheduler) decides it. Three is the fewest whose median ignores one outlier.
+FEW_STEPS = 3
+
+
+def caveats(rows: Sequence[dict[str, Any]], *, steps: int, repeats: int, warmup: int) -> list[str]:
+    """What the table's numbers cannot be trusted for, given how they were measured: no
+    warm-up, too few timed steps, a negative exposed communication. Empty when none applies."""
+    notes = []
+    if warmup == 0:
+        notes.append(
+            "--warmup 0: the first timed step of each repeat paid one-time costs (memory "
+            "allocation, lazy initialisation, DDP's first bucket rebuild), so the step times, "
+            "samples/s, the scaling efficiency and the ratio compare un-warmed steps and can be "
+            "far off (a scaling efficiency above 1.000 is one sign); use --warmup 1 or more")
+    timed = steps * repeats
+    if timed < FEW_STEPS:
+        notes.append(
+            f"only {timed} timed step{'s' if timed > 1 else ''} per implementation (--steps "
+            f"{steps} x --repeats {repeats}): each median is that few steps, so one slow step "
+            f"decides it; time at least {FEW_STEPS}")
+    negative = [r for r in rows if (r.get("exposed comm ms") or 0.0) < 0]
+    if negative:
+        which = ", ".join(f"{r['implementation']} on {r['processes']} ({r['exposed comm ms']:.1f})"
+                          for r in negative)
+        notes.append(
+            f"exposed comm ms below 0 for {which}: the steps with gradient sync were faster "
+            "than those under no_sync(), so the communication was hidden entirely and the "
+            "difference is timing noise; read it as 0")
+    return notes
 
 
 def busy_warning(peak_load: float, cores: int) -> str | None:

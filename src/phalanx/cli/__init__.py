@@ -12,6 +12,9 @@ The files:
 ``torchrun.py``
     torchrun's options that are not phalanx's own: mapped onto them, or refused with what
     phalanx does instead.
+``torchrun_env.py``
+    torchrun's ``PET_<OPTION>`` variables (Kubernetes' training operator): the defaults of
+    ``phalanx run``'s options, checked naming the variable.
 ``bench.py``
     ``phalanx bench``: starts the benchmark's ranks through the launcher and prints its table.
 ``text.py``

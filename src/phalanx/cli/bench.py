@@ -5,8 +5,11 @@ phalanx DDP at world size 1), then on ``--nproc-per-node`` processes (phalanx DD
 DDP, taking turns step by step on fresh models from the same seed, same data and buckets,
 Gloo). Prints a table of the median step time, the phalanx/torch step-time ratio (lower is
 better), samples/s, scaling efficiency against the single process and exposed communication
-(step time minus the step time under no_sync), warns when the machine was busy, and writes
-bench.png and bench.json under ``--out``. ``--comm-hook`` registers a compression hook on
+(step time minus the step time under no_sync), warns when the machine was busy, notes what
+the numbers cannot be trusted for (no warm-up, fewer than 3 timed steps, a negative exposed
+communication), and writes bench.png and bench.json under ``--out``. Counts are checked
+before anything runs (``--steps``, ``--repeats``, ``--batch-size``, ``--threads`` at least 1,
+``--warmup`` at least 0). ``--comm-hook`` registers a compression hook on
 both DDPs (phalanx's own on phalanx's, torch's of that name on torch's).
 """
 
@@ -18,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..bench.options import add_comm_hook_option  # no torch
+from ..bench.options import add_comm_hook_option, at_least, positive_float  # no torch
 from .text import add_manual_parser
 
 
@@ -28,16 +31,17 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
     add = parser.add_argument
     add("--model", nargs="+", default=["mlp"], choices=("cnn", "mlp"),
         help="mlp: 10.5M parameters; cnn: 0.29M with BatchNorm (default mlp)")
-    add("--nproc-per-node", "--nproc_per_node", "--nproc", type=int, default=2, metavar="N",
+    add("--nproc-per-node", "--nproc_per_node", "--nproc", type=at_least(1), default=2, metavar="N",
         help="processes for the DDP runs, as in phalanx run (default 2)")
-    add("--bucket-mb", "--bucket_mb", type=float, default=None,
+    add("--bucket-mb", "--bucket_mb", type=positive_float, default=None,
         help="bucket cap in MiB for both DDPs (default: theirs, 25 MiB with a 1 MiB first bucket)")
     add_comm_hook_option(add)
-    add("--steps", type=int, default=10, help="timed steps per repeat (default 10)")
-    add("--repeats", type=int, default=3, help="fresh models per implementation (default 3)")
-    add("--warmup", type=int, default=3, help="untimed steps per repeat (default 3)")
-    add("--batch-size", "--batch_size", type=int, default=64, help="per process (default 64)")
-    add("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    add("--steps", type=at_least(1), default=10, help="timed steps per repeat (default 10)")
+    add("--repeats", type=at_least(1), default=3, help="fresh models per implementation (default 3)")
+    add("--warmup", type=at_least(0), default=3, help="untimed steps per repeat (default 3)")
+    add("--batch-size", "--batch_size", type=at_least(1), default=64,
+        help="per process (default 64)")
+    add("--threads", type=at_least(1), default=1, help="torch threads per process (default 1)")
     add("--out", default="runs/bench", help="bench.png and bench.json go here (default runs/bench)")
     add("--no-plot", action="store_true", help="skip the PNG chart (no matplotlib needed)")
     parser.set_defaults(handler=_bench)
@@ -49,11 +53,7 @@ def _bench(args: argparse.Namespace) -> int:
     from ..bench.ranks import RanksFailed, launch_ranks
     from ..launcher.environment import usable_cpus
 
-    nproc = args.nproc_per_node
-    if nproc < 1:
-        print(f"phalanx bench: error: --nproc-per-node must be at least 1, got {nproc}",
-              file=sys.stderr)
-        return 2
+    nproc = args.nproc_per_node  # every count was checked by the parser (exit 2)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     common = ["--models", *args.model, "--repeats", str(args.repeats), "--steps", str(args.steps),
@@ -76,13 +76,16 @@ def _bench(args: argparse.Namespace) -> int:
         loads.append(os.getloadavg()[0])
     rows = bench_report.ddp_rows(results["alone"], results["ddp"])
     busy = bench_report.busy_warning(max(loads), usable_cpus())
+    notes = bench_report.caveats(rows, steps=args.steps, repeats=args.repeats, warmup=args.warmup)
     settings = {k: v for k, v in vars(args).items() if k != "handler"}
     (out / "bench.json").write_text(json.dumps(
-        {"rows": rows, "settings": settings, "peak_load": max(loads)}, indent=2))
+        {"rows": rows, "settings": settings, "peak_load": max(loads), "notes": notes}, indent=2))
     print(f"\n{nproc} processes, Gloo, {args.threads} thread(s) and batch {args.batch_size} "
           f"per process, bucket cap {args.bucket_mb or 'default'}, comm hook {args.comm_hook}\n")
     print(bench_report.format_table(rows))
     print(f"\n{bench_report.LEGEND}")
+    for note in notes:
+        print(f"\nnote: {note}")
     if busy:
         print(f"\nwarning: {busy}")
     if not args.no_plot:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 from .. import __version__
 from .bench import add_bench
@@ -15,15 +16,39 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_run, a
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's parser with one-line errors: ``PROG: error: MESSAGE (PROG -h: ...)``, not a
-    screenful of usage before it."""
+    """argparse's parser with one-line errors: ``PROG: error: MESSAGE`` and one pointer to
+    ``PROG -h``, not a screenful of usage before it. An argument it does not know is refused
+    by the parser that knows the options (``phalanx run``, not ``phalanx``), with the closest
+    option (``did you mean --standalone?``) or else ``unknown_note``.
+
+    Args:
+        unknown_note (str): said of an unknown option that resembles none. Default ``""``.
+    """
+
+    def __init__(self, *args: Any, unknown_note: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._unknown_note = unknown_note
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        if message.startswith("unrecognized arguments: "):
-            unknown = message.removeprefix("unrecognized arguments: ")
-            message = (f"unrecognized arguments: {unknown}; not an option of phalanx's nor of "
-                       "torchrun's (phalanx run -h lists them all)")
         self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} -h` for help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:  # here, not in the top-level parser: this one knows which options exist
+            self.error(self._unrecognized(extras))
+        return namespace, extras
+
+    def _unrecognized(self, extras: list[str]) -> str:
+        # compared without their dashes, which every option shares ("--bogus" is not "--out")
+        options = {name[2:]: name for action in self._actions for name in action.option_strings
+                   if name.startswith("--")}
+        guesses = [options[match] for arg in extras if arg.startswith("-")
+                   for match in difflib.get_close_matches(
+                       arg.split("=", 1)[0].lstrip("-"), list(options), n=1)]
+        message = f"unrecognized arguments: {' '.join(extras)}"
+        if guesses:
+            return f"{message}; did you mean {' or '.join(dict.fromkeys(guesses))}?"
+        return f"{message}; {self._unknown_note}" if self._unknown_note else message
 
 
 def build_parser() -> argparse.ArgumentParser:

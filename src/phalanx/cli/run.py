@@ -57,6 +57,15 @@ they join), ``--rdzv-id``, ``--rdzv-conf join_timeout=S,last_call_timeout=S``,
 ``--local-ranks-filter``, ``--redirects``/``--tee``. The rest (etcd, ``--local-addr``,
 ``--numa-binding``...) are refused with what to do instead.
 
+**torchrun's environment variables.** As torchrun, every torchrun option not given on the
+command line is read from ``PET_`` and its name upper-cased (``PET_NPROC_PER_NODE``,
+``PET_NNODES``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR``, ``PET_MASTER_PORT``, ``PET_RDZV_*``,
+``PET_MAX_RESTARTS``...; flags: an integer, 0 for off): Kubernetes' training operator
+configures pods that way. With an endpoint, ``PET_MASTER_ADDR``/``PET_MASTER_PORT`` go
+unused, as in torchrun. A bad value is refused naming the variable; the variables of the
+options phalanx refuses are refused too. Give several nodes' job secret as
+``PHALANX_JOB_SECRET`` from a Kubernetes Secret.
+
 **Definitions.** A *node* is one machine (one launcher); a *worker* is one process running
 the script; a *round* is one attempt of the whole group: the first, each restart after a
 failure, and each new meeting after a membership change.
@@ -97,7 +106,10 @@ failure, no restart; the launcher exits 75.
 
 **Hangs.** A collective that waits longer than ``--watchdog`` seconds (default 300; a
 script's ``init_process_group(timeout=...)`` overrides it) ends in a hang report on every
-rank: which ranks never arrived, and where each rank is. The summary then names the late rank
+rank: which ranks never arrived, and where each rank is. ``--watchdog`` is the default
+timeout of the groups ``phalanx.init_process_group`` makes: a script that keeps
+``torch.distributed.init_process_group`` keeps torch's timeout (30 min, 10 with NCCL; torch
+reads it from no variable), so give it ``timeout=`` there; the launcher says so at start. The summary then names the late rank
 as the root cause (not the rank that gave up waiting first) and shows the report.
 
 **Signals.** SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to the launcher are forwarded to every
@@ -130,7 +142,7 @@ from ..launcher.config import (
     DEFAULT_SHUTDOWN_TIMEOUT,
     resolve_secret,
 )
-from . import torchrun
+from . import torchrun, torchrun_env
 from .text import add_manual_parser
 
 USAGE = "phalanx run [options] script.py [script args...]"
@@ -138,7 +150,8 @@ USAGE = "phalanx run [options] script.py [script args...]"
 
 def add_run(commands: argparse._SubParsersAction) -> None:
     parser = add_manual_parser(
-        commands, "run", "start a script on several processes (torchrun-compatible)", __doc__)
+        commands, "run", "start a script on several processes (torchrun-compatible)", __doc__,
+        unknown_note="not an option of phalanx run's, nor of torchrun's")
     add = parser.add_argument
     add("--nproc-per-node", "--nproc_per_node", "--nproc", default="1", metavar="N|auto|cpu|gpu",
         help="workers on this node (default 1)")
@@ -159,7 +172,8 @@ def add_run(commands: argparse._SubParsersAction) -> None:
         default=DEFAULT_SHUTDOWN_TIMEOUT, help="seconds from SIGTERM to SIGKILL (default %(default)s)")
     add("--watchdog", type=float, default=None, metavar="S",
         help="seconds a collective may wait before every rank reports where it is and the run "
-             "fails naming the late rank (default 300: init_process_group(timeout=...))")
+             "fails naming the late rank (default 300): the timeout of groups made by "
+             "phalanx.init_process_group; torch.distributed.init_process_group needs timeout=")
     add("--rdzv-timeout", "--rdzv_timeout", type=float, default=None,
         help=f"seconds to wait for the master and the other nodes (default {DEFAULT_RDZV_TIMEOUT:g})")
     add("--job-secret-file", default=None, metavar="PATH",
@@ -177,11 +191,13 @@ def add_run(commands: argparse._SubParsersAction) -> None:
     torchrun.add_options(parser)
     add("script", nargs="?", help="the training script (or module, with -m)")
     add("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    torchrun_env.add_defaults(parser)  # torchrun's PET_<OPTION> variables
     parser.set_defaults(handler=_run)
 
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """``phalanx run``'s parsed options -> a validated :class:`LaunchConfig`."""
+    args = torchrun_env.resolve(args)
     if args.script is None:
         raise LaunchConfigError(f"script is required: {USAGE}")
     if args.standalone and (args.master_addr is not None or args.master_port is not None):
@@ -230,7 +246,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return launch(config_from_args(args))
     except LaunchConfigError as e:
-        print(f"phalanx run: error: {e}", file=sys.stderr)
+        print(f"phalanx run: error: {torchrun_env.blame(str(e), args)}", file=sys.stderr)
         return 2
     except RendezvousError as e:
         print(f"phalanx run: error: {e}", file=sys.stderr)

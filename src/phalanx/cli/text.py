@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from typing import Any
 
 # :class:`~phalanx.x.Name`, :func:`name` ... -> Name / name (the last dotted part after "~")
 _ROLE = re.compile(r":[a-z]+:`~?(?:[\w.]*\.)?([^`]+)`")
@@ -27,9 +28,10 @@ def plain(text: str) -> str:
 
 
 def add_manual_parser(commands: argparse._SubParsersAction, name: str, summary: str,
-                      manual: str) -> argparse.ArgumentParser:
-    """A subcommand ``name`` whose ``-h`` shows ``manual`` (a docstring) as plain text."""
+                      manual: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand ``name`` whose ``-h`` shows ``manual`` (a docstring) as plain text;
+    ``kwargs`` go to the parser's class."""
     return commands.add_parser(
         name, help=summary, description=plain(manual),
-        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False, **kwargs,
     )

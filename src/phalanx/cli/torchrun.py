@@ -21,6 +21,8 @@ C10D_DEFAULT_PORT = 29400
 # The signals phalanx run handles, whatever --signals-to-handle says (launcher/events.py):
 # the first four stop the workers, the last two are forwarded to them.
 _HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+# torchrun's --start-method choices (torch/distributed/run.py).
+START_METHODS = ("spawn", "fork", "forkserver")
 # --rdzv-conf keys phalanx understands: the first two mean "how long to wait for the other
 # nodes" (--rdzv-timeout); last_call_timeout is torchrun's elastic last call.
 _TIMEOUT_KEYS = ("join_timeout", "timeout")
@@ -45,6 +47,11 @@ _REFUSED: tuple[tuple[tuple[str, ...], int | None, str], ...] = (
      "phalanx gives each worker its own LOCAL_RANK and pins it to cuda:LOCAL_RANK; to show each "
      "worker only its GPU, set CUDA_VISIBLE_DEVICES in a wrapper started with --no-python"),
 )
+
+
+def refusal(option: str) -> str:
+    """What phalanx says of torchrun's option ``option`` (``"--local-addr"``), which it refuses."""
+    return next(message for names, _, message in _REFUSED if option in names)
 
 
 def _refusal(message: str) -> type[argparse.Action]:
@@ -74,7 +81,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         help="run the entry point as a command, not with python (e.g. a wrapper script)")
     add("--run-path", "--run_path", action="store_true",
         help="accepted: each worker runs the script in a fresh interpreter, as it does anyway")
-    add("--start-method", "--start_method", default="spawn", choices=("spawn", "fork", "forkserver"),
+    add("--start-method", "--start_method", default="spawn", choices=START_METHODS,
         help="accepted, no effect: torchrun uses it only for Python functions, never for scripts; "
              "every worker is a new process")
     add("--local-ranks-filter", "--local_ranks_filter", default=None, metavar="R,R,...",

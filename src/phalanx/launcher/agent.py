@@ -40,7 +40,7 @@ from ..errors import PREEMPTED_EXIT_CODE, RendezvousError, UsageError
 from .board import LeaderBoard
 from .config import STDERR, STDOUT, LaunchConfig
 from .console import Console
-from .environment import worker_environ
+from .environment import watchdog_note, worker_environ
 from .events import FORWARD_SIGNALS, STOP_SIGNALS, Pump, SignalInbox
 from .membership import Layout
 from .outcome import RoundEnd
@@ -363,6 +363,8 @@ def launch(config: LaunchConfig) -> int:
             f"{threading.current_thread().name!r}"
         )
     console = Console(sys.stdout.buffer, sys.stderr.buffer, rank_prefix=config.rank_prefix)
+    if config.watchdog is not None:  # once, before any worker: torch-made groups ignore it
+        console.note(watchdog_note(config.watchdog))
     scratch = tempfile.mkdtemp(prefix="phalanx-")
     guardian = Guardian(scratch)  # first, while this process has no threads and no workers
     try:

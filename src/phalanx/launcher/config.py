@@ -116,8 +116,10 @@ class LaunchConfig:
         monitor_interval (float): seconds between health checks. Default ``0.1``.
         shutdown_timeout (float): seconds between SIGTERM and SIGKILL. Default ``30``.
         watchdog (float, optional): seconds a collective may wait before every rank reports
-            where it is (the workers' ``init_process_group(timeout=...)`` default). Default
-            ``None``: phalanx's 5 minutes.
+            where it is: the default ``timeout`` of the groups the workers make with
+            ``phalanx.init_process_group`` (a group torch's ``init_process_group`` makes keeps
+            torch's default; :func:`launch` says so at start). Default ``None``: phalanx's
+            5 minutes.
         rdzv_timeout (float): seconds to wait for the master and the other nodes. Default ``600``.
         last_call_timeout (float): elastic: once ``min_nnodes`` are there for the first round,
             seconds to wait for more. Default ``3``.

@@ -132,6 +132,21 @@ def worker_environ(
     return out
 
 
+def watchdog_note(seconds: float) -> str:
+    """What the launcher says once, at start, of ``--watchdog``: which workers it reaches.
+
+    It becomes ``PHALANX_WATCHDOG``, the default timeout of the groups
+    ``phalanx.init_process_group`` makes. A group made by ``torch.distributed.init_process_group``
+    keeps torch's default (``torch.distributed.constants.default_pg_timeout``, 30 minutes;
+    10 with NCCL), which torch 2.13 reads from no variable, so no launcher can change it.
+    """
+    return (f"--watchdog {seconds:g} is the timeout of the process groups that "
+            "phalanx.init_process_group makes. A script that calls torch.distributed."
+            "init_process_group keeps torch's (30 min; 10 with NCCL), which no launcher can "
+            f"change: pass it timeout=datetime.timedelta(seconds={seconds:g}), or call "
+            "phalanx.init_process_group")
+
+
 def resolve_nproc(spec: str) -> int:
     """``--nproc-per-node``: an integer, or ``cpu`` (:func:`usable_cpus`), ``gpu`` (CUDA
     devices), ``auto`` (accelerators if any, else usable cores), as torchrun resolves them,
