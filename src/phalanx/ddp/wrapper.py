@@ -26,7 +26,7 @@ from ..errors import UsageError
 from ..hooks import GradBucket
 from ..uneven import Join, Joinable
 from .bucket_comm import AllReduceMean, ReduceToOwner
-from .bucketing import BucketSpec, describe, plan_buckets
+from .bucketing import FIRST_BUCKET_BYTES, BucketSpec, describe, plan_buckets
 from .buffer_sync import BufferSync
 from .checkin import StepCheck
 from .checks import GradientOwners, agree_on_owners, refuse_distributed_autograd
@@ -222,6 +222,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.device_mesh = device_mesh
         self.bucket_cap_mb = bucket_cap_mb
         self.bucket_cap_mb_list = bucket_cap_mb_list
+        # torch's name, read by Dynamo's DDPOptimizer to split a compiled graph into buckets;
+        # never below its first-bucket cap (1 MiB), which it asserts
+        self.bucket_bytes_cap = max(*self._caps, FIRST_BUCKET_BYTES)
         self.forward_sync_buffers = args.forward_sync_buffers
         self.mixed_precision = None
         for name, value in flags.items():
@@ -281,21 +284,42 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._reducer.on_backward_done = self._check.backward_done
         self._reducer.join_index = self._join.index  # rebuilt inside a join: still in it
 
+    # Under torch.compile, Dynamo runs this frame and the two around the module as they are
+    # (checks, collectives and hooks stay eager: no graph break, no recompile) and compiles the
+    # module's frames underneath, as it does with torch's DDP.forward.
+    @torch.compiler.disable(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        inputs, kwargs, sync = self._pre_forward(inputs, kwargs)
+        if self._reducer is None:
+            return self.module(*inputs, **kwargs)
+        previous = _activate_for_dynamo(self)
+        try:
+            output = self.module(*inputs, **kwargs)
+        finally:
+            _activate_for_dynamo(previous)
+        return self._post_forward(output, sync)
+
+    @torch.compiler.disable
+    def _pre_forward(self, inputs: Any, kwargs: Any) -> tuple[Any, Any, bool]:
+        """Inputs to the device; with a reducer: the step's sync point, the buffer broadcast;
+        returns whether this forward's backward averages."""
         if self._device is not None:
             inputs, kwargs = to_device(inputs, self._device), to_device(kwargs, self._device)
         self._forwarded = True
-        if self._reducer is None:
-            return self.module(*inputs, **kwargs)
-        refuse_distributed_autograd()
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self._reducer is None:
+            return inputs, kwargs, sync
+        refuse_distributed_autograd()
         broadcasts = self._sync_buffers_next and self.forward_sync_buffers and self._buffer_sync is not None
         verdict = self._check.forward(sync, broadcasts, self._join.index)
         src = self._join.step_settings(verdict, self._reducer)  # while ranks have joined
         if broadcasts:
             self._buffer_sync.sync(fresh=self._reducer.awaiting_backward, src=src,
                                    shadow=self._join.buffers_shadow(src))
-        output = self.module(*inputs, **kwargs)
+        return inputs, kwargs, sync
+
+    @torch.compiler.disable
+    def _post_forward(self, output: Any, sync: bool) -> Any:
         self._sync_buffers_next = sync
         self._reducer.prepare(sync, output)
         return output
@@ -487,6 +511,18 @@ class DistributedDataParallel(nn.Module, Joinable):
 def _rank_zero(group: dist.ProcessGroup | None) -> int:
     """The global rank of ``group``'s rank 0, whose parameters and buffers everyone takes."""
     return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+@torch.compiler.disable
+def _activate_for_dynamo(ddp: Any) -> Any:
+    """Make ``ddp`` the DDP whose buckets Dynamo's DDPOptimizer splits a compiled graph at
+    while its module runs (torch's own hook, ``DistributedDataParallel._get_active_ddp_module()``,
+    which torch's DDP sets the same way), so that each bucket's gradients are ready, and its
+    all-reduce launched, while the rest of the compiled backward still runs. Returns the one
+    it replaces."""
+    torch_ddp = torch.nn.parallel.DistributedDataParallel
+    previous, torch_ddp._active_ddp_module = torch_ddp._active_ddp_module, ddp
+    return previous
 
 
 # torch's helpers that unwrap a DDP (torch.distributed.checkpoint.state_dict's keys without
