@@ -4,9 +4,9 @@
     bash tools/gpu_check.sh OUT --parts one_gpu bench_gloo2_eager    # some parts again
 
 Each part is a subprocess with its own time limit (a hang costs that part, not the run), in
-this order: ``preflight`` (versions, the GPU; refuses to go on without CUDA), ``rule`` (the
-device rule's unit tests), ``one_gpu`` (NCCL at world size 1, ``phalanx run --nproc-per-node
-gpu``, the device rule live, the older one-GPU test), ``shared_gpu`` (two ranks on the GPU over
+this order: ``preflight`` (versions, the GPU; refuses to go on without CUDA), ``one_gpu`` (NCCL
+at world size 1, ``phalanx run --nproc-per-node gpu``, the device rule live and its unit tests,
+the older one-GPU test), ``shared_gpu`` (two ranks on the GPU over
 Gloo against torch), then the benchmark (benchmarks/bench_gpu.py), eager before compiled. A
 part that would start with less than ``MIN_PART_S`` left of ``--budget`` is not run.
 
@@ -46,8 +46,8 @@ BENCH = [sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py")]
 # name -> (time limit in seconds, command); the test parts' limits exceed their harness timeouts,
 # so a hung rank is reported by the harness (with its stack) before the part is killed.
 PARTS = {
-    "rule": (45, PYTEST + ["tests/unit/test_device_rule.py", "tests/unit/test_env.py"]),
-    "one_gpu": (150, PYTEST + ["tests/gpu/test_one_gpu.py", "tests/dist/test_ddp_single_gpu.py"]),
+    "one_gpu": (150, PYTEST + ["tests/gpu/test_one_gpu.py", "tests/dist/test_ddp_single_gpu.py",
+                               "tests/unit/test_device_rule.py"]),
     "shared_gpu": (150, PYTEST + ["tests/gpu/test_shared_gpu.py"]),
     "bench_gloo2_eager": (90, BENCH + ["--setups", "gloo2", "--modes", "eager"]),
     "bench_nccl1_eager": (45, BENCH + ["--setups", "nccl1", "--modes", "eager"]),
