@@ -208,6 +208,42 @@ def for_arguments(rank: int, world_size: int, environ: Mapping[str, str] | None 
     return DistEnv(**fields)
 
 
+def local_gpu(env: DistEnv, gpus: int) -> int | None:
+    """The GPU a process owns under phalanx's rule, one GPU per local rank: ``cuda:LOCAL_RANK``.
+
+    The rule holds when this process sees at least as many GPUs as its node has local ranks
+    (``gpus >= env.local_world_size``); then every rank of the node owns a GPU of its own, as
+    NCCL needs. A process that sees no GPU runs on the CPU. Anything between is refused,
+    rather than pinned to a GPU that does not exist (CUDA's "invalid device ordinal") or to
+    one another rank also uses (NCCL's "Duplicate GPU detected"): a script that means to share
+    GPUs, or whose processes are each shown their own (Slurm's ``--gpus-per-task``, a
+    ``CUDA_VISIBLE_DEVICES`` per process), names its device with ``init_process_group(device_id=...)``.
+
+    Args:
+        env: this process's place in the job.
+        gpus: the GPUs this process sees (``torch.cuda.device_count()``; 0 without CUDA).
+
+    Returns:
+        The GPU's index, or ``None`` for the CPU (no GPU seen).
+
+    Raises:
+        EnvironmentConfigError: the process sees GPUs, but fewer than its node's local ranks.
+    """
+    if gpus <= 0:
+        return None
+    if env.local_world_size <= gpus:
+        return env.local_rank
+    raise EnvironmentConfigError(
+        f"LOCAL_RANK={env.local_rank} of LOCAL_WORLD_SIZE={env.local_world_size} on this node, but "
+        f"this process sees {gpus} GPU{'s' if gpus > 1 else ''}: phalanx pins each local rank to a "
+        "GPU of its own (cuda:LOCAL_RANK) and NCCL refuses two ranks on one GPU. Start at most "
+        f"{gpus} process{'es' if gpus > 1 else ''} per node (phalanx run --nproc-per-node gpu); if each "
+        "process is shown its own GPU (Slurm --gpus-per-task, CUDA_VISIBLE_DEVICES per process), "
+        "pass init_process_group(device_id=0); to share GPUs between ranks, use backend='gloo' with "
+        "device_id=torch.device('cuda', i); to train on the CPU, backend='gloo'"
+    )
+
+
 def first_host(nodelist: str) -> str:
     """The first host of a Slurm host list: ``"gpu[007-009,012],cpu1"`` -> ``"gpu007"``."""
     match = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?([^,]*)", nodelist.strip())

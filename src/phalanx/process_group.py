@@ -7,7 +7,9 @@ so a torch script switches by changing its import. What it adds:
   Slurm's, and with neither it runs as a single process (world size 1), so one script runs
   alone, under a launcher and under ``srun``;
 * ``backend=None`` picks NCCL when this process has a GPU, else Gloo, and pins the process to
-  ``cuda:LOCAL_RANK``;
+  ``cuda:LOCAL_RANK``: one GPU per local rank (:func:`phalanx.env.local_gpu`), refused with a
+  clear error on a node with GPUs but fewer than its local ranks, unless ``device_id`` names
+  the device;
 * errors that say what went wrong: an unknown backend, a rank out of range, a master that
   cannot be reached (naming the address, the port and the timeout), a second initialisation.
 
@@ -50,9 +52,26 @@ _KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "fake")
 _HOST_GRACE_S = 3.0
 
 
-def _resolve_backend(backend: str | None, env: _env.DistEnv) -> str:
+def _gpus() -> int:
+    """The GPUs this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _cuda_index(device_id: torch.device | int | str) -> int | None:
+    """The GPU ``init_process_group(device_id=...)`` names, ``None`` for another device."""
+    if isinstance(device_id, int) and not isinstance(device_id, bool):
+        return device_id if torch.cuda.is_available() else None
+    device = torch.device(device_id)
+    return device.index if device.type == "cuda" else None
+
+
+def _resolve_backend(backend: str | None, env: _env.DistEnv,
+                     device_id: torch.device | int | None = None) -> str:
     if backend is None:
-        has_gpu = torch.cuda.is_available() and env.local_rank < torch.cuda.device_count()
+        if device_id is not None:  # as torch: the backend of the device named
+            has_gpu = _cuda_index(device_id) is not None
+        else:  # phalanx's rule, one GPU per local rank (raises when the node has too few)
+            has_gpu = _env.local_gpu(env, _gpus()) is not None
         return "nccl" if has_gpu and dist.is_nccl_available() else "gloo"
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string or None, got {type(backend).__name__}")
@@ -76,6 +95,27 @@ def _resolve_backend(backend: str | None, env: _env.DistEnv) -> str:
 
 def _uses_cuda(backend: str) -> bool:
     return "nccl" in backend or backend == "xccl"
+
+
+def _pinned_gpu(backend: str, env: _env.DistEnv, device_id: torch.device | int | None) -> int | None:
+    """The GPU ``init_process_group`` makes current: ``device_id``'s when it names one, else
+    with NCCL under a launcher (or Slurm) the rule's, ``cuda:LOCAL_RANK``
+    (:func:`phalanx.env.local_gpu`); ``None``: leave the current device alone."""
+    if not torch.cuda.is_available():
+        return None
+    if device_id is not None:
+        index = _cuda_index(device_id)
+        if index is not None and not 0 <= index < _gpus():
+            raise ValueError(
+                f"device_id {device_id} is out of range. Please use a device index less than the "
+                f"number of accelerators available: {_gpus()}."
+            )
+        return index
+    # Without a launcher there is no local rank to pin: a script passing rank= itself picks its
+    # device itself (torch's mp.spawn tutorial calls torch.cuda.set_device(rank)), as with torch.
+    if not _uses_cuda(backend) or env.source == "arguments":
+        return None
+    return _env.local_gpu(env, _gpus())
 
 
 # The watchdog limit: how long a collective may wait before every rank reports where it is
@@ -197,7 +237,10 @@ def init_process_group(
             without a launcher, the process is not pinned to a GPU (as with torch).
         store: a ready c10d store to meet in (then ``init_method`` must be ``None``).
         group_name, pg_options, device_id: passed to torch unchanged; ``device_id`` defaults
-            to ``cuda:LOCAL_RANK`` with NCCL.
+            to ``cuda:LOCAL_RANK`` with NCCL (a node with GPUs but fewer than its local ranks is
+            refused: :func:`phalanx.env.local_gpu`), and a GPU it names becomes this process's
+            current device: the way to share a GPU between ranks (with Gloo), or to use the one
+            GPU each process is shown (``device_id=0``).
         diagnostics (bool, keyword-only): check that the ranks issue the same collectives,
             report hangs and stragglers (:mod:`phalanx.diagnostics`). Default ``True``.
         straggler_every (int, keyword-only): synchronising DDP steps between straggler
@@ -208,7 +251,8 @@ def init_process_group(
 
     Raises:
         AlreadyInitializedError: a default group exists already.
-        ValueError: unknown backend, rank outside ``[0, world_size)``, bad environment.
+        ValueError: unknown backend, rank outside ``[0, world_size)``, bad environment, a
+            node with GPUs but fewer than its local ranks (``EnvironmentConfigError``).
         RendezvousError: the master could not be reached within ``timeout``, or rank 0 could
             not listen on the master port.
 
@@ -226,16 +270,15 @@ def init_process_group(
             f"{dist.get_rank()} of {dist.get_world_size()}. Call destroy_process_group() first"
         )
     found = _env.for_arguments(rank, world_size)
-    backend = _resolve_backend(backend, found)
+    backend = _resolve_backend(backend, found, device_id)
     if timeout is None:
         seconds = _env.watchdog_seconds()
         timeout = DEFAULT_TIMEOUT if seconds is None else timedelta(seconds=seconds)
-    # Without a launcher there is no local rank to pin: a script passing rank= itself picks its
-    # device itself (torch's mp.spawn tutorial calls torch.cuda.set_device(rank)), as with torch.
-    if _uses_cuda(backend) and torch.cuda.is_available() and found.source != "arguments":
-        torch.cuda.set_device(found.local_rank)
+    gpu = _pinned_gpu(backend, found, device_id)
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
         if device_id is None:
-            device_id = torch.device("cuda", found.local_rank)
+            device_id = torch.device("cuda", gpu)
     if store is None and init_method in (None, "env://"):
         if found.world_size > 1 and (found.master_addr is None or found.master_port is None):
             raise ValueError(
@@ -307,11 +350,21 @@ def get_local_world_size() -> int:
 
 
 def get_device() -> torch.device:
-    """The device this process owns: ``cuda:LOCAL_RANK`` when it has a GPU, else the CPU."""
-    local = get_local_rank()
-    if torch.cuda.is_available() and local < torch.cuda.device_count():
-        return torch.device("cuda", local)
-    return torch.device("cpu")
+    """The device this process owns: the ``device_id`` its process group was given (by
+    ``init_process_group``, which gives ``cuda:LOCAL_RANK`` with NCCL), else ``cuda:LOCAL_RANK``
+    when this node shows a GPU for each of its local ranks, else the CPU. On a node with GPUs
+    but fewer than its local ranks, before a process group or with NCCL, it raises
+    ``EnvironmentConfigError`` (see :func:`phalanx.env.local_gpu`); in a Gloo group that named
+    no device it is the CPU."""
+    if dist.is_initialized() and dist.group.WORLD.bound_device_id is not None:
+        return dist.group.WORLD.bound_device_id
+    try:
+        gpu = _env.local_gpu(_env.detect(), _gpus())
+    except EnvironmentConfigError:
+        if dist.is_initialized() and not _uses_cuda(dist.get_backend()):
+            return torch.device("cpu")
+        raise
+    return torch.device("cpu") if gpu is None else torch.device("cuda", gpu)
 
 
 def barrier(

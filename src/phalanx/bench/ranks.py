@@ -59,15 +59,17 @@ def launch_ranks(entrypoint: str, nproc: int, args: Sequence[str] = (), module: 
             return json.load(f)
 
 
-def serve(measure: Callable[..., Any], result_path: str, *args: Any, threads: int = 1) -> None:
-    """On one worker: join the process group (Gloo), run ``measure(*args)``, and on rank 0
-    write what it returned (JSON-serialisable) to ``result_path``; leave the group."""
+def serve(measure: Callable[..., Any], result_path: str, *args: Any, threads: int = 1,
+          backend: str | None = "gloo") -> None:
+    """On one worker: join the process group (``backend``, default Gloo), run
+    ``measure(*args)``, and on rank 0 write what it returned (JSON-serialisable) to
+    ``result_path``; leave the group."""
     import torch
 
     from .. import process_group
 
     torch.set_num_threads(threads)
-    process_group.init_process_group(backend="gloo")
+    process_group.init_process_group(backend=backend)
     try:
         result = measure(*args)
         if process_group.get_rank() == 0:
