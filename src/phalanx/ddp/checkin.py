@@ -61,7 +61,8 @@ class StepCheck:
             if self.clock is None:
                 watcher = diagnostics()
                 self.clock = StepClock(0 if watcher is None else watcher.straggler_every)
-            report = self.clock.due() and self._reported_at != self.clock.steps
+            # while a join runs the ranks' step counts part: no report (restart() after it)
+            report = self.clock.due() and self._reported_at != self.clock.steps and book.join is None
             self.clock.forward(book.waited_s)
         what = (CHECK if sync or torch.is_grad_enabled() else EVALUATION) + (
             " with a straggler report" if report else "")
@@ -71,6 +72,10 @@ class StepCheck:
             self._reported_at = self.clock.steps
             diagnostics().exchange_step_times(self.clock.take(), self.clock.steps, self.group)
         return verdict if book.join is not None else None
+
+    def restart(self) -> None:
+        """A join is over: the ranks ran different numbers of steps; count afresh, alike."""
+        self.clock, self._reported_at = None, 0
 
     def backward_done(self) -> None:
         """A synchronising backward's gradients are averaged (the reducer calls this)."""

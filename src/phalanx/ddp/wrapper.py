@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
 
 from .. import comm
 from .._logging import get_logger
@@ -357,6 +358,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def join_leave(self) -> None:
         self._join.leave(self._reducer)
+        self._check.restart()  # the ranks stepped different numbers of times
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -520,8 +522,7 @@ def _activate_for_dynamo(ddp: Any) -> Any:
     which torch's DDP sets the same way), so that each bucket's gradients are ready, and its
     all-reduce launched, while the rest of the compiled backward still runs. Returns the one
     it replaces."""
-    torch_ddp = torch.nn.parallel.DistributedDataParallel
-    previous, torch_ddp._active_ddp_module = torch_ddp._active_ddp_module, ddp
+    previous, TorchDDP._active_ddp_module = TorchDDP._active_ddp_module, ddp
     return previous
 
 
@@ -529,4 +530,4 @@ def _activate_for_dynamo(ddp: Any) -> Any:
 # "module.", a script's `model.module if isinstance(model, DDP) else model`) test isinstance
 # against torch's class. It is an ABC (torch's Joinable), so phalanx's registers as a virtual
 # subclass: a state dict's keys and a script's checks are the same after the import swap.
-torch.nn.parallel.DistributedDataParallel.register(DistributedDataParallel)
+TorchDDP.register(DistributedDataParallel)
