@@ -324,7 +324,6 @@ TORCH_ONLY_ATTRIBUTES = {
     "_register_fused_optim": "no optimizer step runs inside the backward; call optimizer.step() after "
                              "backward()",
     "_set_static_graph": "pass static_graph=True to the constructor",
-    "bucket_bytes_cap": _CAPS,
     "bucket_bytes_cap_list": _CAPS,
     "bucket_bytes_cap_default": _CAPS,
     "broadcast_bucket_size": "the construction broadcast goes in chunks of phalanx.comm.BROADCAST_CHUNK_BYTES",
