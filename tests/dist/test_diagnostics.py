@@ -46,11 +46,15 @@ def mismatches(request):
     return request.param, run_ranks(_mismatches, request.param)
 
 
+def _the_others(world_size):
+    """How a mismatch message names ranks 1.. of ``world_size``: "rank 1 is", "ranks 1, 2 are"."""
+    many = world_size > 2
+    return ", ".join(map(str, range(1, world_size))), "ranks" if many else "rank", "are" if many else "is"
+
+
 def test_mismatched_shapes_raise_on_every_rank_naming_each(mismatches):
     world_size, results = mismatches
-    others = ", ".join(map(str, range(1, world_size)))
-    plural = "ranks" if world_size > 2 else "rank"
-    verb = "are" if world_size > 2 else "is"
+    others, plural, verb = _the_others(world_size)
     for out in results:
         assert out["shapes"] == ("CollectiveMismatchError", (
             "The ranks are at different collectives: rank 0 is at all_reduce float32[20] "
@@ -60,9 +64,7 @@ def test_mismatched_shapes_raise_on_every_rank_naming_each(mismatches):
 
 def test_mismatched_collectives_raise_on_every_rank_naming_each(mismatches):
     world_size, results = mismatches
-    others = ", ".join(map(str, range(1, world_size)))
-    plural = "ranks" if world_size > 2 else "rank"
-    verb = "are" if world_size > 2 else "is"
+    others, plural, verb = _the_others(world_size)
     for out in results:
         assert out["ops"] == ("CollectiveMismatchError", (
             "The ranks are at different collectives: rank 0 is at all_reduce float32[4] "
