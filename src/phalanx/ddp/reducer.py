@@ -442,10 +442,6 @@ class Reducer:
         for work in self._sparse.launch(nothing=True):
             work.wait()
 
-    def sparse_names(self) -> list[str]:
-        """Names of the parameters whose gradients come sparse (in no bucket)."""
-        return list(self._sparse.names)
-
     def buffers(self) -> list[torch.Tensor]:
         """The bucket buffers allocated now (outside a backward: the kept ones)."""
         return [bucket.buffer for bucket in self._buckets if bucket.buffer is not None]
