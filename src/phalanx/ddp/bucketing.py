@@ -192,6 +192,7 @@ class Bucket:
         self._tail_numel = tail
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
+        self.grads: torch.Tensor | None = None  # the buffer without the tail
         self.tail: torch.Tensor | None = None
         if keep:
             self.allocate(torch.zeros)
@@ -201,10 +202,11 @@ class Bucket:
         spec = self.spec
         self.buffer = factory(spec.numel + self._tail_numel, dtype=spec.dtype, device=spec.device)
         self.views = [self.buffer[s.offset : s.offset + s.numel].view(s.shape) for s in spec.slots]
+        self.grads = self.buffer[: spec.numel]
         self.tail = self.buffer[spec.numel :]
 
     def release(self) -> None:
-        self.buffer, self.views, self.tail = None, [], None
+        self.buffer, self.views, self.grads, self.tail = None, [], None, None
 
     @property
     def positions(self) -> range:

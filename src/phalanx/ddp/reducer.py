@@ -9,13 +9,20 @@ How one synchronising backward runs:
    the same backward and add their graphs to the walk, but do not disarm it (torch's
    reducer behaves the same: only ``finalize_backward`` clears ``expect_autograd_hooks_``).
 2. Each parameter's ``register_post_accumulate_grad_hook`` fires once its gradient is
-   accumulated. The hook copies the gradient, divided by the world size, into its slot of the
-   bucket's flat buffer (one fused op; with ``gradient_as_bucket_view`` the slot *is* ``.grad``).
+   accumulated. The hook only marks the parameter ready and counts down its bucket: no tensor
+   op, nothing that grows with the number of buckets (the hot path: one per gradient).
    The first hook of the backward queues ``_finalize`` on the autograd engine and marks the
    parameters known to be unused (found by the walk, or, with ``static_graph=True``, learned
    in the first backward) ready at once; their contribution is the current ``.grad``, or 0.
-3. A bucket whose slots are all filled is launched, asynchronously, but strictly in bucket order:
-   bucket k waits for buckets 0..k-1, so every rank issues the same collectives in the same order.
+3. A bucket whose parameters are all ready is filled and launched, asynchronously, but strictly
+   in bucket order: bucket k waits for buckets 0..k-1, so every rank issues the same collectives
+   in the same order. Filling is one batched copy of the gradients that are not in their slot
+   already (``torch._foreach_copy_``) and one division of the whole buffer by the world size:
+   per bucket, not per gradient, as torch's newest reducer does (``batched_grad_copy_``). With
+   ``gradient_as_bucket_view`` (phalanx's default) ``.grad`` then *is* the slot, so a gradient
+   accumulated into an existing ``.grad`` (``zero_grad(set_to_none=False)``, ``no_sync()``
+   accumulation) lands in its slot directly and is not copied at all. Copy-then-divide gives
+   the same bits as torch's divide-into-slot.
    The last bucket is launched by ``_finalize`` only, when the engine is done (see below).
 4. ``_finalize`` runs when the engine is done: it fills and launches what is left (parameters
    that got no gradient, and the last bucket), waits for every bucket, writes the averages back
@@ -43,7 +50,7 @@ Sparse gradients (``nn.Embedding(sparse=True)``...) are in no bucket: their all-
 (sparse, one per parameter) start in ``_finalize``, after every bucket but the last, whose
 tail also says which ranks had them (:mod:`phalanx.ddp.sparse`). A gradient that has a graph
 (``backward(create_graph=True)``), or that comes sparse for a parameter bucketed as dense, is
-refused by the fused copy and handled in its ``except`` (:mod:`phalanx.ddp.unusual`).
+copied on its own (:mod:`phalanx.ddp.unusual`).
 
 A backward that fails midway (an exception in the engine) never reaches ``_finalize``; the
 next ``prepare()`` waits for the collectives it launched before their buffers are reused.
@@ -52,7 +59,7 @@ ZeRO stage 2 (:class:`~phalanx.ddp.bucket_comm.ReduceToOwner`): buckets are plan
 holds the parameters of one owner, the rank whose sharded optimizer updates them, and each is
 *reduced* to that owner instead of all-reduced. Other ranks drop their copy: a gradient is
 released (``.grad = None``) as soon as it is copied into such a bucket, whose buffer exists
-only from its first gradient to the end of the backward. Only the owner writes the average
+only from its filling to the end of the backward. Only the owner writes the average
 back to ``.grad``. The last bucket stays an all-reduce, as it carries the control tail every
 rank must read.
 """
@@ -77,7 +84,7 @@ from .checkin import DDPAction
 from .graph_walk import reachable_params
 from .problems import problem_message
 from .sparse import SparseGradients
-from .unusual import averaged_with_graph, copy_unusual
+from .unusual import averaged_with_graph, copy_unusual, is_unusual
 
 
 class Reducer:
@@ -178,7 +185,7 @@ class Reducer:
         self._ready = [False] * len(self.params)
         self._assumed_unused: list[int] = []
         self._late: list[int] = []
-        self._had_grad = [False] * len(self.params)  # a contribution that was a gradient
+        self._had_grad = [True] * len(self.params)  # a contribution that was a gradient
         self._fires = [0] * len(self.params)  # gradients accumulated this backward (static_graph)
         self._graphs: dict[int, torch.Tensor] = {}  # create_graph: gradients with a graph
         self._sparse.reset()
@@ -208,7 +215,8 @@ class Reducer:
         self.awaiting_backward = True
 
     # ---- during backward ---------------------------------------------------------------
-    def _on_grad(self, k: int, param: torch.Tensor) -> None:
+    def _on_grad(self, k: int) -> None:
+        """Parameter ``k``'s gradient is accumulated: the hot path (see the module notes)."""
         if not self.awaiting_backward:
             return  # no_sync(), or a backward not preceded by a synchronising forward
         if not self._started:
@@ -224,8 +232,12 @@ class Reducer:
             # here would leave the other ranks waiting: the last bucket's tail reports it.
             self._late.append(k)
             return
-        self._mark_ready(k, param.grad)
-        self._launch_ready()
+        self._ready[k] = True
+        b = self._bucket_of[k]
+        bucket = self._buckets[b]
+        bucket.pending -= 1
+        if bucket.pending == 0 and b == self._next:
+            self._launch_ready()
 
     def _on_sparse_grad(self, j: int) -> None:
         if self.awaiting_backward:
@@ -251,37 +263,57 @@ class Reducer:
     def _assume_unused(self, k: int) -> None:
         """No gradient will come this backward: contribute the current ``.grad`` (or zeros)."""
         self._assumed_unused.append(k)
-        self._mark_ready(k, self.params[k].grad)
+        self._ready[k] = True
+        self._buckets[self._bucket_of[k]].pending -= 1
 
-    def _mark_ready(self, k: int, grad: torch.Tensor | None) -> None:
-        """Put parameter k's contribution, divided for the average, into its bucket slot.
+    def _fill(self, bucket: Bucket) -> None:
+        """Put the bucket's contributions, divided for the average, into its buffer: one
+        batched copy of the gradients not already in their slot, one division of the buffer.
 
-        In a bucket this rank does not keep, the gradient is released once copied.
+        With ``gradient_as_bucket_view`` ``.grad`` becomes the slot; in a bucket this rank
+        does not keep, the gradients are released once copied.
         """
-        bucket = self._buckets[self._bucket_of[k]]
         if bucket.buffer is None:
             bucket.allocate()
-        view = bucket.views[k - bucket.first]
-        self._had_grad[k] = grad is not None
-        if grad is None:
-            view.zero_()
-        elif grad is view:
-            if self.bucket_comm.divisor != 1:
-                view.div_(self.bucket_comm.divisor)
-        else:
+        params = self.params
+        seat = bucket.keep and self.as_view
+        # Gradient mode is on inside a backward only with create_graph=True: gradients may
+        # then have graphs, and take the unusual path (so may sparse ones: the except below).
+        graphs = torch.is_grad_enabled()
+        sources: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        for k, view in zip(bucket.positions, bucket.views):
+            param = params[k]
+            grad = param.grad
+            if grad is view:
+                continue
+            if grad is None:
+                self._had_grad[k] = False
+                view.zero_()
+            elif graphs and is_unusual(grad):
+                self._copy_unusual(k, grad, view)
+            else:
+                sources.append(grad)
+                slots.append(view)
+                if seat:
+                    param.grad = view
+        if sources:
             try:
-                torch.div(grad, self.bucket_comm.divisor, out=view)
-            except RuntimeError as refused:  # a graph (create_graph=True), or sparse
-                graph = copy_unusual(grad, self.bucket_comm.divisor, view, refused)
-                if graph is not None:  # kept out of .grad, which the write-back copies into
-                    self._graphs[k] = graph
-                    self.params[k].grad = None
-            if not bucket.keep:
-                self.params[k].grad = None
-            elif self.as_view:
-                self.params[k].grad = view
-        self._ready[k] = True
-        bucket.pending -= 1
+                torch._foreach_copy_(slots, sources)
+            except RuntimeError:  # a sparse gradient for a parameter bucketed as dense
+                for slot, grad in zip(slots, sources):
+                    slot.copy_(grad.to_dense() if grad.layout != torch.strided else grad)
+        if self.bucket_comm.divisor != 1:
+            bucket.grads.div_(self.bucket_comm.divisor)
+        if not bucket.keep:
+            for k in bucket.positions:
+                params[k].grad = None
+
+    def _copy_unusual(self, k: int, grad: torch.Tensor, view: torch.Tensor) -> None:
+        graph = copy_unusual(grad, view)
+        if graph is not None:  # kept out of .grad, which the write-back copies into
+            self._graphs[k] = graph
+            self.params[k].grad = None
 
     def _launch_ready(self, final: bool = False) -> None:
         """Launch every complete bucket at the head of the queue, in bucket order.
@@ -292,9 +324,10 @@ class Reducer:
         last = len(self._buckets) - 1
         while self._next <= last and self._buckets[self._next].pending == 0:
             bucket = self._buckets[self._next]
+            if self._next == last and not final:
+                return
+            self._fill(bucket)
             if self._next == last:
-                if not final:
-                    return
                 self._write_tail(bucket.tail)
             op = f"DDP bucket {self._next}{self.bucket_comm.label}"
             record = self._record(op, bucket.buffer, DDPAction.BUCKET, self._next)
@@ -350,7 +383,8 @@ class Reducer:
             if self.static_graph and self._fires_expected is None:
                 self._fires_expected = list(self._fires)
                 for k in (k for k, fires in enumerate(self._fires) if fires):
-                    self._mark_ready(k, self.params[k].grad)  # all of its gradients are in
+                    self._ready[k] = True  # all of its gradients are in
+                    self._buckets[self._bucket_of[k]].pending -= 1
             left = [k for k, ready in enumerate(self._ready) if not ready]
             for k in left:
                 self._assume_unused(k)
@@ -384,24 +418,33 @@ class Reducer:
             self.awaiting_backward = False
             self._reset()
 
-    def _write_back(self, b: int, used: list[bool] | None) -> None:
-        """Bucket ``b``'s averages into ``.grad``, if this rank keeps them (else .grad is None)."""
+    def _write_back(self, b: int, used: list[bool] | None, filled: bool = True) -> None:
+        """Bucket ``b``'s averages into ``.grad``, if this rank keeps them (else .grad is None).
+
+        With ``gradient_as_bucket_view`` and ``filled`` (by this rank's backward), ``_fill``
+        made every gradient's ``.grad`` its slot; left are parameters without one here that
+        some rank had one for (``used``). Else the
+        averages are copied into the ``.grad`` tensors, in one batched copy.
+        """
         bucket = self._buckets[b]
         if not bucket.keep:
-            return  # _mark_ready released the gradients; _reset releases the buffer
+            return  # _fill released the gradients; _reset releases the buffer
+        grads: list[torch.Tensor] = []
+        averages: list[torch.Tensor] = []
         for k, view in zip(bucket.positions, bucket.views):
-            if used is not None and not used[k]:
-                continue  # no rank has a gradient for it: leave .grad alone, as torch does
+            if filled and self.as_view and self._had_grad[k] or used is not None and not used[k]:
+                continue  # seated already, or no rank has a gradient: leave .grad, as torch does
             param = self.params[k]
             grad = param.grad
-            if grad is view:
-                continue
             if self.as_view:
                 param.grad = view
             elif grad is None:
                 param.grad = view.clone()
             else:
-                grad.copy_(view)
+                grads.append(grad)
+                averages.append(view)
+        if grads:
+            torch._foreach_copy_(grads, averages)
 
     def _attach_graphs(self, used: list[bool] | None) -> None:
         """create_graph: give each averaged ``.grad`` a graph back to this rank's gradient."""
@@ -432,7 +475,7 @@ class Reducer:
             self._raise_problems()  # the active ranks raise: so does this one, with them
         used = (tail[1:] > 0).tolist() if self.allow_unused else None
         for k in range(len(self._buckets)) if write_back else ():
-            self._write_back(k, used)
+            self._write_back(k, used, filled=False)
         for each in self._buckets:
             if not each.keep:
                 each.release()
@@ -460,7 +503,7 @@ class Reducer:
 def _hook(reducer: weakref.ref, k: int, param: torch.Tensor) -> None:
     alive = reducer()
     if alive is not None:
-        alive._on_grad(k, param)
+        alive._on_grad(k)
 
 
 def _sparse_hook(reducer: weakref.ref, j: int, param: torch.Tensor) -> None:

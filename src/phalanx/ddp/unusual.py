@@ -1,9 +1,8 @@
 """Dense gradients off the common path: a gradient with a graph (``create_graph=True``), and
 one that came sparse for a parameter bucketed as dense.
 
-The reducer's hook copies each gradient into its bucket with one fused ``torch.div(...,
-out=slot)``; that refuses both of these, and only then (in its ``except``) are they looked
-at here, so the common case pays nothing for them.
+The reducer copies a bucket's gradients in one batched copy; it leaves these out
+(:func:`is_unusual`) and copies each here.
 
 ``backward(create_graph=True)``: as in torch's DDP, ``.grad`` holds the average of the
 first-order gradients over the ranks, and keeps a graph, but higher-order terms are not
@@ -26,21 +25,23 @@ HIGHER_ORDER_WARNING = (
 )
 
 
-def copy_unusual(grad: torch.Tensor, divisor: int, slot: torch.Tensor,
-                 refused: RuntimeError) -> torch.Tensor | None:
-    """Copy ``grad / divisor`` into ``slot`` for a gradient the fused copy ``refused``.
+def is_unusual(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` has a graph or is sparse: not for the reducer's batched copy."""
+    return grad.requires_grad or grad.layout != torch.strided
+
+
+def copy_unusual(grad: torch.Tensor, slot: torch.Tensor) -> torch.Tensor | None:
+    """Copy an unusual ``grad`` (:func:`is_unusual`) into ``slot``.
 
     Returns ``grad`` when it has a graph (the reducer keeps it to attach the average to it,
-    :func:`averaged_with_graph`), else ``None``. Raises ``refused`` for anything else.
+    :func:`averaged_with_graph`), else ``None``.
     """
     if grad.layout != torch.strided:  # sparse, for a parameter not known to be sparse
-        torch.div(grad.to_dense(), divisor, out=slot)
+        slot.copy_(grad.to_dense())
         return None
-    if not grad.requires_grad:
-        raise refused
     warnings.warn(HIGHER_ORDER_WARNING, UserWarning, stacklevel=2)
     with torch.no_grad():
-        torch.div(grad, divisor, out=slot)
+        slot.copy_(grad)
     return grad
 
 
