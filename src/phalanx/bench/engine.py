@@ -48,7 +48,7 @@ def mlp(width: int = 2048, depth: int = 3, inputs: int = 1024, classes: int = 10
 
 
 def cnn(classes: int = 10) -> nn.Module:
-    """A small CNN for 3x32x32 images (0.29M parameters), with BatchNorm buffers to broadcast."""
+    """A small CNN for 3x32x32 images (0.36M parameters), with BatchNorm buffers to broadcast."""
 
     def block(cin: int, cout: int) -> list[nn.Module]:
         return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(), nn.MaxPool2d(2)]
@@ -57,17 +57,67 @@ def cnn(classes: int = 10) -> nn.Module:
                          nn.Linear(128 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, classes))
 
 
-MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
-    "mlp": (mlp, (1024,)),  # builder, shape of one input sample
-    "cnn": (cnn, (3, 32, 32)),
+def deep_mlp(width: int = 32, depth: int = 200, classes: int = 10) -> nn.Module:
+    """A deep narrow MLP: 402 parameter tensors of 1 056 elements at most (0.21M parameters)."""
+    return mlp(width, depth, width, classes)
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block (causal self-attention, GELU MLP): 12 parameter tensors."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+GPT_VOCAB, GPT_TOKENS = 256, 32
+
+
+class GPT(nn.Module):
+    """A deep narrow GPT (24 blocks, width 64, 293 parameter tensors, 1.24M parameters) that
+    returns next-token logits flattened to ``(batch * tokens, vocab)``."""
+
+    def __init__(self, vocab: int = GPT_VOCAB, tokens: int = GPT_TOKENS, dim: int = 64,
+                 depth: int = 24, heads: int = 4) -> None:
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, dim), nn.Embedding(tokens, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(depth))
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x)).flatten(0, 1)
+
+
+# builder, batch maker (batch size, generator) -> (inputs, labels)
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator], tuple]]] = {
+    "mlp": (mlp, lambda n, g: _classes(torch.randn(n, 1024, generator=g), n, g)),
+    "cnn": (cnn, lambda n, g: _classes(torch.randn(n, 3, 32, 32, generator=g), n, g)),
+    "deep-mlp": (deep_mlp, lambda n, g: _classes(torch.randn(n, 32, generator=g), n, g)),
+    "gpt": (GPT, lambda n, g: (torch.randint(0, GPT_VOCAB, (n, GPT_TOKENS), generator=g),
+                               torch.randint(0, GPT_VOCAB, (n * GPT_TOKENS,), generator=g))),
 }
 
 
+def _classes(x: torch.Tensor, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return x, torch.randint(0, 10, (n,), generator=g)
+
+
 def make_batch(model: str, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random inputs and class labels for ``model`` (seeded: every run sees the same data)."""
-    g = torch.Generator().manual_seed(seed)
-    shape = MODELS[model][1]
-    return torch.randn(batch_size, *shape, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
+    """Random inputs and labels for ``model`` (seeded: every run sees the same data)."""
+    return MODELS[model][1](batch_size, torch.Generator().manual_seed(seed))
 
 
 def build(model: str, impl: str, bucket_cap_mb: float | None = None, seed: int = 0,

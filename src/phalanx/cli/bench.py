@@ -29,8 +29,10 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
     parser = add_manual_parser(
         commands, "bench", "phalanx DDP vs torch DDP vs one process, side by side", __doc__)
     add = parser.add_argument
-    add("--model", nargs="+", default=["mlp"], choices=("cnn", "mlp"),
-        help="mlp: 10.5M parameters; cnn: 0.29M with BatchNorm (default mlp)")
+    add("--model", nargs="+", default=["mlp"], choices=("cnn", "deep-mlp", "gpt", "mlp"),
+        help="mlp: 10.5M parameters in 8 tensors; cnn: 0.36M with BatchNorm; many small "
+             "tensors: deep-mlp (200 layers of width 32, 402 tensors), gpt (24 blocks of width "
+             "64, 293 tensors) (default mlp)")
     add("--nproc-per-node", "--nproc_per_node", "--nproc", type=at_least(1), default=2, metavar="N",
         help="processes for the DDP runs, as in phalanx run (default 2)")
     add("--bucket-mb", "--bucket_mb", type=positive_float, default=None,
