@@ -2,7 +2,8 @@
 few steps of the digits example's CNN. As root, over two network namespaces joined by a
 tc-limited veth pair (bytes on the wire checked, namespaces gone afterwards, also after Ctrl-C);
 otherwise on loopback. The convergence claims (each compression method ends at most 0.5 points
-below the uncompressed accuracy) are the benchmark's full run, in benchmarks/ and the README."""
+below the uncompressed accuracy) are the benchmark's full run, in benchmarks/ and
+docs/benchmarks.md."""
 
 from __future__ import annotations
 

@@ -305,7 +305,8 @@ class DiLoCo(_Periodic):
             it takes to hide the meeting).
         outer_lr (float): default ``0.7`` (the paper's).
         outer_momentum (float): default ``0.9`` (the paper's, for runs of thousands of steps;
-            in a run of about a hundred steps 0.5 kept the accuracy that 0.9 lost: README).
+            in a run of about a hundred steps 0.5 kept the accuracy that 0.9 lost:
+            docs/benchmarks.md).
         group (ProcessGroup, optional): default: the DDP's group, or the default group.
         compress (str, optional): ``"bf16"`` or ``"fp16"`` to send the pseudo-gradients as
             16-bit values (:func:`~phalanx.comm_hooks.average_16bit`); default ``None``: fp32.

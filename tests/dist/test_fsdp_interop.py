@@ -1,0 +1,68 @@
+"""torch's FSDP (``fully_shard``) on a process group made by ``phalanx.init_process_group``:
+it trains as one process on the global batch does (docs/sharding.md, the README's "works
+with" list)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import phalanx
+from tests.harness import run_ranks
+
+_STEPS = 3
+_MICRO = 4  # samples per rank per step
+
+
+def _batch(step, world_size):
+    g = torch.Generator().manual_seed(step)
+    n = _MICRO * world_size
+    return torch.randn(n, 8, generator=g), torch.randint(0, 2, (n,), generator=g)
+
+
+def _step(model, opt, x, y):
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _fully_sharded_against_one_process(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    assert phalanx.is_initialized()  # the harness's group is phalanx's
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    model = copy.deepcopy(reference)
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    mine = slice(rank * _MICRO, (rank + 1) * _MICRO)
+    for step in range(_STEPS):
+        x, y = _batch(step, world_size)
+        _step(model, opt, x[mine], y[mine])
+        _step(reference, reference_opt, x, y)  # the global batch, in one process
+    full = {name: t.full_tensor() for name, t in model.state_dict().items()}
+    return {
+        "sharded": all(t.to_local().numel() < t.numel() for t in model.state_dict().values()
+                       if t.numel() >= world_size),
+        "max_diff": max((full[n] - t).abs().max().item() for n, t in reference.state_dict().items()),
+    }
+
+
+@pytest.fixture(scope="module")
+def fsdp():
+    return run_ranks(_fully_sharded_against_one_process, 2)
+
+
+def test_fully_shard_shards_the_parameters_on_a_phalanx_group(fsdp):
+    assert [r["sharded"] for r in fsdp] == [True, True]
+
+
+def test_fully_shard_trains_as_one_process_on_the_global_batch(fsdp):
+    for result in fsdp:
+        assert result["max_diff"] < 1e-6, result
