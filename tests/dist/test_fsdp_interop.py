@@ -29,7 +29,15 @@ def _step(model, opt, x, y):
     opt.zero_grad()
 
 
-def _fully_sharded_against_one_process(rank, world_size):
+def _refused(call):
+    try:
+        call()
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+def _fully_sharded_against_one_process(rank, world_size, directory):
     from torch.distributed.fsdp import fully_shard
 
     assert phalanx.is_initialized()  # the harness's group is phalanx's
@@ -47,7 +55,10 @@ def _fully_sharded_against_one_process(rank, world_size):
         _step(model, opt, x[mine], y[mine])
         _step(reference, reference_opt, x, y)  # the global batch, in one process
     full = {name: t.full_tensor() for name, t in model.state_dict().items()}
+    ckpt = phalanx.Checkpointer(directory, model, opt)
     return {
+        "save": _refused(lambda: ckpt.save(0, _STEPS)),
+        "load": _refused(ckpt.load),
         "sharded": all(t.to_local().numel() < t.numel() for t in model.state_dict().values()
                        if t.numel() >= world_size),
         "max_diff": max((full[n] - t).abs().max().item() for n, t in reference.state_dict().items()),
@@ -55,8 +66,8 @@ def _fully_sharded_against_one_process(rank, world_size):
 
 
 @pytest.fixture(scope="module")
-def fsdp():
-    return run_ranks(_fully_sharded_against_one_process, 2)
+def fsdp(tmp_path_factory):
+    return run_ranks(_fully_sharded_against_one_process, 2, str(tmp_path_factory.mktemp("ckpt")))
 
 
 def test_fully_shard_shards_the_parameters_on_a_phalanx_group(fsdp):
@@ -66,3 +77,10 @@ def test_fully_shard_shards_the_parameters_on_a_phalanx_group(fsdp):
 def test_fully_shard_trains_as_one_process_on_the_global_batch(fsdp):
     for result in fsdp:
         assert result["max_diff"] < 1e-6, result
+
+
+def test_checkpointer_refuses_a_sharded_model_rather_than_write_one_ranks_shards(fsdp):
+    for result in fsdp:
+        for refusal in (result["save"], result["load"]):
+            assert refusal is not None and "parameter '0.weight' is a DTensor" in refusal, result
+            assert "torch.distributed.checkpoint" in refusal

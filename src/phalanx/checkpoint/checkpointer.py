@@ -70,6 +70,7 @@ from .state import (
     check_fits,
     check_loadable,
     load_comm_state,
+    refuse_sharded,
     restore_rng_state,
     unwrap,
 )
@@ -238,10 +239,12 @@ class Checkpointer(Joinable):
 
         Raises:
             ValueError, TypeError: a bad argument, or an ``extra`` value safe loading could
-                not rebuild (named), on every rank.
+                not rebuild (named), on every rank; a model with parameters sharded across
+                the ranks (DTensors, torch's ``fully_shard``).
             RankMismatchError: ranks passed different ``epoch``/``step``.
             CheckpointError: writing failed (on every rank).
         """
+        refuse_sharded(self.module)
         _check_count("epoch", epoch)
         _check_count("step", step)
         if extra is not None and not isinstance(extra, Mapping):
@@ -325,13 +328,15 @@ class Checkpointer(Joinable):
             line says training starts fresh).
 
         Raises:
-            TypeError: ``resume`` is neither ``"auto"`` nor a path.
+            TypeError: ``resume`` is neither ``"auto"`` nor a path; the model's parameters are
+                sharded across the ranks (DTensors, torch's ``fully_shard``).
             CheckpointError: on every rank, naming the file and what failed: missing, empty,
                 truncated, checksum mismatch, refused by safe loading, or not fitting the
                 model/optimizer/scheduler/scaler/sampler given.
         """
         if not isinstance(resume, (str, os.PathLike)):
             raise TypeError(f"resume must be 'auto' or a path, got {type(resume).__name__}")
+        refuse_sharded(self.module)
         auto = resume == "auto"
         mine = None
         if is_writer(self.group):
