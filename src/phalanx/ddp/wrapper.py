@@ -35,6 +35,7 @@ from .devices import to_device
 from .hook_comm import HookComm
 from .hook_registration import SHARDED_WITH_HOOK, builtin_hook, check_registration
 from .joining import JoinPart
+from .mixed_precision import precision_for
 from .options import NOTHING_IGNORED, TORCH_ONLY_ATTRIBUTES, check_group, resolve_arguments
 from .pickling import picklable_state, unpickled_state
 from .reducer import Reducer, tensor_bytes
@@ -227,7 +228,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # never below its first-bucket cap (1 MiB), which it asserts
         self.bucket_bytes_cap = max(*self._caps, FIRST_BUCKET_BYTES)
         self.forward_sync_buffers = args.forward_sync_buffers
-        self.mixed_precision = None
+        self.mixed_precision = mixed_precision
         for name, value in flags.items():
             setattr(self, name, value)
         self.require_backward_grad_sync = True
@@ -246,6 +247,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         group = self.process_group
         self._check = StepCheck(group)
         self._join = JoinPart(group)  # its place in a running phalanx.join
+        self._precision = precision_for(self.module, self.mixed_precision)
         if dist.get_world_size(group) == 1:
             return
         self._build_reducer(None)
@@ -261,7 +263,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Plan the buckets (per owner, with ``owners``) and install a reducer for them."""
         named = list(self.module.named_parameters())
         sparse = sparse_positions(self.module, named)
-        self.bucket_plan = plan_buckets(named, owners=owners, caps=self._caps, skip=sparse)
+        self.bucket_plan = plan_buckets(named, owners=owners, caps=self._caps, skip=sparse,
+                                        reduce_dtype=self._precision.reduce_dtype)
         if not self.bucket_plan:  # only sparse parameters: a bucket for the control tail alone
             self.bucket_plan = [BucketSpec(named[sparse[0]][1].device, torch.float32, ())]
         if _log0.isEnabledFor(logging.DEBUG):
@@ -282,7 +285,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             static_graph=self.static_graph,
             sparse_params=[named[i] for i in sparse],
         )
-        self._reducer.on_backward_done = self._check.backward_done
+        self._reducer.on_backward_done = self._backward_done
         self._reducer.join_index = self._join.index  # rebuilt inside a join: still in it
 
     # Under torch.compile, Dynamo runs this frame and the two around the module as they are
@@ -292,7 +295,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         inputs, kwargs, sync = self._pre_forward(inputs, kwargs)
         if self._reducer is None:
-            return self.module(*inputs, **kwargs)
+            return self._precision.after_forward(self.module(*inputs, **kwargs), pending=False)
         previous = _activate_for_dynamo(self)
         try:
             output = self.module(*inputs, **kwargs)
@@ -306,6 +309,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         returns whether this forward's backward averages."""
         if self._device is not None:
             inputs, kwargs = to_device(inputs, self._device), to_device(kwargs, self._device)
+        inputs, kwargs = self._precision.before_forward(inputs, kwargs)
         self._forwarded = True
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self._reducer is None:
@@ -323,7 +327,12 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _post_forward(self, output: Any, sync: bool) -> Any:
         self._sync_buffers_next = sync
         self._reducer.prepare(sync, output)
-        return output
+        return self._precision.after_forward(output, pending=self._reducer.awaiting_backward)
+
+    def _backward_done(self) -> None:
+        """The reducer's end of a synchronising backward: the step clock, the masters back."""
+        self._check.backward_done()
+        self._precision.restore()
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
