@@ -134,8 +134,10 @@ def _against_reference(rank, world_size, mp, accum=1, set_to_none=True, **ddp_kw
             o.zero_grad(set_to_none=set_to_none)
         out["param_diff"].append(_max_diff(ddp.parameters(), ref.net.parameters()))
     out["moved"] = _max_diff(ddp.parameters(), initial)
-    numel = sum(p.numel() for p in ddp.parameters())
-    out["buckets"] = (sum(spec.nbytes for spec in ddp.bucket_plan), ddp.bucket_plan[-1].dtype.itemsize, numel)
+    out["numel"] = sum(p.numel() for p in ddp.parameters())
+    # the buckets, and the last one's control tail: one element (none with one process)
+    out["bucket_bytes"] = sum(spec.nbytes for spec in ddp.bucket_plan) + sum(
+        spec.dtype.itemsize for spec in ddp.bucket_plan[-1:])
     return out
 
 
@@ -234,6 +236,36 @@ def _buffers(rank, world_size):
     return {name: str(b.dtype) for name, b in ddp.module.named_buffers()} | {"output": str(output.dtype)}
 
 
+class Sparse(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.lin = nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb(ids).mean(1))
+
+
+def _corners(rank, world_size):
+    """Sparse gradients, backward(create_graph=True), a backward not through the outputs:
+    (dtype, .grad's dtype, .grad sparse or with a graph) of every parameter after each."""
+    out = {}
+    for reduce_dtype in (FP32, BF16):
+        mp = _MixedPrecision(param_dtype=BF16, reduce_dtype=reduce_dtype)
+        ddp = phalanx.DistributedDataParallel(Sparse(), mixed_precision=mp)
+        ddp(torch.tensor([[1, 2], [3, rank]])).float().sum().backward()
+        out["sparse", reduce_dtype] = {(p.dtype, p.grad.dtype, p.grad.is_sparse) for p in ddp.parameters()}
+        ddp = phalanx.DistributedDataParallel(Net(), mixed_precision=mp)
+        with pytest.warns(UserWarning, match="higher-order gradients are not averaged"):
+            loss_of(ddp(batch(0, 0, rank)[0]), batch(0, 0, rank)[1]).backward(create_graph=True)
+        out["graph", reduce_dtype] = {(p.dtype, p.grad.dtype, p.grad.requires_grad) for p in ddp.parameters()}
+        ddp = phalanx.DistributedDataParallel(Net(), mixed_precision=mp)
+        ddp(batch(0, 0, rank)[0])  # its output is left alone: only the reducer can restore the masters
+        sum((p.float() ** 2).sum() for p in ddp.parameters()).backward()
+        out["params_only", reduce_dtype] = {(p.dtype, p.grad.dtype) for p in ddp.parameters()}
+    return out
+
+
 def _refusals(rank, world_size):
     def ddp(mp):
         return phalanx.DistributedDataParallel(Net(), mixed_precision=mp)
@@ -263,6 +295,7 @@ def _all_checks(rank, world_size, directory):
     out["checkpoints"] = _checkpoints(rank, world_size, directory)
     out["buffers"] = _buffers(rank, world_size)
     out["refusals"] = _refusals(rank, world_size)
+    out["corners"] = _corners(rank, world_size)
     return out
 
 
@@ -286,15 +319,15 @@ def test_equals_the_hand_written_mixed_precision_step_bit_for_bit(ranks, name):
 def test_gradient_as_bucket_view_holds_a_slot_as_grad_only_where_the_dtypes_match(ranks):
     _, results = ranks
     for out in results:
+        numel = out["bf16_reduce"]["numel"]
+        assert out["bf16_reduce"]["bucket_bytes"] == 2 * (numel + 1)  # bf16 buckets
         for name in ("bf16_params_fp32_reduce", "bf16_reduce", "fp32_reduce_no_views_zeros"):
-            buckets, tail, numel = out[name]["buckets"]
-            bucket_bytes = buckets + tail  # the last bucket's control tail: one element
+            bucket_bytes = out[name]["bucket_bytes"]
             assert out[name]["bytes"] == [{
                 "bf16_params_fp32_reduce": bucket_bytes,  # .grad is the fp32 slot: one copy
-                "bf16_reduce": 4 * numel + bucket_bytes,  # fp32 .grad of its own, bf16 buckets
+                "bf16_reduce": 4 * numel + bucket_bytes,  # fp32 .grad of its own
                 "fp32_reduce_no_views_zeros": 4 * numel + bucket_bytes,
             }[name]] * STEPS, name
-        assert out["bf16_reduce"]["buckets"][1] == 2 and out["bf16_params_fp32_reduce"]["buckets"][1] == 4
 
 
 @pytest.mark.parametrize("name", ["hook_phalanx_bf16", "hook_torch_allreduce", "zero1", "zero2"])
@@ -346,3 +379,23 @@ def test_torchs_ddp_mixed_precision_does_not_run_on_cpu(ranks):
     _, results = ranks
     for out in (r["refusals"] for r in results):
         assert out["torch_forward"] == ("RuntimeError", "cpu backend doesn't support events.")
+
+
+def test_sparse_gradients_create_graph_and_backwards_past_the_outputs_end_in_fp32(ranks):
+    _, results = ranks
+    for out in (r["corners"] for r in results):
+        for reduce_dtype in (FP32, BF16):
+            assert out["sparse", reduce_dtype] == {(FP32, FP32, True), (FP32, FP32, False)}
+            assert out["graph", reduce_dtype] == {(FP32, FP32, True)}
+            assert out["params_only", reduce_dtype] == {(FP32, FP32)}
+
+
+def _one_process(rank, world_size):
+    # one process: no reducer; the forward still computes in bf16 around the fp32 masters
+    return _against_reference(rank, world_size, _MixedPrecision(param_dtype=BF16, reduce_dtype=FP32), accum=2)
+
+
+def test_one_process_computes_in_bf16_around_fp32_masters():
+    (out,) = run_ranks(_one_process, 1)
+    assert out["grad_diff"] == [0.0] * STEPS and out["param_diff"] == [0.0] * STEPS, out
+    assert out["outputs"] == {BF16} and out["params"] == out["grads"] == {FP32}, out
