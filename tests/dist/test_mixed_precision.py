@@ -274,12 +274,13 @@ def _refusals(rank, world_size):
         "dict": error_of(ddp, {"param_dtype": BF16}),
         "int_params": error_of(ddp, _MixedPrecision(param_dtype=torch.int32)),
         "int_reduce": error_of(ddp, _MixedPrecision(reduce_dtype=torch.int64)),
-        "string": error_of(ddp, _MixedPrecision(param_dtype=BF16, buffer_dtype="bf16")),
+        "string": error_of(ddp, _MixedPrecision(param_dtype="bf16")),
         # one rank reduces in bf16, the others in fp32: every rank raises
         "ranks_differ": error_of(ddp, _MixedPrecision(param_dtype=BF16, reduce_dtype=BF16 if rank == 1 else FP32)),
         # torch's, as the oracle that could not be (see the module notes)
         "torch_int_params": error_of(TorchDDP, Net(), mixed_precision=_MixedPrecision(param_dtype=torch.int32)),
         "torch_dict": error_of(TorchDDP, Net(), mixed_precision={"param_dtype": BF16}),
+        "torch_string": error_of(TorchDDP, Net(), mixed_precision=_MixedPrecision(param_dtype="bf16")),
     }
     theirs = TorchDDP(Net(), mixed_precision=_MixedPrecision(param_dtype=BF16, reduce_dtype=FP32))
     out["torch_forward"] = error_of(theirs, torch.randn(2, 8))
@@ -369,7 +370,9 @@ def test_bad_mixed_precision_is_refused_on_every_rank_with_torchs_words(ranks):
         assert "mixed_precision.param_dtype must be a floating-point dtype" in message and "torch.int32" in message
         kind, message = out["int_reduce"]
         assert kind == "ValueError" and "mixed_precision.reduce_dtype must be a floating-point dtype" in message
-        assert out["string"] == ("TypeError", "mixed_precision.buffer_dtype must be a torch.dtype or None, got 'bf16'")
+        assert out["torch_string"] == ("TypeError", "zeros_like(): argument 'dtype' must be torch.dtype, not str")
+        assert out["string"] == ("TypeError", "argument 'dtype' must be torch.dtype, not str (torch's words): "
+                                              "mixed_precision.param_dtype must be a torch.dtype or None, got 'bf16'")
         kind, message = out["ranks_differ"]
         assert kind == "RankMismatchError" and "mixed_precision=(param_dtype=torch.bfloat16, reduce_dtype=" in message
 

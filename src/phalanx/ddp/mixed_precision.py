@@ -58,7 +58,8 @@ def check_mixed_precision(config: Any) -> None:
     for field in FIELDS:
         dtype = getattr(config, field)
         if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise TypeError(f"mixed_precision.{field} must be a torch.dtype or None, got {dtype!r}")
+            raise TypeError(f"argument 'dtype' must be torch.dtype, not {type(dtype).__name__} (torch's words): "
+                            f"mixed_precision.{field} must be a torch.dtype or None, got {dtype!r}")
         if dtype is not None and not dtype.is_floating_point:
             # torch's DDP raises these words for a param_dtype that is not floating point
             raise ValueError(

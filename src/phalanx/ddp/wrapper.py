@@ -129,8 +129,15 @@ class DistributedDataParallel(nn.Module, Joinable):
             after every forward; from the second backward on their buckets no longer wait
             for them. A parameter learned unused that later gets a gradient raises
             ``UnusedParametersError``. Default ``False``.
-        delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision: refused
-            with ``ValueError`` unless ``None`` (:mod:`phalanx.ddp.options` says why).
+        delay_all_reduce_named_params, param_to_hook_all_reduce: refused with ``ValueError``
+            unless ``None`` (:mod:`phalanx.ddp.options` says why).
+        mixed_precision (_MixedPrecision, optional): torch's
+            ``torch.nn.parallel.distributed._MixedPrecision(param_dtype, reduce_dtype,
+            buffer_dtype)``: forward and backward in ``param_dtype`` around fp32 master
+            parameters (what the optimizer and ``state_dict`` see), gradients averaged in
+            ``reduce_dtype`` (default ``param_dtype``) and written back in the masters' dtype,
+            floating-point buffers cast to ``buffer_dtype`` (:mod:`phalanx.ddp.mixed_precision`).
+            Default ``None``.
         device_mesh (DeviceMesh, optional): a 1-D mesh to average over, instead of
             ``process_group``. Default ``None``.
         skip_all_reduce_unused_params (bool): accepted; buckets are reduced anyway (the
