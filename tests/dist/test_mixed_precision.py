@@ -205,9 +205,18 @@ def _checkpoints(rank, world_size, directory):
         loss_of(ddp(x), y).backward()
         opt.step()
         opt.zero_grad()
+    x, y = batch(9, 0, rank)
+    with ddp.no_sync():
+        loss = loss_of(ddp(x), y)
+        with torch.no_grad():
+            ddp(x)  # an evaluation between a forward and its backward: the bf16 copies stay
+        loss.backward()  # its graph saved them
+    out["eval_between"] = {v.dtype for v in ddp.state_dict().values()}
+    ddp(x)  # a forward whose graph is thrown away...
     with torch.no_grad():
-        ddp(batch(9, 0, rank)[0])
+        ddp(x)  # ...waits for no backward: the masters come back after this one
     out["after_eval"] = {v.dtype for v in ddp.state_dict().values()}
+    opt.zero_grad()
     ckpt = phalanx.Checkpointer(directory, ddp, opt)
     ckpt.save(epoch=0, step=2)
     buffer = io.BytesIO()
@@ -346,7 +355,7 @@ def test_comm_hooks_and_zero_equal_the_cast_written_by_hand(ranks, name):
 def test_checkpoints_hold_the_fp32_masters_and_resume_bit_for_bit(ranks):
     _, results = ranks
     for out in (r["checkpoints"] for r in results):
-        assert out["mid_accumulation"] == out["after_eval"] == out["saved"] == {FP32}
+        assert out["mid_accumulation"] == out["eval_between"] == out["after_eval"] == out["saved"] == {FP32}
         assert out["saved_equal"] and out["resumed_diff"] == 0.0
 
 

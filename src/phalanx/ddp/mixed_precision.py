@@ -25,12 +25,13 @@ When do the masters come back? At the end of any backward that went through a fo
 outputs (a hook on them queues the swap on the autograd engine), at the end of every
 synchronising backward (the reducer's end-of-backward callback), and right after a forward
 whose outputs need no backward (``torch.no_grad()``, evaluation) when no earlier forward's
-graph still waits for one. Between a forward and its backward the parameters hold the
+graph still waits for one (the hooks are held weakly: a graph thrown away waits for nothing). Between a forward and its backward the parameters hold the
 low-precision copies: the graph saved them, and activation checkpointing recomputes with them.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Protocol
 
 import torch
@@ -83,7 +84,7 @@ class Precision(Protocol):
 
     def before_forward(self, inputs: Any, kwargs: Any) -> tuple[Any, Any]: ...
 
-    def after_forward(self, output: Any, pending: bool) -> Any: ...
+    def after_forward(self, output: Any) -> Any: ...
 
     def restore(self) -> None: ...
 
@@ -96,7 +97,7 @@ class FullPrecision:
     def before_forward(self, inputs: Any, kwargs: Any) -> tuple[Any, Any]:
         return inputs, kwargs
 
-    def after_forward(self, output: Any, pending: bool) -> Any:
+    def after_forward(self, output: Any) -> Any:
         return output
 
     def restore(self) -> None:
@@ -123,6 +124,7 @@ class MixedPrecision:
                 p.grad_dtype = p.dtype  # .grad keeps the master's dtype (see the module notes)
         self._masters: list[torch.Tensor] | None = None  # while cast: the full-precision data
         self._lows: list[torch.Tensor] = []  # the low-precision copies, kept between steps
+        self._waiting: list[weakref.ref] = []  # while cast: the forwards' graphs not yet backpropagated
 
     @property
     def cast(self) -> bool:
@@ -146,20 +148,19 @@ class MixedPrecision:
         return _cast_inputs(inputs, self.param_dtype), _cast_inputs(kwargs, self.param_dtype)
 
     @torch.compiler.disable  # bookkeeping around the module: eager, as the wrapper's
-    def after_forward(self, output: Any, pending: bool) -> Any:
-        """Arrange for the masters to come back when ``output``'s backward ends, or now if no
-        backward will come and none is ``pending`` (another forward's)."""
+    def after_forward(self, output: Any) -> Any:
+        """Arrange for the masters to come back when ``output``'s backward ends; or now, if
+        no backward will come, unless an earlier forward's graph still waits for one."""
         if not self.cast:
             return output
         needing = [t for t in iter_tensors(output) if t.requires_grad] if torch.is_grad_enabled() else []
         if needing:
-            register_multi_grad_hook(needing, self._on_backward, mode="any")
-        elif not pending:
+            waiting = _AtBackward(self)
+            register_multi_grad_hook(needing, waiting, mode="any")
+            self._waiting.append(weakref.ref(waiting))  # alive as long as that graph is
+        elif not any(ref() is not None for ref in self._waiting):
             self.restore()
         return output
-
-    def _on_backward(self, grad: torch.Tensor) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(self.restore)
 
     @torch.compiler.disable  # bookkeeping around the module: eager, as the wrapper's
     def restore(self) -> None:
@@ -169,6 +170,20 @@ class MixedPrecision:
         for p, master in zip(self._params, self._masters):
             p.data = master
         self._masters = None
+        self._waiting = []
+
+
+class _AtBackward:
+    """The hook on a forward's outputs: their backward has begun, the masters come back at
+    its end. The graph holds it: a weak reference to it says whether that graph still exists."""
+
+    __slots__ = ("precision", "__weakref__")
+
+    def __init__(self, precision: MixedPrecision) -> None:
+        self.precision = precision
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self.precision.restore)
 
 
 def precision_for(module: nn.Module, config: _MixedPrecision | None) -> Precision:

@@ -302,7 +302,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         inputs, kwargs, sync = self._pre_forward(inputs, kwargs)
         if self._reducer is None:
-            return self._precision.after_forward(self.module(*inputs, **kwargs), pending=False)
+            return self._precision.after_forward(self.module(*inputs, **kwargs))
         previous = _activate_for_dynamo(self)
         try:
             output = self.module(*inputs, **kwargs)
@@ -334,7 +334,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _post_forward(self, output: Any, sync: bool) -> Any:
         self._sync_buffers_next = sync
         self._reducer.prepare(sync, output)
-        return self._precision.after_forward(output, pending=self._reducer.awaiting_backward)
+        return self._precision.after_forward(output)
 
     def _backward_done(self) -> None:
         """The reducer's end of a synchronising backward: the step clock, the masters back."""
