@@ -7,11 +7,11 @@ DDP does), so the forward and the backward compute in ``param_dtype``; the maste
 swapped back when the backward ends. Inputs' floating-point tensors are cast to
 ``param_dtype`` too (torch's ``_cast_forward_inputs``).
 
-``.grad`` keeps the masters' dtype throughout: each parameter's ``grad_dtype`` (torch 2.13)
-is pinned to its master's, so the autograd engine casts each low-precision gradient up
-(exactly: a wider float holds every narrower value) before accumulating it. Accumulation
-across ``no_sync()`` backwards is therefore full precision, and the reducer's hook, its hot
-path, sees nothing different.
+``.grad`` keeps the masters' dtype throughout: each parameter's ``grad_dtype`` (torch's
+``Tensor.grad_dtype``) is pinned to its master's, so the autograd engine casts each
+low-precision gradient up (exactly: a wider float holds every narrower value) before
+accumulating it. Accumulation across ``no_sync()`` backwards is therefore full precision,
+and the reducer's hook, its hot path, sees nothing different.
 
 ``reduce_dtype`` (default ``param_dtype``, else the parameters' own): the dtype of the
 buckets of floating-point gradients (:func:`~phalanx.ddp.bucketing.plan_buckets`). The
@@ -25,8 +25,9 @@ When do the masters come back? At the end of any backward that went through a fo
 outputs (a hook on them queues the swap on the autograd engine), at the end of every
 synchronising backward (the reducer's end-of-backward callback), and right after a forward
 whose outputs need no backward (``torch.no_grad()``, evaluation) when no earlier forward's
-graph still waits for one (the hooks are held weakly: a graph thrown away waits for nothing). Between a forward and its backward the parameters hold the
-low-precision copies: the graph saved them, and activation checkpointing recomputes with them.
+graph still waits for one (the hooks are held weakly: a graph thrown away waits for
+nothing). Between a forward and its backward the parameters hold the low-precision copies:
+the graph saved them, and activation checkpointing recomputes with them.
 """
 
 from __future__ import annotations

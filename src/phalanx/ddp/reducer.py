@@ -22,7 +22,9 @@ How one synchronising backward runs:
    ``gradient_as_bucket_view`` (phalanx's default) ``.grad`` then *is* the slot, so a gradient
    accumulated into an existing ``.grad`` (``zero_grad(set_to_none=False)``, ``no_sync()``
    accumulation) lands in its slot directly and is not copied at all. Copy-then-divide gives
-   the same bits as torch's divide-into-slot.
+   the same bits as torch's divide-into-slot. The copy casts where a bucket's dtype differs
+   from its gradients' (mixed precision's ``reduce_dtype``: :mod:`phalanx.ddp.mixed_precision`);
+   a slot becomes ``.grad`` only where their dtypes agree, else the average is copied back.
    The last bucket is launched by ``_finalize`` only, when the engine is done (see below).
 4. ``_finalize`` runs when the engine is done: it fills and launches what is left (parameters
    that got no gradient, and the last bucket), waits for every bucket, writes the averages back
