@@ -1,6 +1,7 @@
 """The rest of phalanx on CUDA tensors, two ranks sharing cuda:0 over Gloo: mixed precision
-against torch's DDP with the same ``mixed_precision``, SyncBatchNorm against BatchNorm on the global batch, ZeRO stage 1 and 2 against torch's DDP with a plain
-optimizer, join against torch's join, checkpoints saved from CUDA and loaded elsewhere."""
+against torch's DDP with the same ``mixed_precision``, SyncBatchNorm against BatchNorm on the
+global batch, ZeRO stage 1 and 2 against torch's DDP with a plain optimizer, join against
+torch's join, checkpoints saved from CUDA and loaded elsewhere."""
 
 from __future__ import annotations
 
