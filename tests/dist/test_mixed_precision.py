@@ -164,7 +164,8 @@ def _against_hand_cast(rank, world_size, hook=None, zero=0):
             ddp.register_comm_hook(*hook)
         if zero:
             # stage 1 with the parameters as views into ZeRO's buffers: the masters are those views
-            opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=LR, parameters_as_bucket_view=zero == 1)
+            opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=LR,
+                                          parameters_as_bucket_view=zero == 1)
             if zero == 2:
                 ddp.shard_gradients(opt)
         else:

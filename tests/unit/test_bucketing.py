@@ -128,5 +128,6 @@ def test_reduce_dtype_buckets_every_floating_gradient_in_it(seed):
     plan = plan_buckets(named, MIB, FIRST_BUCKET_BYTES, reduce_dtype=torch.bfloat16)
     cast = [(n, torch.nn.Parameter(p.detach().to(torch.bfloat16)) if p.is_floating_point() else p) for n, p in named]
     same = plan_buckets(cast, MIB, FIRST_BUCKET_BYTES)
-    assert [(b.dtype, [s.index for s in b.slots]) for b in plan] == [(b.dtype, [s.index for s in b.slots]) for b in same]
+    layout = [[(b.dtype, [s.index for s in b.slots]) for b in p] for p in (plan, same)]
+    assert layout[0] == layout[1]
     assert {b.dtype for b in plan} == {torch.bfloat16, torch.complex64}
