@@ -242,10 +242,12 @@ def test_delayed_all_reduce_is_refused(refused):
             "the backward. Leave both None"))
 
 
-def test_mixed_precision_is_refused_pointing_to_autocast(refused):
+def test_mixed_precision_of_another_type_is_refused_with_torchs_words(refused):
+    # torch's DDP fails on it with AttributeError: 'object' object has no attribute 'param_dtype'
     for out in refused:
         kind, message = out["mixed_precision"]
-        assert kind == "ValueError" and "mixed_precision=<object" in message and "Use torch.autocast" in message
+        assert kind == "TypeError" and message.startswith("'object' object has no attribute 'param_dtype'")
+        assert "must be None or a torch.nn.parallel.distributed._MixedPrecision(" in message
 
 
 def test_dtensor_parameters_are_refused(refused):

@@ -1,6 +1,7 @@
-"""The rest of phalanx on CUDA tensors, two ranks sharing cuda:0 over Gloo: SyncBatchNorm
-against BatchNorm on the global batch, ZeRO stage 1 and 2 against torch's DDP with a plain
-optimizer, join against torch's join, checkpoints saved from CUDA and loaded elsewhere."""
+"""The rest of phalanx on CUDA tensors, two ranks sharing cuda:0 over Gloo: mixed precision
+against torch's DDP with the same ``mixed_precision``, SyncBatchNorm against BatchNorm on the
+global batch, ZeRO stage 1 and 2 against torch's DDP with a plain optimizer, join against
+torch's join, checkpoints saved from CUDA and loaded elsewhere."""
 
 from __future__ import annotations
 
@@ -123,7 +124,25 @@ def checkpoint(rank: int, directory: str) -> dict[str, Any]:
     return {"limits": limits, "info": {"default map_location": str(default), "state devices": sorted(state_devices)}}
 
 
+def mixed_precision(rank: int) -> dict[str, Any]:
+    """``mixed_precision=_MixedPrecision(bf16, fp32)`` against torch's DDP with the same, AdamW.
+    torch's runs on CUDA only (on the CPU its forward fails: no events), so the CPU rehearsal
+    checks nothing. Two ranks: dividing by 2 is exact, so torch's sum-then-divide and phalanx's
+    divide-then-sum give the same fp32 averages of the same bf16 gradients."""
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    if DEV.type == "cpu":
+        return {"limits": {}, "info": {"skipped": "torch's DDP mixed precision needs CUDA events"}}
+    mp = _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ours, theirs, ddp = pair(lambda m: train(m, torch.optim.AdamW(m.parameters(), lr=1e-2), rank),
+                             {"mixed_precision": mp, "gradient_as_bucket_view": False})
+    out = against_torch(ours, theirs)
+    out["limits"]["fp32 masters"] = (float(any(p.dtype != torch.float32 for p in ddp.parameters())), 0)
+    return out
+
+
 CHECKS = {
+    "mixed_precision": mixed_precision,
     "sync_batchnorm": sync_batchnorm,
     "zero_stage1": zero_stage1,
     "zero_stage2": zero_stage2,

@@ -118,3 +118,16 @@ def test_caps_per_bucket_and_skipped_parameters():
         plan_buckets(named, caps=(1, 0))
     with pytest.raises(ValueError, match=r"got caps of \[\] bytes"):
         plan_buckets(named, caps=())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_reduce_dtype_buckets_every_floating_gradient_in_it(seed):
+    """Mixed precision: the buckets are those of the parameters cast to reduce_dtype (torch's
+    assignment over them); a complex parameter keeps its own dtype and buckets."""
+    named = _params(seed) + [("c", torch.nn.Parameter(torch.zeros(9, dtype=torch.complex64)))]
+    plan = plan_buckets(named, MIB, FIRST_BUCKET_BYTES, reduce_dtype=torch.bfloat16)
+    cast = [(n, torch.nn.Parameter(p.detach().to(torch.bfloat16)) if p.is_floating_point() else p) for n, p in named]
+    same = plan_buckets(cast, MIB, FIRST_BUCKET_BYTES)
+    layout = [[(b.dtype, [s.index for s in b.slots]) for b in p] for p in (plan, same)]
+    assert layout[0] == layout[1]
+    assert {b.dtype for b in plan} == {torch.bfloat16, torch.complex64}

@@ -25,6 +25,9 @@ every rank).
 
 Parameters named in ``skip`` (those whose gradients come sparse: :mod:`phalanx.ddp.sparse`
 reduces them) are in no bucket.
+
+With ``reduce_dtype`` (mixed precision: :mod:`phalanx.ddp.mixed_precision`) every bucket of
+floating-point gradients has that dtype, whatever the parameters': the caps count its bytes.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ def plan_buckets(
     *,
     caps: Sequence[int] | None = None,
     skip: Collection[int] = (),
+    reduce_dtype: torch.dtype | None = None,
 ) -> list[BucketSpec]:
     """Group ``named_params`` (registration order) into buckets, in launch order.
 
@@ -130,10 +134,11 @@ def plan_buckets(
     done: list[list[int]] = []
     for index in reversed(_distinct_trainable(named_params, seen)):
         tensor = named_params[index][1]
-        key = (tensor.device, tensor.dtype, None if owners is None else owners[index])
+        dtype = _bucket_dtype(tensor, reduce_dtype)
+        key = (tensor.device, dtype, None if owners is None else owners[index])
         members = open_buckets.setdefault(key, [])
         members.append(index)
-        open_bytes[key] = open_bytes.get(key, 0) + tensor.numel() * tensor.element_size()
+        open_bytes[key] = open_bytes.get(key, 0) + tensor.numel() * dtype.itemsize
         cap = caps[min(closed_count.get(key, 0), len(caps) - 1)]
         if open_bytes[key] >= cap:
             done.append(members)
@@ -142,7 +147,7 @@ def plan_buckets(
     done.extend(open_buckets.values())
     # Launch order: by the reversed position of each bucket's first parameter.
     done.sort(key=lambda members: -members[0])
-    return [_spec(named_params, members, owners) for members in done]
+    return [_spec(named_params, members, owners, reduce_dtype) for members in done]
 
 
 def _distinct_trainable(named_params: Sequence[tuple[str, torch.Tensor]], seen: set[int]) -> list[int]:
@@ -156,7 +161,7 @@ def _distinct_trainable(named_params: Sequence[tuple[str, torch.Tensor]], seen: 
 
 
 def _spec(named_params: Sequence[tuple[str, torch.Tensor]], members: list[int],
-          owners: Sequence[int | None] | None) -> BucketSpec:
+          owners: Sequence[int | None] | None, reduce_dtype: torch.dtype | None) -> BucketSpec:
     slots, offset = [], 0
     for index in members:
         name, tensor = named_params[index]
@@ -164,7 +169,11 @@ def _spec(named_params: Sequence[tuple[str, torch.Tensor]], members: list[int],
         offset += tensor.numel()
     first = named_params[members[0]][1]
     owner = None if owners is None else owners[members[0]]
-    return BucketSpec(first.device, first.dtype, tuple(slots), owner)
+    return BucketSpec(first.device, _bucket_dtype(first, reduce_dtype), tuple(slots), owner)
+
+
+def _bucket_dtype(tensor: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.dtype:
+    return reduce_dtype if reduce_dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 
 def describe(plan: Sequence[BucketSpec]) -> str:

@@ -8,19 +8,24 @@ process: inputs are never scattered and outputs never gathered.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
     """``obj`` with its tensors moved to ``device`` (tuples, lists, dicts, namedtuples)."""
+    return map_tensors(obj, lambda t: t.to(device, non_blocking=True))
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to each of its tensors (tuples, lists, dicts, namedtuples)."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
+        return fn(obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(to_device(v, device) for v in obj))
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(v, device) for v in obj)
+        return type(obj)(map_tensors(v, fn) for v in obj)
     if isinstance(obj, dict):
-        return type(obj)((k, to_device(v, device)) for k, v in obj.items())
+        return type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
     return obj

@@ -13,7 +13,9 @@ returns :class:`Settings`, what the wrapper reads:
 * ``device_ids`` and ``output_device``: where inputs go (moved there by
   :mod:`phalanx.ddp.devices` at each forward);
 * ``check_reduction``: deprecated, ignored, with torch's ``FutureWarning``;
-* ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``, ``mixed_precision``, and a
+* ``mixed_precision``: ``None`` or torch's ``_MixedPrecision`` of floating-point dtypes
+  (:func:`~phalanx.ddp.mixed_precision.check_mixed_precision`), the same on every rank;
+* ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``, and a
   module marked with parameters to ignore: refused (:func:`refuse_torch_only`), each with a
   message naming it and saying what phalanx does instead.
 
@@ -40,6 +42,7 @@ from ..agreement import agree
 from ..errors import NotInitializedError, UsageError
 from .bucketing import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MIB
 from .checks import verdict
+from .mixed_precision import check_mixed_precision, describe
 
 # torch 2.13's text, word for word, so that filters written for torch's warning match ours.
 CHECK_REDUCTION_WARNING = (
@@ -76,7 +79,8 @@ def resolve_arguments(module: Any, process_group: Any, device_mesh: Any, device_
 
     ``buffers`` is ``(broadcast_buffers, forward_sync_buffers)``, ``caps`` is
     ``(bucket_cap_mb, bucket_cap_mb_list)``; ``flags`` holds the boolean flags (``init_sync``
-    among them) and ``torch_only`` the other arguments :func:`refuse_torch_only` takes, by name.
+    among them) and ``torch_only`` ``mixed_precision`` and the arguments :func:`refuse_torch_only`
+    takes, by name.
     """
     group = resolve_group(process_group, device_mesh)
     check_group(group)
@@ -99,13 +103,16 @@ def _checked(module: Any, group: Any, device_ids: Any, output_device: Any, dim: 
     """This rank's checks, in order: the settings, and what every rank must hold alike."""
     check_module(module)
     check_flags(flags, dim)
+    torch_only = dict(torch_only)
+    mixed_precision = torch_only.pop("mixed_precision")
+    check_mixed_precision(mixed_precision)
     refuse_torch_only(module, **torch_only)
     forward_sync, init_buffers = buffer_flags(*buffers)
     bucket_cap_mb, bucket_cap_mb_list = caps
     byte_caps = bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
     device = input_device(module, device_ids, output_device)
     agreed = {"bucket_cap_mb": bucket_cap_mb, "broadcast_buffers": forward_sync, "init_sync_buffers": init_buffers,
-              "bucket_cap_mb_list": bucket_cap_mb_list, **flags}
+              "bucket_cap_mb_list": bucket_cap_mb_list, "mixed_precision": describe(mixed_precision), **flags}
     listed = list(device_ids) if device_ids else None
     return Settings(group, listed, device, byte_caps, forward_sync, init_buffers), agreed
 
@@ -165,7 +172,7 @@ def check_flags(flags: dict[str, Any], dim: Any) -> None:
 
 
 def refuse_torch_only(module: nn.Module, delay_all_reduce_named_params: Any,
-                      param_to_hook_all_reduce: Any, mixed_precision: Any, device_mesh: Any) -> None:
+                      param_to_hook_all_reduce: Any, device_mesh: Any) -> None:
     """Raise ``ValueError`` for the torch arguments phalanx does not take."""
     if delay_all_reduce_named_params is not None or param_to_hook_all_reduce is not None:
         raise ValueError(
@@ -173,13 +180,6 @@ def refuse_torch_only(module: nn.Module, delay_all_reduce_named_params: Any,
             "some parameters in one go once another one's gradient is ready); phalanx's "
             "DistributedDataParallel does not hold parameters back: it averages every trainable "
             "parameter in its buckets during the backward. Leave both None"
-        )
-    if mixed_precision is not None:
-        raise ValueError(
-            f"mixed_precision={mixed_precision!r} is torch DDP's prototype (parameters cast to "
-            "a lower dtype around forward and backward); phalanx does not cast: it averages "
-            "gradients in the parameters' own dtype. Use torch.autocast, or convert the module "
-            "(module.to(torch.bfloat16)) before wrapping it"
         )
     ignored = getattr(module, "_ddp_params_and_buffers_to_ignore", None)
     if ignored:

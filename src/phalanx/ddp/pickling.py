@@ -22,7 +22,7 @@ from .options import is_default_group
 
 # Rebuilt after loading (see the module notes); stored as these values.
 _REBUILT = {"_reducer": None, "_buffer_sync": None, "bucket_plan": [], "_check": None, "_join": None,
-            "_comm_hook": None,
+            "_comm_hook": None, "_precision": None,
             "_forwarded": False}
 
 

@@ -22,7 +22,9 @@ How one synchronising backward runs:
    ``gradient_as_bucket_view`` (phalanx's default) ``.grad`` then *is* the slot, so a gradient
    accumulated into an existing ``.grad`` (``zero_grad(set_to_none=False)``, ``no_sync()``
    accumulation) lands in its slot directly and is not copied at all. Copy-then-divide gives
-   the same bits as torch's divide-into-slot.
+   the same bits as torch's divide-into-slot. The copy casts where a bucket's dtype differs
+   from its gradients' (mixed precision's ``reduce_dtype``: :mod:`phalanx.ddp.mixed_precision`);
+   a slot becomes ``.grad`` only where their dtypes agree, else the average is copied back.
    The last bucket is launched by ``_finalize`` only, when the engine is done (see below).
 4. ``_finalize`` runs when the engine is done: it fills and launches what is left (parameters
    that got no gradient, and the last bucket), waits for every bucket, writes the averages back
@@ -118,7 +120,6 @@ class Reducer:
         sparse_params: Sequence[tuple[str, torch.Tensor]] = (),
     ) -> None:
         self.bucket_comm = bucket_comm
-        self.as_view = gradient_as_bucket_view
         self.walk_graph = find_unused_parameters and not static_graph
         self.allow_unused = find_unused_parameters or static_graph
         self.static_graph = static_graph
@@ -137,6 +138,11 @@ class Reducer:
             self._buckets.append(Bucket(spec, len(self._bucket_of), tail if last else 0, bucket_comm.keeps(b)))
             self._bucket_of += [b] * len(spec.slots)
         self._index = {id(p): k for k, p in enumerate(self.params)}
+        # Whether parameter k's slot can be its .grad: a view (gradient_as_bucket_view) into a
+        # bucket this rank keeps, of the dtype .grad must have (mixed precision: the bucket's
+        # reduce_dtype may differ from it; phalanx.ddp.mixed_precision).
+        self._seats = [gradient_as_bucket_view and self._buckets[b].keep and plan[b].dtype == _grad_dtype(p)
+                       for p, b in zip(self.params, self._bucket_of)]
         # The hooks hold the reducer weakly: a discarded DDP leaves nothing acting on the model.
         me = weakref.ref(self)
         self._hooks = [
@@ -276,7 +282,7 @@ class Reducer:
         if bucket.buffer is None:
             bucket.allocate()
         params = self.params
-        seat = bucket.keep and self.as_view
+        seats = self._seats
         # Gradient mode is on inside a backward only with create_graph=True: gradients may
         # then have graphs, and take the unusual path (so may sparse ones: the except below).
         graphs = torch.is_grad_enabled()
@@ -295,7 +301,7 @@ class Reducer:
             else:
                 sources.append(grad)
                 slots.append(view)
-                if seat:
+                if seats[k]:
                     param.grad = view
         if sources:
             try:
@@ -418,13 +424,13 @@ class Reducer:
             self.awaiting_backward = False
             self._reset()
 
-    def _write_back(self, b: int, used: list[bool] | None, filled: bool = True) -> None:
+    def _write_back(self, b: int, used: list[bool] | None) -> None:
         """Bucket ``b``'s averages into ``.grad``, if this rank keeps them (else .grad is None).
 
-        With ``gradient_as_bucket_view`` and ``filled`` (by this rank's backward), ``_fill``
-        made every gradient's ``.grad`` its slot; left are parameters without one here that
-        some rank had one for (``used``). Else the
-        averages are copied into the ``.grad`` tensors, in one batched copy.
+        A slot that can be ``.grad`` (``gradient_as_bucket_view``, same dtype) becomes it, if
+        ``_fill`` did not make it so already; else the averages are copied into the ``.grad``
+        tensors, in one batched copy (which casts: mixed precision's reduce_dtype), or
+        into new ones of ``.grad``'s dtype.
         """
         bucket = self._buckets[b]
         if not bucket.keep:
@@ -432,14 +438,14 @@ class Reducer:
         grads: list[torch.Tensor] = []
         averages: list[torch.Tensor] = []
         for k, view in zip(bucket.positions, bucket.views):
-            if filled and self.as_view and self._had_grad[k] or used is not None and not used[k]:
-                continue  # seated already, or no rank has a gradient: leave .grad, as torch does
             param = self.params[k]
             grad = param.grad
-            if self.as_view:
+            if grad is view or used is not None and not used[k]:
+                continue  # seated already, or no rank has a gradient: leave .grad, as torch does
+            if self._seats[k]:
                 param.grad = view
             elif grad is None:
-                param.grad = view.clone()
+                param.grad = view.to(_grad_dtype(param), copy=True)
             else:
                 grads.append(grad)
                 averages.append(view)
@@ -475,7 +481,7 @@ class Reducer:
             self._raise_problems()  # the active ranks raise: so does this one, with them
         used = (tail[1:] > 0).tolist() if self.allow_unused else None
         for k in range(len(self._buckets)) if write_back else ():
-            self._write_back(k, used, filled=False)
+            self._write_back(k, used)
         for each in self._buckets:
             if not each.keep:
                 each.release()
@@ -498,6 +504,12 @@ class Reducer:
     def _raise_problems(self) -> None:
         everyone = comm.all_gather_object(self._describe(), self.bucket_comm.group)
         raise UnusedParametersError(problem_message(dict(enumerate(everyone)), self.static_graph))
+
+
+def _grad_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype ``param.grad`` has: its ``grad_dtype`` (mixed precision pins the master's),
+    or, where any is allowed (``None``), its own."""
+    return param.dtype if param.grad_dtype is None else param.grad_dtype
 
 
 def _hook(reducer: weakref.ref, k: int, param: torch.Tensor) -> None:

@@ -52,7 +52,7 @@ class _Average(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, average: torch.Tensor, divisor: int) -> torch.Tensor:
         ctx.divisor = divisor
-        return average.clone()
+        return average.to(local.dtype, copy=True)  # the bucket's dtype may differ (mixed precision)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:

@@ -35,6 +35,7 @@ from .devices import to_device
 from .hook_comm import HookComm
 from .hook_registration import SHARDED_WITH_HOOK, builtin_hook, check_registration
 from .joining import JoinPart
+from .mixed_precision import precision_for
 from .options import NOTHING_IGNORED, TORCH_ONLY_ATTRIBUTES, check_group, resolve_arguments
 from .pickling import picklable_state, unpickled_state
 from .reducer import Reducer, tensor_bytes
@@ -128,8 +129,15 @@ class DistributedDataParallel(nn.Module, Joinable):
             after every forward; from the second backward on their buckets no longer wait
             for them. A parameter learned unused that later gets a gradient raises
             ``UnusedParametersError``. Default ``False``.
-        delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision: refused
-            with ``ValueError`` unless ``None`` (:mod:`phalanx.ddp.options` says why).
+        delay_all_reduce_named_params, param_to_hook_all_reduce: refused with ``ValueError``
+            unless ``None`` (:mod:`phalanx.ddp.options` says why).
+        mixed_precision (_MixedPrecision, optional): torch's
+            ``torch.nn.parallel.distributed._MixedPrecision(param_dtype, reduce_dtype,
+            buffer_dtype)``: forward and backward in ``param_dtype`` around fp32 master
+            parameters (what the optimizer and ``state_dict`` see), gradients averaged in
+            ``reduce_dtype`` (default ``param_dtype``) and written back in the masters' dtype,
+            floating-point buffers cast to ``buffer_dtype`` (:mod:`phalanx.ddp.mixed_precision`).
+            Default ``None``.
         device_mesh (DeviceMesh, optional): a 1-D mesh to average over, instead of
             ``process_group``. Default ``None``.
         skip_all_reduce_unused_params (bool): accepted; buckets are reduced anyway (the
@@ -227,7 +235,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # never below its first-bucket cap (1 MiB), which it asserts
         self.bucket_bytes_cap = max(*self._caps, FIRST_BUCKET_BYTES)
         self.forward_sync_buffers = args.forward_sync_buffers
-        self.mixed_precision = None
+        self.mixed_precision = mixed_precision
         for name, value in flags.items():
             setattr(self, name, value)
         self.require_backward_grad_sync = True
@@ -246,6 +254,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         group = self.process_group
         self._check = StepCheck(group)
         self._join = JoinPart(group)  # its place in a running phalanx.join
+        self._precision = precision_for(self.module, self.mixed_precision)
         if dist.get_world_size(group) == 1:
             return
         self._build_reducer(None)
@@ -261,7 +270,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Plan the buckets (per owner, with ``owners``) and install a reducer for them."""
         named = list(self.module.named_parameters())
         sparse = sparse_positions(self.module, named)
-        self.bucket_plan = plan_buckets(named, owners=owners, caps=self._caps, skip=sparse)
+        self.bucket_plan = plan_buckets(named, owners=owners, caps=self._caps, skip=sparse,
+                                        reduce_dtype=self._precision.reduce_dtype)
         if not self.bucket_plan:  # only sparse parameters: a bucket for the control tail alone
             self.bucket_plan = [BucketSpec(named[sparse[0]][1].device, torch.float32, ())]
         if _log0.isEnabledFor(logging.DEBUG):
@@ -282,7 +292,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             static_graph=self.static_graph,
             sparse_params=[named[i] for i in sparse],
         )
-        self._reducer.on_backward_done = self._check.backward_done
+        self._reducer.on_backward_done = self._backward_done
         self._reducer.join_index = self._join.index  # rebuilt inside a join: still in it
 
     # Under torch.compile, Dynamo runs this frame and the two around the module as they are
@@ -292,7 +302,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         inputs, kwargs, sync = self._pre_forward(inputs, kwargs)
         if self._reducer is None:
-            return self.module(*inputs, **kwargs)
+            return self._precision.after_forward(self.module(*inputs, **kwargs))
         previous = _activate_for_dynamo(self)
         try:
             output = self.module(*inputs, **kwargs)
@@ -306,6 +316,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         returns whether this forward's backward averages."""
         if self._device is not None:
             inputs, kwargs = to_device(inputs, self._device), to_device(kwargs, self._device)
+        inputs, kwargs = self._precision.before_forward(inputs, kwargs)
         self._forwarded = True
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self._reducer is None:
@@ -323,7 +334,12 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _post_forward(self, output: Any, sync: bool) -> Any:
         self._sync_buffers_next = sync
         self._reducer.prepare(sync, output)
-        return output
+        return self._precision.after_forward(output)
+
+    def _backward_done(self) -> None:
+        """The reducer's end of a synchronising backward: the step clock, the masters back."""
+        self._check.backward_done()
+        self._precision.restore()
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
