@@ -111,6 +111,10 @@ class MixedPrecision:
     ``config.buffer_dtype`` and pins each cast parameter's ``grad_dtype`` at construction."""
 
     def __init__(self, module: nn.Module, config: _MixedPrecision) -> None:
+        if not hasattr(torch.Tensor, "grad_dtype"):  # a torch feature, not a type of ours
+            raise RuntimeError(
+                "DistributedDataParallel(mixed_precision=...) needs torch's Tensor.grad_dtype "
+                f"(torch 2.10 or later), which torch {torch.__version__} lacks")
         self.param_dtype = config.param_dtype
         self.reduce_dtype = config.reduce_dtype or config.param_dtype
         if config.buffer_dtype is not None:

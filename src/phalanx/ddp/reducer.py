@@ -509,7 +509,8 @@ class Reducer:
 def _grad_dtype(param: torch.Tensor) -> torch.dtype:
     """The dtype ``param.grad`` has: its ``grad_dtype`` (mixed precision pins the master's),
     or, where any is allowed (``None``), its own."""
-    return param.dtype if param.grad_dtype is None else param.grad_dtype
+    pinned = getattr(param, "grad_dtype", None)  # an attribute of torch 2.10 and later
+    return param.dtype if pinned is None else pinned
 
 
 def _hook(reducer: weakref.ref, k: int, param: torch.Tensor) -> None:
