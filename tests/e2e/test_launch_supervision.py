@@ -271,3 +271,26 @@ def test_a_hang_names_the_late_rank_as_the_root_cause():
     assert "Late: rank(s) 1 never reached it" in res.err
     assert "hang.py:12 in <module>; in #2 check before barrier (hang.py:12)" in res.err
     assert "rank 1 (" in res.err and "at hang.py:14 in <module>; never reached #2" in res.err
+
+
+def test_one_error_raised_on_every_rank_is_said_once_in_the_summary_naming_them_all():
+    # issue 25 item 6: both ranks raise the same long UnusedParametersError (24 parameters,
+    # folded to 6 names and a count); each rank prints its traceback, and the summary gives the
+    # line once, for ranks 0 and 1 together, with the fix in it
+    res = run(phalanx_cmd("--standalone", "--nproc-per-node", "2",
+                          str(SCRIPTS / "unused_parameters.py")), timeout=120)
+    assert res.code == 1, res.err
+    line = ("phalanx.errors.UnusedParametersError: Parameters received no gradient in this "
+            "backward pass while find_unused_parameters=False (ranks 0, 1: "
+            "'unused_blocks.11.bias', 'unused_blocks.11.weight', 'unused_blocks.10.bias', "
+            "'unused_blocks.10.weight', 'unused_blocks.9.bias', 'unused_blocks.9.weight' and 18 "
+            "more). Pass find_unused_parameters=True to DistributedDataParallel, or make every "
+            "parameter take part in the loss (or freeze it with requires_grad=False)")
+    summary = res.err[res.err.index("[phalanx] ===="):]
+    assert res.err.count(line) == 3, res.err  # rank 0's traceback, rank 1's, the summary
+    assert res.err.count(f"[rank0]: {line}") == res.err.count(f"[rank1]: {line}") == 1
+    [cause] = [row for row in summary.splitlines() if "root cause" in row]
+    assert cause.startswith("[phalanx] root cause: ranks 0, 1 (local ranks 0, 1) on node 0 ("), cause
+    first = 0 if "exit code 1 from rank 0, the first to end" in cause else 1
+    assert cause.endswith(f"), the same error on each: exit code 1 from rank {first}, the first "
+                          f"to end ({line}); its traceback is above, as rank {first} printed it")

@@ -44,7 +44,8 @@ from .environment import watchdog_note, worker_environ
 from .events import FORWARD_SIGNALS, STOP_SIGNALS, Pump, SignalInbox
 from .membership import Layout
 from .outcome import RoundEnd
-from .output import WorkerOutput, read_diagnosis, recorded_error, traceback_tail
+from .output import (WorkerOutput, exception_line, read_diagnosis, recorded_error,
+                     traceback_tail)
 from .rendezvous import Interrupted, meet
 from .workers import Guardian, Worker, describe_exit, first_failure, shell_status, spawn
 
@@ -303,6 +304,10 @@ class Agent:
         has shown it already, as the worker printed it (the traceback appears once)."""
         name = self.config.entrypoint
         cause = f"root cause: {record.cause()}: {describe_exit(record.returncode)}"
+        alike = self._alike(record, workers)
+        if len(alike) > 1:  # one error raised on several ranks: said once, naming them all
+            cause = (f"root cause: {record.who(alike)}, the same error on each: "
+                     f"{describe_exit(record.returncode)} from rank {record.rank}, the first to end")
         if record.report:
             trace = [cause, "the hang report:", *("  " + line for line in record.report.splitlines())]
         elif self._shown_live(record, workers):
@@ -318,6 +323,17 @@ class Agent:
             f"workers on node {self.node_rank}: {states}",
             _RULE,
         ])
+
+    def _alike(self, record: RoundEnd, workers: list[Worker]) -> list[tuple[int, int]]:
+        """``(rank, local rank)`` of this node's workers whose traceback ends with the root
+        cause's exception line, the root cause's worker first (phalanx's checks across ranks
+        raise the same error on every rank); none after a hang report or on another node."""
+        line = exception_line(record.traceback)
+        if record.node != self.node_rank or record.culprits or not line:
+            return []
+        return [(record.rank, record.local_rank)] + [
+            (w.rank, w.local_rank) for w in workers if w.rank != record.rank
+            and exception_line(w.output.traceback(self._entry)) == line]
 
     def _shown_live(self, record: RoundEnd, workers: list[Worker]) -> bool:
         """Whether this node's console showed the end of ``record``'s traceback as the
@@ -339,8 +355,8 @@ def _run_log_dir(log_dir: str, run_id: str) -> str:
 
 
 def _last_line(text: str) -> str:
-    lines = text.strip().splitlines()
-    return f" ({lines[-1].strip()})" if lines else ""
+    line = exception_line(text)
+    return f" ({line})" if line else ""
 
 
 def launch(config: LaunchConfig) -> int:

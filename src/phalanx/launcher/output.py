@@ -99,6 +99,12 @@ _RANK_PREFIX = re.compile(r"\[rank\d+\]: ?")
 _FRAME = re.compile(r'\s*[|]?\s*File "(?P<file>[^"]+)", line \d+, in (?P<where>\S+)')
 
 
+def exception_line(traceback: str) -> str:
+    """A traceback's last line, its exception, without torch's rank prefix (``""``: none)."""
+    lines = traceback.strip().splitlines()
+    return _body(lines[-1]).strip() if lines else ""
+
+
 def _body(line: str) -> str:
     """A line without torch's rank prefix."""
     prefix = _RANK_PREFIX.match(line)
