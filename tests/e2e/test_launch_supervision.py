@@ -18,8 +18,10 @@ import pytest
 from phalanx.errors import PREEMPTED_EXIT_CODE
 from tests.e2e.launch_helpers import (
     BEHAVE,
+    ROOT,
     SCRIPTS,
     alive,
+    base_env,
     finish,
     phalanx_cmd,
     run,
@@ -294,3 +296,18 @@ def test_one_error_raised_on_every_rank_is_said_once_in_the_summary_naming_them_
     first = 0 if "exit code 1 from rank 0, the first to end" in cause else 1
     assert cause.endswith(f"), the same error on each: exit code 1 from rank {first}, the first "
                           f"to end ({line}); its traceback is above, as rank {first} printed it")
+
+
+def test_a_quick_run_ends_without_waiting_for_the_store_helpers_torch_import(tmp_path):
+    # issue 25 item 10: the store helper imports torch (a second or two) to open the round's
+    # store; workers that are done sooner, without a store (a finished run saying so), must
+    # not wait for it. Here its torch takes 60 s to import: the launcher ends all the same.
+    slow = tmp_path / "slow_torch" / "torch"
+    slow.mkdir(parents=True)
+    (slow / "__init__.py").write_text("import time\ntime.sleep(60)\n")
+    env = base_env(PYTHONPATH=os.pathsep.join([str(slow.parent), str(ROOT / "src")]))
+    res = run(_launch(tmp_path), env=env, timeout=90)
+    assert res.code == 0, res.err
+    # measured 0.3 s; 10 s leaves room for a loaded machine, far below the 60 s import
+    assert res.seconds < 10, res.seconds
+    assert res.err == "", res.err
