@@ -35,14 +35,15 @@ _log = get_logger("phalanx.diagnostics")
 # (SIGUSR1/SIGUSR2 are preemption signals).
 INTERRUPT_SIGNAL = signal.SIGRTMIN + 3
 
-# What Gloo says when it gives up waiting (unbound_buffer.cc "Timed out waiting ... for recv")
-# and when a peer is gone (pair.cc "Connection closed by peer", "Connection reset by peer").
 # How long rank 0 waits in destroy_process_group for the other ranks' step times (the look at
 # the end): the ranks leave together after the last backward's all-reduce, within milliseconds;
 # two seconds cover a loaded machine, and a rank that never comes costs rank 0 no more.
 END_WAIT_S = 2.0
 _END_PREFIX = "phalanx/diag/steps-at-end/"
+_END_POLL_S = 0.02  # between rank 0's looks: one store round trip per rank, 20 ms at most lost
 
+# What Gloo says when it gives up waiting (unbound_buffer.cc "Timed out waiting ... for recv")
+# and when a peer is gone (pair.cc "Connection closed by peer", "Connection reset by peer").
 _TIMEOUT_WORDS = ("Timed out", "timed out", "Timeout", "timeout")
 _LOST_WORDS = ("Connection closed", "Connection reset", "Broken pipe", "Read error")
 
@@ -201,13 +202,14 @@ def _gather(store: Any, world_size: int) -> dict[int, list]:
     the keys are deleted (a next group on the same store starts clean)."""
     seen: dict[int, list] = {}
     deadline = time.monotonic() + END_WAIT_S
-    while len(seen) < world_size and time.monotonic() < deadline:
+    while True:
         for rank in range(world_size):
             if rank not in seen and store.check([str(rank)]):
                 seen[rank] = json.loads(store.get(str(rank)))
                 store.delete_key(str(rank))
-        time.sleep(0 if len(seen) == world_size else 0.02)
-    return seen
+        if len(seen) == world_size or time.monotonic() > deadline:
+            return seen
+        time.sleep(_END_POLL_S)
 
 
 def _own_connection(store: Any) -> Any:
