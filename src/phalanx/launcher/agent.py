@@ -44,8 +44,7 @@ from .environment import watchdog_note, worker_environ
 from .events import FORWARD_SIGNALS, STOP_SIGNALS, Pump, SignalInbox
 from .membership import Layout
 from .outcome import RoundEnd
-from .output import (WorkerOutput, exception_line, read_diagnosis, recorded_error,
-                     traceback_tail)
+from .output import WorkerOutput, read_diagnosis, recorded_error, traceback_tail
 from .rendezvous import Interrupted, meet
 from .workers import Guardian, Worker, describe_exit, first_failure, shell_status, spawn
 
@@ -97,7 +96,7 @@ class Agent:
             self.console.note(
                 f"attempt {restarts + 1} of {last + 1} failed: {record.cause()}: "
                 f"{describe_exit(record.returncode)}"
-                f"{_last_line(record.traceback)}; restarting every worker "
+                f"{_last_line(record)}; restarting every worker "
                 f"({last - restarts} restart(s) left)"
             )
             self._release(record)
@@ -311,7 +310,7 @@ class Agent:
         if record.report:
             trace = [cause, "the hang report:", *("  " + line for line in record.report.splitlines())]
         elif self._shown_live(record, workers):
-            trace = [f"{cause}{_last_line(record.traceback)}; its traceback is above, as rank "
+            trace = [f"{cause}{_last_line(record)}; its traceback is above, as rank "
                      f"{record.rank} printed it"]
         else:
             trace = [cause, f"from rank {record.rank}'s {record.source}:",
@@ -328,12 +327,12 @@ class Agent:
         """``(rank, local rank)`` of this node's workers whose traceback ends with the root
         cause's exception line, the root cause's worker first (phalanx's checks across ranks
         raise the same error on every rank); none after a hang report or on another node."""
-        line = exception_line(record.traceback)
+        line = record.exception_line()
         if record.node != self.node_rank or record.culprits or not line:
             return []
         return [(record.rank, record.local_rank)] + [
-            (w.rank, w.local_rank) for w in workers if w.rank != record.rank
-            and exception_line(w.output.traceback(self._entry)) == line]
+            (w.rank, w.local_rank) for w in workers
+            if w.rank != record.rank and w.output.exception_line(self._entry) == line]
 
     def _shown_live(self, record: RoundEnd, workers: list[Worker]) -> bool:
         """Whether this node's console showed the end of ``record``'s traceback as the
@@ -354,8 +353,8 @@ def _run_log_dir(log_dir: str, run_id: str) -> str:
     return tempfile.mkdtemp(prefix=f"{run_id.replace(os.sep, '_')}_", dir=log_dir)
 
 
-def _last_line(text: str) -> str:
-    line = exception_line(text)
+def _last_line(record: RoundEnd) -> str:
+    line = record.exception_line()
     return f" ({line})" if line else ""
 
 

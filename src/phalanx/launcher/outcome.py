@@ -10,6 +10,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Sequence
 
+from .output import exception_line
+
 Kind = Literal["succeeded", "failed", "preempted", "signal", "lost", "membership"]
 
 
@@ -66,6 +68,10 @@ class RoundEnd:
         ranks, local_ranks = zip(*sorted(alike))
         return (f"ranks {', '.join(map(str, ranks))} (local ranks {', '.join(map(str, local_ranks))}) "
                 f"on node {self.node} ({self.host})")
+
+    def exception_line(self) -> str:
+        """The last line of :attr:`traceback`, its exception, without torch's rank prefix."""
+        return exception_line(self.traceback)
 
     def cause(self) -> str:
         """The root cause in a few words: the ranks a hang report blames, else the worker."""
