@@ -46,7 +46,7 @@ def test_a_close_overtaking_the_open_is_answered_at_once_and_the_late_store_neve
     rounds.open_soon()
     began = time.monotonic()
     rounds.close()
-    assert time.monotonic() - began < 0.5  # did not wait for the store being made
+    assert time.monotonic() - began < 5  # did not wait for the store being made (30 s)
     release.set()
     _wait_for(lambda: made)
     # the late store is closed unused: a connection waits its 0.5 s and finds no store
