@@ -7,7 +7,8 @@ Run book::
     srun --ntasks 4 python examples/train_digits.py            # under Slurm, no launcher
     python examples/train_digits.py                            # one process
 
-Run it again and it resumes from its newest checkpoint in ``--out`` (``--fresh`` deletes
+Run it again and it resumes from its newest checkpoint in ``--out``, or says at once, before
+importing torch, that a finished run trained ``--epochs`` already (``--fresh`` deletes
 them and starts over; a larger ``--epochs`` trains on from where the last run ended, the
 learning rate's cosine stretched over the new total from the step reached, see ``stretch``). A SIGTERM (e.g.
 from ``phalanx run`` being stopped) or a Ctrl-C makes every rank save one checkpoint at the
@@ -35,16 +36,11 @@ import argparse
 import json
 import math
 import shutil
+import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-import phalanx
+from phalanx.env import detect
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,6 +53,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fresh", action="store_true", help="delete --out (checkpoints, curves) and start over")
     p.add_argument("--sync-bn", action="store_true", help="batch statistics over all processes")
     return p.parse_args(argv)
+
+
+def already_trained(done: int, epochs: int) -> str:
+    """What a run with nothing left to train says."""
+    done_text = f"{done} of {epochs}" if done == epochs else f"{done} (more than --epochs {epochs})"
+    return (f"already trained {done_text} epochs; pass --epochs N to train on or --fresh to "
+            "start over")
+
+
+def finished_before(args: argparse.Namespace) -> str | None:
+    """:func:`already_trained`'s line when ``--out`` holds a finished run of at least
+    ``--epochs``, found without torch (whose import costs every process a second or two): its
+    metrics.json, written at the run's end, names the checkpoint it ended with, still the
+    newest. ``None`` otherwise, and whenever some rank may not see these files (ranks on other
+    machines): then the checkpoint decides, in a collective every rank takes part in."""
+    env = detect()
+    if args.fresh or env.world_size != env.local_world_size:
+        return None
+    out = Path(args.out)
+    try:
+        metrics = json.loads((out / "metrics.json").read_text())
+        done, ended_with = int(metrics["history"][-1]["epoch"]), metrics["checkpoint"]
+    except (OSError, ValueError, TypeError, KeyError, IndexError):
+        return None  # no finished run here, or one written before metrics named its checkpoint
+    newest = max((p.name for p in out.glob("ckpt-*.ckpt")), default=None)  # 12-digit steps
+    if newest != ended_with or done < args.epochs:
+        return None
+    return already_trained(done, args.epochs)
+
+
+if __name__ == "__main__":  # before torch's import: a finished run says so at once
+    _done = finished_before(parse_args())
+    if _done is not None:
+        if detect().rank == 0:
+            print(_done, flush=True)
+        sys.exit(0)
+
+import torch  # noqa: E402 - after the check above
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import phalanx  # noqa: E402
 
 
 def digits(seed: int) -> tuple[TensorDataset, TensorDataset]:
@@ -192,10 +232,7 @@ def resume(ckpt, scheduler, total_steps, sampler, loader, args):
         return 0, 0, []
     if state.epoch >= args.epochs:
         if rank == 0:
-            done = (f"{state.epoch} of {args.epochs}" if state.epoch == args.epochs
-                    else f"{state.epoch} (more than --epochs {args.epochs})")
-            print(f"already trained {done} epochs; pass --epochs N to train on or --fresh to "
-                  "start over", flush=True)
+            print(already_trained(state.epoch, args.epochs), flush=True)
         return None
     stretch(scheduler, total_steps)  # the current --epochs' curve, from this step
     if rank == 0:
@@ -204,15 +241,16 @@ def resume(ckpt, scheduler, total_steps, sampler, loader, args):
 
 
 def report(model: nn.Module, test_loader: DataLoader, history: list[dict], out: Path,
-           n_test: int) -> None:
-    """The final evaluation; rank 0 writes curves.png and metrics.json and says so."""
+           n_test: int, ckpt) -> None:
+    """The final evaluation; rank 0 writes curves.png and metrics.json (naming the newest of
+    ``ckpt``'s checkpoints, the one the run ended with: see :func:`finished_before`) and says so."""
     world = phalanx.get_world_size()
     test_loss, accuracy = evaluate(model, test_loader, phalanx.get_device())
     if phalanx.get_rank() == 0:
         plot(history, out / "curves.png")
         (out / "metrics.json").write_text(json.dumps(
             {"world_size": world, "test_accuracy": accuracy, "test_loss": test_loss,
-             "history": history}, indent=2))
+             "checkpoint": ckpt.checkpoints()[-1].name, "history": history}, indent=2))
         processes = "1 process" if world == 1 else f"{world} processes"
         print(f"final test accuracy {100 * accuracy:.2f}% on {n_test} samples "
               f"({processes}); curves in {out / 'curves.png'}", flush=True)
@@ -269,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"{test_loss:.4f}  test accuracy {100 * accuracy:.2f}%", flush=True)
             ckpt.save(epoch + 1, step, extra={"history": history})
 
-    report(model.module, test_loader, history, out, len(test_set))
+    report(model.module, test_loader, history, out, len(test_set), ckpt)
     phalanx.barrier()
     # 6. leave the job
     phalanx.destroy_process_group()

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from . import env as _env
 from ._logging import get_logger
 from . import diagnostics as _diagnostics
-from .diagnostics.attach import attach, detach
+from .diagnostics.attach import attach, detach, look_back
 from .diagnostics.straggler import DEFAULT_EVERY
 from .ledger import syncpoint
 from .ledger.log import call_site
@@ -318,6 +318,7 @@ def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
         return
     try:
         if group is None:
+            look_back()  # a straggler in the steps since the last report, named by rank 0
             detach()  # raises when collectives are still under way, once the group is gone
     finally:
         time.sleep(_GLOO_SETTLE_S)  # releases the GIL: see _GLOO_SETTLE_S

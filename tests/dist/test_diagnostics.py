@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import phalanx
+from phalanx.diagnostics.monitor import END_WAIT_S
 from tests.harness import error_of, run_ranks
 
 WATCHDOG_S = 10.0
@@ -263,3 +264,48 @@ def test_a_gross_straggler_is_named_after_a_handful_of_steps():
     assert len(lines) == 1 and lines[0].startswith("straggler: rank 1 is "), lines
     assert "in time between steps (data, optimizer, logging): 0.3" in lines[0], lines
     assert quiet == []
+
+
+
+def _short_run(rank, world_size, steps, slow_rank):
+    """A DDP run of ``steps`` steps, ``slow_rank`` sleeping 0.4 s before each: what this rank
+    logged, and how long its destroy_process_group took."""
+    seen = _diagnostics_lines()
+    phalanx.init_process_group(backend="gloo")  # the default window: 200 steps
+    model = phalanx.DistributedDataParallel(torch.nn.Linear(16, 16))
+    for _ in range(steps):
+        if rank == slow_rank:
+            time.sleep(0.4)  # a rank far slower than the others
+        model(torch.randn(32, 16)).sum().backward()
+    began = time.monotonic()
+    phalanx.destroy_process_group()
+    return seen, time.monotonic() - began
+
+
+@pytest.fixture(scope="module")
+def short_runs():
+    """Every rank's (lines, destroy seconds): rank 1 of 2 slow over 3 steps (shorter than the
+    first look) and over 8 (a first look after 5, then 3 steps); 3 even ranks over 8 steps."""
+    return {"slow3": run_ranks(_short_run, 2, 3, 1, init=False),
+            "slow8": run_ranks(_short_run, 2, 8, 1, init=False),
+            "even8": run_ranks(_short_run, 3, 8, None, init=False)}
+
+
+def test_a_gross_straggler_of_a_short_run_is_named_once_at_destroy(short_runs):
+    end = "straggler, at the end (3 steps since the last report): rank 1 is "
+    (three, _), quiet = short_runs["slow3"]
+    assert len(three) == 1 and three[0].startswith(end), three
+    assert "in time between steps (data, optimizer, logging): 0.4" in three[0], three
+    assert quiet[0] == []  # rank 0 logs; the others keep quiet
+    # 8 steps: the first look after 5 names it, the look at the end the 3 steps after
+    (eight, _), quiet = short_runs["slow8"]
+    assert len(eight) == 2 and eight[0].startswith("straggler: rank 1 is "), eight
+    assert eight[1].startswith(end), eight
+    assert quiet[0] == []
+    assert [lines for lines, _ in short_runs["even8"]] == [[], [], []]
+
+
+def test_the_look_at_the_end_is_quick_when_every_rank_comes(short_runs):
+    # the ranks leave together: rank 0 does not wait the END_WAIT_S it gives a missing one
+    seconds = [s for results in short_runs.values() for _, s in results]
+    assert max(seconds) < END_WAIT_S, seconds

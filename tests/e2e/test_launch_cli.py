@@ -386,6 +386,28 @@ def test_console_holds_other_ranks_until_the_report():
     assert err.getvalue().endswith(b"peer\n")
 
 
+def test_console_shows_a_long_stderr_line_of_several_ranks_once():
+    out, err = io.BytesIO(), io.BytesIO()
+    console = Console(out, err)
+    long = b"x" * console_module.FOLD_MIN
+    console.write(1, 2, b"[rank1]: Error: " + long + b"\n")  # torch's prefix, inside the text
+    console.write(0, 2, b"[rank0]: Error: " + long + b"\n")
+    console.write(2, 2, b"Error: " + long + b"\n")  # no prefix of torch's
+    console.write(0, 2, b"Error: " + long[1:] + b"\n")  # another line
+    console.write(0, 1, long + b"\n")  # stdout is the script's own: as written
+    console.write(1, 1, long + b"\n")
+    console.write(1, 2, b"short\n")
+    console.write(0, 2, b"short\n")
+    n = len(long) + 7
+    assert err.getvalue().splitlines() == [
+        b"[rank1]: Error: " + long,
+        b"[rank0]: (the same %d-character line as rank 1's above)" % n,
+        b"[rank2]: (the same %d-character line as rank 1's above)" % n,
+        b"[rank0]: Error: " + long[1:],
+        b"[rank1]: short", b"[rank0]: short"]
+    assert out.getvalue() == b"[rank0]: " + long + b"\n[rank1]: " + long + b"\n"
+
+
 def test_console_keeps_a_line_written_in_pieces_whole():
     # print("rank", r, "ok") writes its pieces separately; two ranks doing it at once
     out = io.BytesIO()

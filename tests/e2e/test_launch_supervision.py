@@ -18,8 +18,10 @@ import pytest
 from phalanx.errors import PREEMPTED_EXIT_CODE
 from tests.e2e.launch_helpers import (
     BEHAVE,
+    ROOT,
     SCRIPTS,
     alive,
+    base_env,
     finish,
     phalanx_cmd,
     run,
@@ -271,3 +273,44 @@ def test_a_hang_names_the_late_rank_as_the_root_cause():
     assert "Late: rank(s) 1 never reached it" in res.err
     assert "hang.py:12 in <module>; in #2 check before barrier (hang.py:12)" in res.err
     assert "rank 1 (" in res.err and "at hang.py:14 in <module>; never reached #2" in res.err
+
+
+def test_one_error_raised_on_every_rank_is_said_once_in_the_summary_naming_them_all():
+    # issue 25 item 6: both ranks raise the same long UnusedParametersError (24 parameters,
+    # folded to 6 names and a count); the line is shown in the traceback of the rank that
+    # printed it first (the other's points to it) and once in the summary, for ranks 0 and 1
+    # together, with the fix in it
+    res = run(phalanx_cmd("--standalone", "--nproc-per-node", "2",
+                          str(SCRIPTS / "unused_parameters.py")), timeout=120)
+    assert res.code == 1, res.err
+    line = ("phalanx.errors.UnusedParametersError: Parameters received no gradient in this "
+            "backward pass while find_unused_parameters=False (ranks 0, 1: "
+            "'unused_blocks.11.bias', 'unused_blocks.11.weight', 'unused_blocks.10.bias', "
+            "'unused_blocks.10.weight', 'unused_blocks.9.bias', 'unused_blocks.9.weight' and 18 "
+            "more). Pass find_unused_parameters=True to DistributedDataParallel, or make every "
+            "parameter take part in the loss (or freeze it with requires_grad=False)")
+    summary = res.err[res.err.index("[phalanx] ===="):]
+    assert res.err.count(line) == 2, res.err  # one rank's traceback, the summary
+    shown = 0 if f"[rank0]: {line}" in res.err else 1
+    assert res.err.count(f"[rank{1 - shown}]: (the same 453-character line as rank {shown}'s "
+                         "above)") == 1, res.err
+    [cause] = [row for row in summary.splitlines() if "root cause" in row]
+    assert cause.startswith("[phalanx] root cause: ranks 0, 1 (local ranks 0, 1) on node 0 ("), cause
+    first = 0 if "exit code 1 from rank 0, the first to end" in cause else 1
+    assert cause.endswith(f"), the same error on each: exit code 1 from rank {first}, the first "
+                          f"to end ({line}); its traceback is above, as rank {first} printed it")
+
+
+def test_a_quick_run_ends_without_waiting_for_the_store_helpers_torch_import(tmp_path):
+    # issue 25 item 10: the store helper imports torch (a second or two) to open the round's
+    # store; workers that are done sooner, without a store (a finished run saying so), must
+    # not wait for it. Here its torch takes 60 s to import: the launcher ends all the same.
+    slow = tmp_path / "slow_torch" / "torch"
+    slow.mkdir(parents=True)
+    (slow / "__init__.py").write_text("import time\ntime.sleep(60)\n")
+    env = base_env(PYTHONPATH=os.pathsep.join([str(slow.parent), str(ROOT / "src")]))
+    res = run(_launch(tmp_path), env=env, timeout=90)
+    assert res.code == 0, res.err
+    # measured 0.3 s; 10 s leaves room for a loaded machine, far below the 60 s import
+    assert res.seconds < 10, res.seconds
+    assert res.err == "", res.err

@@ -60,7 +60,7 @@ class StepCheck:
         if sync:
             if self.clock is None:
                 watcher = diagnostics()
-                self.clock = StepClock(0 if watcher is None else watcher.straggler_every)
+                self.clock = StepClock(0) if watcher is None else watcher.new_clock(self.group)
             # while a join runs the ranks' step counts part: no report (restart() after it)
             report = self.clock.due() and self._reported_at != self.clock.steps and book.join is None
             self.clock.forward(book.waited_s)
@@ -70,7 +70,8 @@ class StepCheck:
         verdict = book.sync_point(what, self.group, wait=report, site=call_site(1), announce=announce)
         if report:
             self._reported_at = self.clock.steps
-            diagnostics().exchange_step_times(self.clock.take(), self.clock.steps, self.group)
+            diagnostics().exchange_step_times(self.clock.take(), self.clock.steps, self.group,
+                                              gross=self.clock.early())
         return verdict if book.join is not None else None
 
     def restart(self) -> None:

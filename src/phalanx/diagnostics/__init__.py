@@ -16,7 +16,8 @@ The files:
     its log and stacks to the store; the report names the ranks that never arrived.
 ``straggler.py``
     Per step and rank: compute, waiting in collectives, time between steps; rank 0 names a
-    rank that is consistently slower than the others.
+    rank that is consistently slower than the others, and a grossly slower one after a handful
+    of steps and at ``destroy_process_group``.
 """
 
 from __future__ import annotations

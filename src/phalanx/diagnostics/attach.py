@@ -118,6 +118,14 @@ def attach(group: Any, enabled: bool = True, straggler_every: int = DEFAULT_EVER
     return found
 
 
+def look_back() -> None:
+    """``destroy_process_group``'s straggler look at the steps since the last report (see
+    :meth:`Diagnostics.look_back`), before the default group goes."""
+    found = _ATTACHED.get(dist.group.WORLD) if dist.is_initialized() else None
+    if found is not None and found.diagnostics is not None:
+        found.diagnostics.look_back()
+
+
 def detach(group: Any = None) -> None:
     """Stop the ledger of ``group`` (default: the default group), if one is attached."""
     if group is None and dist.is_initialized():

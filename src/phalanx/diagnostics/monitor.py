@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
+import weakref
 from typing import Any
 
 import torch
@@ -24,7 +26,7 @@ from ..errors import CollectiveTimeoutError, PhalanxError, RankExitedError
 from ..ledger import Ledger, syncpoint
 from ..ledger.log import Record
 from .hang import Watchdog, assemble, snapshot
-from .straggler import DEFAULT_EVERY, assess
+from .straggler import DEFAULT_EVERY, StepClock, assess, look_back
 
 _log = get_logger("phalanx.diagnostics")
 
@@ -32,6 +34,13 @@ _log = get_logger("phalanx.diagnostics")
 # the final hang report: a real-time signal, which nothing in torch or the launcher uses
 # (SIGUSR1/SIGUSR2 are preemption signals).
 INTERRUPT_SIGNAL = signal.SIGRTMIN + 3
+
+# How long rank 0 waits in destroy_process_group for the other ranks' step times (the look at
+# the end): the ranks leave together after the last backward's all-reduce, within milliseconds;
+# two seconds cover a loaded machine, and a rank that never comes costs rank 0 no more.
+END_WAIT_S = 2.0
+_END_PREFIX = "phalanx/diag/steps-at-end/"
+_END_POLL_S = 0.02  # between rank 0's looks: one store round trip per rank, 20 ms at most lost
 
 # What Gloo says when it gives up waiting (unbound_buffer.cc "Timed out waiting ... for recv")
 # and when a peer is gone (pair.cc "Connection closed by peer", "Connection reset by peer").
@@ -72,6 +81,8 @@ class Diagnostics:
         self._previous_handler = None
         if threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(INTERRUPT_SIGNAL, self._interrupted)
+        self._store = store
+        self._clocks: list[weakref.ref] = []  # of the DDPs on the default group (look_back)
         self._watchdog = Watchdog(dist.PrefixStore("phalanx/diag/", _own_connection(store)),
                                   self.rank, lambda: snapshot(self.rank, ledger.logs), self._deliver)
         ledger.observers.append(self)
@@ -126,15 +137,52 @@ class Diagnostics:
             raise error
 
     # ---- straggler reports ------------------------------------------------------------------
-    def exchange_step_times(self, medians: list[float], steps: int, group: Any) -> dict:
+    def new_clock(self, group: Any) -> StepClock:
+        """A step clock for a DDP on ``group``; those on the default group are looked at again
+        when it is destroyed (:meth:`look_back`)."""
+        clock = StepClock(self.straggler_every)
+        if group is None or group == dist.group.WORLD:
+            self._clocks.append(weakref.ref(clock))
+        return clock
+
+    def look_back(self) -> dict | None:
+        """At ``destroy_process_group``: the steps of the default group's DDPs since their last
+        straggler report, compared by rank 0 for a gross straggler (see
+        :func:`~.straggler.look_back`), which it logs. Through the store, not a collective: a
+        rank that never comes costs rank 0 :data:`END_WAIT_S`, and nobody hangs. Returns, and
+        keeps as :attr:`straggler`, rank 0's report, if any."""
+        if self._store is None:
+            return None
+        clocks = [(i, ref()) for i, ref in enumerate(self._clocks)]
+        mine = [[i, c.steps, len(c.window.compute), c.take()]
+                for i, c in clocks if c is not None and c.pending()]
+        if not mine:  # nothing since the last report (or no DDP): every rank alike
+            return None
+        store = dist.PrefixStore(_END_PREFIX, self._store)  # this connection: no new one to dial
+        try:
+            store.set(str(self.rank), json.dumps(mine))
+            seen = _gather(store, dist.get_world_size()) if self.rank == 0 else {}
+        except RuntimeError:  # the store is gone (rank 0's, with rank 0): nothing to report
+            return None
+        report = look_back(seen, dist.get_world_size())
+        if report is not None:
+            for line in report["lines"]:
+                _log.warning("straggler, at the end (%d steps since the last report): %s",
+                             report["window"], line)
+            self.straggler = report
+        return report
+
+    def exchange_step_times(self, medians: list[float], steps: int, group: Any,
+                            gross: bool = False) -> dict:
         """Every rank's straggler medians (a collective of the DDP's group); rank 0 logs the
-        slow ones. Returns, and keeps as :attr:`straggler`, the report."""
+        slow ones (``gross``: the first look, see :func:`~.straggler.assess`). Returns, and
+        keeps as :attr:`straggler`, the report."""
         mine = torch.tensor(medians, dtype=torch.float64)
         everyone = torch.empty(dist.get_world_size(group) * len(medians), dtype=torch.float64)
         shadow = syncpoint.tensor_shadow(syncpoint.ALL_GATHER_INTO_TENSOR, mine)
         with self.ledger.collective("straggler report", (mine,), group, shadow=shadow):
             all_gather_tensor(everyone, mine, group=group)
-        report = assess(everyone.view(-1, len(medians)).tolist(), steps)
+        report = assess(everyone.view(-1, len(medians)).tolist(), steps, gross)
         if dist.get_rank() == 0:
             for line in report["lines"]:
                 _log.warning("straggler: %s", line)
@@ -142,10 +190,26 @@ class Diagnostics:
         return report
 
     def close(self) -> None:
+        self._store = None  # rank 0's store server goes with its group, port and all
         self._watchdog.close()
         if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
             signal.signal(INTERRUPT_SIGNAL, self._previous_handler)
             self._previous_handler = None
+
+
+def _gather(store: Any, world_size: int) -> dict[int, list]:
+    """Rank 0: what every rank published at the end, those that came within END_WAIT_S;
+    the keys are deleted (a next group on the same store starts clean)."""
+    seen: dict[int, list] = {}
+    deadline = time.monotonic() + END_WAIT_S
+    while True:
+        for rank in range(world_size):
+            if rank not in seen and store.check([str(rank)]):
+                seen[rank] = json.loads(store.get(str(rank)))
+                store.delete_key(str(rank))
+        if len(seen) == world_size or time.monotonic() > deadline:
+            return seen
+        time.sleep(_END_POLL_S)
 
 
 def _own_connection(store: Any) -> Any:

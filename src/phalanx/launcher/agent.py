@@ -96,7 +96,7 @@ class Agent:
             self.console.note(
                 f"attempt {restarts + 1} of {last + 1} failed: {record.cause()}: "
                 f"{describe_exit(record.returncode)}"
-                f"{_last_line(record.traceback)}; restarting every worker "
+                f"{_last_line(record)}; restarting every worker "
                 f"({last - restarts} restart(s) left)"
             )
             self._release(record)
@@ -303,10 +303,14 @@ class Agent:
         has shown it already, as the worker printed it (the traceback appears once)."""
         name = self.config.entrypoint
         cause = f"root cause: {record.cause()}: {describe_exit(record.returncode)}"
+        alike = self._alike(record, workers)
+        if len(alike) > 1:  # one error raised on several ranks: said once, naming them all
+            cause = (f"root cause: {record.who(alike)}, the same error on each: "
+                     f"{describe_exit(record.returncode)} from rank {record.rank}, the first to end")
         if record.report:
             trace = [cause, "the hang report:", *("  " + line for line in record.report.splitlines())]
         elif self._shown_live(record, workers):
-            trace = [f"{cause}{_last_line(record.traceback)}; its traceback is above, as rank "
+            trace = [f"{cause}{_last_line(record)}; its traceback is above, as rank "
                      f"{record.rank} printed it"]
         else:
             trace = [cause, f"from rank {record.rank}'s {record.source}:",
@@ -318,6 +322,17 @@ class Agent:
             f"workers on node {self.node_rank}: {states}",
             _RULE,
         ])
+
+    def _alike(self, record: RoundEnd, workers: list[Worker]) -> list[tuple[int, int]]:
+        """``(rank, local rank)`` of this node's workers whose traceback ends with the root
+        cause's exception line, the root cause's worker first (phalanx's checks across ranks
+        raise the same error on every rank); none after a hang report or on another node."""
+        line = record.exception_line()
+        if record.node != self.node_rank or record.culprits or not line:
+            return []
+        return [(record.rank, record.local_rank)] + [
+            (w.rank, w.local_rank) for w in workers
+            if w.rank != record.rank and w.output.exception_line(self._entry) == line]
 
     def _shown_live(self, record: RoundEnd, workers: list[Worker]) -> bool:
         """Whether this node's console showed the end of ``record``'s traceback as the
@@ -338,9 +353,9 @@ def _run_log_dir(log_dir: str, run_id: str) -> str:
     return tempfile.mkdtemp(prefix=f"{run_id.replace(os.sep, '_')}_", dir=log_dir)
 
 
-def _last_line(text: str) -> str:
-    lines = text.strip().splitlines()
-    return f" ({lines[-1].strip()})" if lines else ""
+def _last_line(record: RoundEnd) -> str:
+    line = record.exception_line()
+    return f" ({line})" if line else ""
 
 
 def launch(config: LaunchConfig) -> int:

@@ -11,6 +11,9 @@
   one state every :data:`STATE_EVERY_S` seconds.
 * After a failure the launcher can :meth:`Console.hold` the other ranks' output and
   :meth:`Console.release` it after its report, so the root cause comes first.
+* A long line on stderr that another rank has printed already (the same error raised on every
+  rank: phalanx's checks across ranks do that) is shown once; the next ranks' copies become
+  ``(the same N-character line as rank R's above)``. The log files keep every copy.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ STATE_EVERY_S = 30.0
 # Held-back output of other ranks kept after a failure, at most (the rest is in --log-dir).
 _HOLD_BYTES = 1 << 20
 _ERASE_LINE = b"\r\x1b[K"  # to column 0, then clear to the end of the line (ANSI)
+# A stderr line this long, printed by several ranks, is shown once: phalanx's reports that name
+# many ranks or parameters run to 400-1,500 characters (issue 25 item 6 saw 1,489, on every
+# rank), while its log lines, and traceback frames, stay under 300.
+FOLD_MIN = 300
+_FOLD_KEEP = 64  # long lines remembered, the oldest forgotten first
+_TORCH_PREFIX = re.compile(rb"\[rank\d+\]: ?")  # torch's excepthook's, inside the text
 
 
 @dataclass
@@ -71,6 +80,7 @@ class Console:
         self._held_ranks: set[int] = set()
         self._held: list[tuple[int, int, bytes]] = []
         self._held_bytes = self._dropped = 0
+        self._long_lines: dict[bytes, int] = {}  # a long stderr line -> the rank that showed it
 
     def write(self, rank: int, stream: int, data: bytes) -> None:
         """Show the complete lines of ``data`` from ``rank``'s ``stream`` (STDOUT or STDERR);
@@ -155,7 +165,7 @@ class Console:
             source.mid_line, source.blank = False, True
             self._owner = source
             return
-        self._text(source, text)
+        self._text(source, self._fold(source, text, end))
         if end:
             out.write(end)
             source.mid_line = False
@@ -173,7 +183,7 @@ class Console:
             return  # a bare "\r" only starts the next state
         source.state = b""  # the line's final text follows: it supersedes any state
         self._take_line(source)
-        self._text(source, text)
+        self._text(source, self._fold(source, text, end))
         if end:
             self._files[source.stream].write(b"\n")
             source.mid_line = False
@@ -196,6 +206,21 @@ class Console:
             self._files[source.stream].write(b"\n")
             source.mid_line, source.state_at = False, now
             self._owner = None
+
+    def _fold(self, source: _Source, text: bytes, end: bytes) -> bytes:
+        """``text``, or, for a whole long stderr line another rank showed already, a pointer
+        to that one (see :data:`FOLD_MIN`)."""
+        if (source.stream != STDERR or source.mid_line or end not in (b"\n", b"\r\n")
+                or len(text) < FOLD_MIN):
+            return text
+        prefix = _TORCH_PREFIX.match(text)
+        head, body = (text[:prefix.end()], text[prefix.end():]) if prefix else (b"", text)
+        first = self._long_lines.setdefault(body, source.rank)
+        if len(self._long_lines) > _FOLD_KEEP:
+            del self._long_lines[next(iter(self._long_lines))]
+        if first == source.rank:
+            return text
+        return head + b"(the same %d-character line as rank %d's above)" % (len(body), first)
 
     def _text(self, source: _Source, text: bytes) -> None:
         if not text:

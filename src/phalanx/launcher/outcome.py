@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Literal, Sequence
+
+from .output import exception_line
 
 Kind = Literal["succeeded", "failed", "preempted", "signal", "lost", "membership"]
 
@@ -57,9 +59,19 @@ class RoundEnd:
     def from_json(cls, text: str | bytes) -> RoundEnd:
         return cls(**json.loads(text))
 
-    def who(self) -> str:
-        """``"rank 3 (local rank 1) on node 1 (host)"``: the worker that ended the round."""
-        return f"rank {self.rank} (local rank {self.local_rank}) on node {self.node} ({self.host})"
+    def who(self, alike: Sequence[tuple[int, int]] = ()) -> str:
+        """``"rank 3 (local rank 1) on node 1 (host)"``: the worker that ended the round; with
+        ``alike``, the ``(rank, local rank)`` of the workers of its node that failed the same
+        way (itself among them), all of them: ``"ranks 2, 3 (local ranks 0, 1) on node 1 (host)"``."""
+        if len(alike) < 2:
+            return f"rank {self.rank} (local rank {self.local_rank}) on node {self.node} ({self.host})"
+        ranks, local_ranks = zip(*sorted(alike))
+        return (f"ranks {', '.join(map(str, ranks))} (local ranks {', '.join(map(str, local_ranks))}) "
+                f"on node {self.node} ({self.host})")
+
+    def exception_line(self) -> str:
+        """The last line of :attr:`traceback`, its exception, without torch's rank prefix."""
+        return exception_line(self.traceback)
 
     def cause(self) -> str:
         """The root cause in a few words: the ranks a hang report blames, else the worker."""

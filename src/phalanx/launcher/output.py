@@ -63,6 +63,10 @@ class WorkerOutput:
         """The traceback that ended this worker, from its stderr (see :func:`traceback_tail`)."""
         return traceback_tail(self.tail.decode("utf-8", errors="replace"), entry, max_lines)
 
+    def exception_line(self, entry: str | None = None) -> str:
+        """The exception line of :meth:`traceback` (see :func:`exception_line`)."""
+        return exception_line(self.traceback(entry))
+
 
 def traceback_tail(text: str, entry: str | None = None, max_lines: int = TRACEBACK_LINES) -> str:
     """The traceback in ``text`` that ended the process, cut at its exception line, at most
@@ -97,6 +101,12 @@ _HEADER = "Traceback (most recent call last):"
 # torch's excepthook prefixes every line of a rank's traceback with "[rankN]: ".
 _RANK_PREFIX = re.compile(r"\[rank\d+\]: ?")
 _FRAME = re.compile(r'\s*[|]?\s*File "(?P<file>[^"]+)", line \d+, in (?P<where>\S+)')
+
+
+def exception_line(traceback: str) -> str:
+    """A traceback's last line, its exception, without torch's rank prefix (``""``: none)."""
+    lines = traceback.strip().splitlines()
+    return _body(lines[-1]).strip() if lines else ""
 
 
 def _body(line: str) -> str:

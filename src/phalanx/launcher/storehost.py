@@ -51,20 +51,47 @@ class Rounds:
         self._timeout = timeout
         self.current: InnerStore | None = None
         self._changed = threading.Condition()
+        self._opened = 0  # opens and closes so far: a store made for an older one is late
 
     def open(self) -> None:
-        fresh = InnerStore(self._timeout, _report)
-        with self._changed:
-            if self.current is not None:
-                self.current.close()
-            self.current = fresh
-            self._changed.notify_all()
+        """Make a fresh store and serve it (this thread waits for it)."""
+        self._serve(self._replace(), InnerStore(self._timeout, _report))
+
+    def open_soon(self) -> None:
+        """:meth:`open` on a thread of its own: the first store imports torch (a second or
+        two), and the launcher's next order must not wait for it. A ``close`` meanwhile is
+        answered at once (a run whose workers were that quick ends without waiting for the
+        import); the store, once made, is then closed unused."""
+        which = self._replace()
+
+        def make() -> None:
+            try:
+                self._serve(which, InnerStore(self._timeout, _report))
+            except Exception as e:  # as from main(): the launcher sees this process end
+                _report(f"failed: {type(e).__name__}: {e}")
+                os._exit(1)
+
+        threading.Thread(target=make, name="phalanx-store-open", daemon=True).start()
 
     def close(self) -> None:
+        self._replace()
+
+    def _replace(self) -> int:
+        """End the store served now (if any); the number of the next one."""
         with self._changed:
             if self.current is not None:
                 self.current.close()
             self.current = None
+            self._opened += 1
+            return self._opened
+
+    def _serve(self, which: int, fresh: InnerStore) -> None:
+        with self._changed:
+            if which != self._opened:  # closed (or opened again) while it was being made
+                fresh.close()
+                return
+            self.current = fresh
+            self._changed.notify_all()
 
     def connect(self) -> socket.socket:
         with self._changed:
@@ -119,7 +146,7 @@ def main() -> None:
     for line in sys.stdin:  # the launcher's orders, until it closes the pipe (or dies)
         order, *args = line.split()
         if order == "open":
-            rounds.open()
+            rounds.open_soon()
         elif order == "close":
             rounds.close()
             print("closed", flush=True)
