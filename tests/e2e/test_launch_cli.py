@@ -40,15 +40,16 @@ def secret(monkeypatch):
     monkeypatch.setenv("PHALANX_JOB_SECRET", SECRET)
 
 
-def test_dashed_and_underscored_spellings_mean_the_same(secret):
+def test_dashed_and_underscored_spellings_mean_the_same(secret, tmp_path):
+    logs = str(tmp_path / "logs")
     dashed = _config("--nproc-per-node", "3", "--nnodes", "2", "--node-rank", "1",
                      "--master-addr", "10.1.2.3", "--master-port", "1234", "--max-restarts", "2",
                      "--monitor-interval", "0.5", "--shutdown-timeout", "7", "--rdzv-timeout", "9",
-                     "--rdzv-id", "job", "--log-dir", "/tmp/x", "--tee", "1", BEHAVE, "a", "--b")
+                     "--rdzv-id", "job", "--log-dir", logs, "--tee", "1", BEHAVE, "a", "--b")
     under = _config("--nproc_per_node", "3", "--nnodes", "2", "--node_rank", "1",
                     "--master_addr", "10.1.2.3", "--master_port", "1234", "--max_restarts", "2",
                     "--monitor_interval", "0.5", "--shutdown_timeout", "7", "--rdzv_timeout", "9",
-                    "--rdzv_id", "job", "--log_dir", "/tmp/x", "--tee", "1", BEHAVE, "a", "--b")
+                    "--rdzv_id", "job", "--log_dir", logs, "--tee", "1", BEHAVE, "a", "--b")
     assert dashed == under
     assert (dashed.nproc_per_node, dashed.nnodes, dashed.node_rank) == (3, 2, 1)
     assert (dashed.master_addr, dashed.master_port, dashed.max_restarts) == ("10.1.2.3", 1234, 2)
@@ -57,7 +58,7 @@ def test_dashed_and_underscored_spellings_mean_the_same(secret):
     assert dashed.command == [sys.executable, BEHAVE, "a", "--b"]
 
 
-def test_defaults_module_mode_and_stream_choices():
+def test_defaults_module_mode_and_stream_choices(tmp_path):
     config = _config(BEHAVE)
     assert (config.nproc_per_node, config.master_addr, config.master_port) == (1, "127.0.0.1", 29500)
     assert (config.monitor_interval, config.shutdown_timeout, config.max_restarts) == (0.1, 30, 0)
@@ -67,7 +68,7 @@ def test_defaults_module_mode_and_stream_choices():
     assert _config("--nproc", "3", BEHAVE).nproc_per_node == 3  # phalanx bench's old spelling
 
     def console(*argv):
-        config = _config("--log-dir", "/tmp/x", *argv, BEHAVE)
+        config = _config("--log-dir", str(tmp_path / "logs"), *argv, BEHAVE)
         return [config.console_streams(r) for r in (0, 1, 2)]
 
     # torchrun's meaning: redirected streams leave the console, teed ones stay on it
