@@ -31,6 +31,8 @@ from .bucketing import FIRST_BUCKET_BYTES, BucketSpec, describe, plan_buckets
 from .buffer_sync import BufferSync
 from .checkin import StepCheck
 from .checks import GradientOwners, agree_on_owners, refuse_distributed_autograd
+from .compiled_autograd import (PYTHON_REDUCER, compiled_autograd_enabled, enable_inductor_bucketing,
+                                optimize_ddp_mode, refusal, traced_pre_forward)
 from .devices import to_device
 from .hook_comm import HookComm
 from .hook_registration import SHARDED_WITH_HOOK, builtin_hook, check_registration
@@ -249,6 +251,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if dist.get_world_size(group) == 1:
             return
         self._build_reducer(None)
+        if optimize_ddp_mode() == PYTHON_REDUCER:  # as torch's DDP, at construction
+            enable_inductor_bucketing(self.bucket_cap_mb)
         if any(b.numel() for b in self.module.buffers()):
             self._buffer_sync = BufferSync(self.module, group, _rank_zero(group))
 
@@ -284,12 +288,20 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         self._reducer.on_backward_done = self._check.backward_done
         self._reducer.join_index = self._join.index  # rebuilt inside a join: still in it
+        # compiled autograd's path (phalanx.ddp.compiled_autograd), acting from the reducer's hooks
+        self._traced = self._reducer.traced
+        self._sparse_names = [named[i][0] for i in sparse]
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._reducer is not None and compiled_autograd_enabled():
+            return self._compiled_autograd_forward(inputs, kwargs)
+        return self._eager_forward(*inputs, **kwargs)
 
     # Under torch.compile, Dynamo runs this frame and the two around the module as they are
     # (checks, collectives and hooks stay eager: no graph break, no recompile) and compiles the
     # module's frames underneath, as it does with torch's DDP.forward.
     @torch.compiler.disable(recursive=False)
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+    def _eager_forward(self, *inputs: Any, **kwargs: Any) -> Any:
         inputs, kwargs, sync = self._pre_forward(inputs, kwargs)
         if self._reducer is None:
             return self.module(*inputs, **kwargs)
@@ -299,6 +311,29 @@ class DistributedDataParallel(nn.Module, Joinable):
         finally:
             _activate_for_dynamo(previous)
         return self._post_forward(output, sync)
+
+    def _compiled_autograd_forward(self, inputs: Any, kwargs: Any) -> Any:
+        """The forward under compiled autograd (:mod:`phalanx.ddp.compiled_autograd`): traceable,
+        it arms the per-parameter functional all-reduces instead of the reducer."""
+        settings = dict(find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,
+                        comm_hook=self._comm_hook is not None,
+                        shard_gradients=isinstance(self._reducer.bucket_comm, ReduceToOwner))
+        why = refusal(optimize_ddp_mode(), settings, self._sparse_names, self._join.index is not None)
+        if why is not None:
+            raise UsageError(why)
+        if torch.compiler.is_compiling():  # the ledger steps aside: no sync point, no record
+            self._forwarded = True
+            sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+            inputs, kwargs = traced_pre_forward(self._device, inputs, kwargs)
+            if self._sync_buffers_next and self.forward_sync_buffers and self._buffer_sync is not None:
+                with torch.no_grad():
+                    self._traced.broadcast_buffers(list(self.module.buffers()))
+        else:  # compiled autograd around an eager forward: the eager checks and broadcast
+            inputs, kwargs, sync = self._pre_forward(inputs, kwargs)
+        output = self.module(*inputs, **kwargs)
+        self._sync_buffers_next = sync
+        self._traced.armed = sync
+        return output
 
     @torch.compiler.disable
     def _pre_forward(self, inputs: Any, kwargs: Any) -> tuple[Any, Any, bool]:
@@ -322,6 +357,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     @torch.compiler.disable
     def _post_forward(self, output: Any, sync: bool) -> Any:
         self._sync_buffers_next = sync
+        self._traced.armed = False  # this backward is the reducer's
         self._reducer.prepare(sync, output)
         return output
 
