@@ -101,8 +101,8 @@ def refusal(mode: str, settings: dict[str, Any], sparse: Sequence[str], in_join:
     if settings["find_unused_parameters"]:
         return ("find_unused_parameters=True is not supported under compiled autograd: each gradient is "
                 "all-reduced from its own hook, in the compiled backward, and no hook fires for a parameter "
-                "that gets no gradient (torch's python_reducer skips such parameters too, and the ranks' "
-                "collectives then no longer match). Use find_unused_parameters=False with every parameter "
+                "that gets no gradient (torch's python_reducer skips such parameters too: when the ranks "
+                "differ, their collectives no longer match). Use find_unused_parameters=False with every parameter "
                 f"getting a gradient on every rank, {ELSEWHERE}.")
     if settings["static_graph"]:
         return ("static_graph=True is not supported under compiled autograd: it learns from the first "
@@ -122,7 +122,8 @@ def refusal(mode: str, settings: dict[str, Any], sparse: Sequence[str], in_join:
     if sparse:
         return (f"sparse gradients ({', '.join(sparse)}) are not supported under compiled autograd: they "
                 "are all-reduced as sparse tensors, outside any bucket, which functional collectives do not "
-                f"do. Use dense gradients (e.g. nn.Embedding(sparse=False)), {ELSEWHERE}.")
+                "do (torch's python_reducer fails there, with a RuntimeError from the functional "
+                f"all-reduce). Use dense gradients (e.g. nn.Embedding(sparse=False)), {ELSEWHERE}.")
     if in_join:
         return ("uneven inputs (DistributedDataParallel.join(), phalanx.join()) are not supported under "
                 "compiled autograd: a rank that has joined shadows the others' collectives one by one, "
