@@ -21,18 +21,25 @@ import phalanx
 from tests.harness import error_of, run_ranks
 
 STEPS = 3
+# Training: two 1 MiB layers (512 x 512 float32) and inductor's DDP fusion, whose first bucket
+# is 1 MiB (torch's first-bucket size) and the next ones bucket_cap_mb: with 1 MiB, three buckets
+WIDTH, CAP_MB, BUCKETS = 512, 1, 3
 
 
 class _Net(nn.Module):
-    """Three Linear layers (six parameter tensors); with ``norm`` a BatchNorm (buffers)."""
+    """Four Linear layers (eight parameter tensors); with ``norm`` a BatchNorm (buffers)."""
 
-    def __init__(self, norm: bool = False) -> None:
+    def __init__(self, width: int = 32, norm: bool = False) -> None:
         super().__init__()
-        self.inp, self.mid, self.out = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
-        self.norm = nn.BatchNorm1d(32) if norm else nn.Identity()
+        self.inp, self.out = nn.Linear(16, width), nn.Linear(width, 4)
+        self.mid = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+        self.norm = nn.BatchNorm1d(width) if norm else nn.Identity()
 
     def forward(self, x):
-        return self.out(torch.relu(self.mid(self.norm(torch.relu(self.inp(x))))))
+        x = self.norm(torch.relu(self.inp(x)))
+        for layer in self.mid:
+            x = torch.relu(layer(x))
+        return self.out(x)
 
 
 def _step(model, x):
@@ -59,13 +66,15 @@ def _counting(backend: str, seen: list[int]):
 def _train(rank, net, wrap, optimizer, backend=None, schedule="compiled"):
     """STEPS steps, each compiled with compiled autograd (with a ``backend``) or eager;
     ``schedule`` "switch": only the second step compiled; "accumulate": each step a no_sync
-    micro-batch, then a synchronising one."""
+    micro-batch, then a synchronising one; "module": the model compiled, not the step."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    model = wrap(copy.deepcopy(net))
+    model = wrap(copy.deepcopy(net), bucket_cap_mb=CAP_MB)
     opt = optimizer(model.parameters())
     seen: list[int] = []
     compiled = None if backend is None else torch.compile(_step, backend=_counting(backend, seen))
+    if schedule == "module":  # the model compiled, the backward run eagerly (per-parameter all-reduces)
+        model, compiled = torch.compile(model, backend=backend), None
     for step in range(STEPS):
         fn = _step if compiled is None or schedule == "switch" and step != 1 else compiled
         opt.zero_grad()
@@ -81,6 +90,7 @@ def _train(rank, net, wrap, optimizer, backend=None, schedule="compiled"):
         "captures": counters["compiled_autograd"]["captures"],
         "graphs": counters["stats"]["unique_graphs"],
         "all-reduces per graph": seen,
+        "inductor's DDP buckets": counters["inductor"]["ddp_buckets"],
     }
 
 
@@ -94,11 +104,14 @@ OPTIMIZERS = {
 }
 
 
+TOLERANCE = {"sgd": 1e-6, "adamw": 1e-5}  # vs eager phalanx DDP (see _check_training)
+
+
 def _training(rank, world_size, backend):
     torch._dynamo.config.optimize_ddp = "python_reducer"
     torch._dynamo.config.compiled_autograd = True  # for the functions compiled from here on
     torch.manual_seed(0)
-    net, out = _Net(), {}
+    net, out = _Net(WIDTH), {}
     for name, optimizer in OPTIMIZERS.items():
         eager = _train(rank, net, phalanx.DistributedDataParallel, optimizer)
         ours = _train(rank, net, phalanx.DistributedDataParallel, optimizer, backend)
@@ -110,13 +123,13 @@ def _training(rank, world_size, backend):
         return out
     sgd = OPTIMIZERS["sgd"]
     torch.manual_seed(1)
-    norm = _Net(norm=True)  # buffers: broadcast from rank 0 before each forward, as eager
+    norm = _Net(WIDTH, norm=True)  # buffers: broadcast from rank 0 before each forward, as eager
     out["buffers"] = _diff(_train(rank, norm, phalanx.DistributedDataParallel, sgd, backend),
                            _train(rank, norm, phalanx.DistributedDataParallel, sgd))
-    for schedule in ("switch", "accumulate"):
+    for schedule in ("switch", "accumulate", "module"):
         out[schedule] = _diff(_train(rank, net, phalanx.DistributedDataParallel, sgd, backend, schedule),
                               _train(rank, net, phalanx.DistributedDataParallel, sgd, None,
-                                     "eager" if schedule == "switch" else schedule))
+                                     "accumulate" if schedule == "accumulate" else "eager"))
     return out
 
 
@@ -126,21 +139,29 @@ def _check_training(results, backend):
             got = out[name]
             # the same ops as torch's python reducer, in the same compiled graph: the same bits
             assert got["vs torch"] == 0.0, (name, got)
-            # eager phalanx sums bucket by bucket, the traced path parameter by parameter
-            assert got["vs eager"] < 1e-6, (name, got)
+            # eager phalanx sums bucket by bucket, the compiled path parameter by parameter or in
+            # inductor's buckets: at world 3 Gloo's ring sums the three ranks' values in an order
+            # that depends on the chunking, so the last bits differ; AdamW's division by sqrt(v)
+            # grows them to a few 1e-6 in three steps (world 3, inductor: 5.9e-6, and torch's own
+            # compiled DDP is 4.9e-6 from torch's eager DDP); SGD stays within 1.5e-8
+            assert got["vs eager"] < TOLERANCE[name], (name, got)
             ours, torchs = got["phalanx"], got["torch"]
             # the only graph break is the user's loss.backward(), as with torch's DDP
             assert ours["graph breaks"] == torchs["graph breaks"] == ["Unsupported Tensor.backward() call"], got
             # one backward captured for the three steps, no more graphs than torch's
             assert ours["captures"] == torchs["captures"] == 1, got
             assert ours["graphs"] == torchs["graphs"], got
-            # the six all-reduces (one per parameter) are inside the compiled backward graph
+            # the eight all-reduces (one per parameter) are inside the compiled backward graph
             assert sorted(ours["all-reduces per graph"]) == sorted(torchs["all-reduces per graph"]), got
-            assert max(ours["all-reduces per graph"]) == 6, got
+            assert max(ours["all-reduces per graph"]) == 8, got
+            # inductor fuses them into buckets as it does torch's (none with aot_eager)
+            assert ours["inductor's DDP buckets"] == torchs["inductor's DDP buckets"], got
+            assert ours["inductor's DDP buckets"] == (BUCKETS if backend == "inductor" else 0), got
         if backend == "aot_eager":
             assert out["buffers"] < 1e-6, out
             assert out["switch"] < 1e-6, out
             assert out["accumulate"] < 1e-6, out
+            assert out["module"] < 1e-6, out
 
 
 @pytest.mark.slow  # compiles six training steps per rank
