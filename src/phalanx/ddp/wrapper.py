@@ -292,10 +292,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._traced = self._reducer.traced
         self._sparse_names = [named[i][0] for i in sparse]
 
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+    @property
+    def forward(self) -> Callable[..., Any]:
+        """The forward (called as ``ddp(*inputs, **kwargs)``): the eager one, or with compiled
+        autograd enabled the traceable one of :mod:`phalanx.ddp.compiled_autograd`. Chosen by
+        attribute lookup, before Dynamo picks up a frame: under ``torch.compile(ddp)`` the eager
+        one is skipped as a whole (no graph break), and a compiled training step inlines the
+        traceable one (no graph break either)."""
         if self._reducer is not None and compiled_autograd_enabled():
-            return self._compiled_autograd_forward(inputs, kwargs)
-        return self._eager_forward(*inputs, **kwargs)
+            return self._compiled_autograd_forward
+        return self._eager_forward
 
     # Under torch.compile, Dynamo runs this frame and the two around the module as they are
     # (checks, collectives and hooks stay eager: no graph break, no recompile) and compiles the
@@ -312,7 +318,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             _activate_for_dynamo(previous)
         return self._post_forward(output, sync)
 
-    def _compiled_autograd_forward(self, inputs: Any, kwargs: Any) -> Any:
+    def _compiled_autograd_forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """The forward under compiled autograd (:mod:`phalanx.ddp.compiled_autograd`): traceable,
         it arms the per-parameter functional all-reduces instead of the reducer."""
         settings = dict(find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,
