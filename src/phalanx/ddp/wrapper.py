@@ -288,8 +288,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         self._reducer.on_backward_done = self._check.backward_done
         self._reducer.join_index = self._join.index  # rebuilt inside a join: still in it
-        # compiled autograd's path (phalanx.ddp.compiled_autograd), acting from the reducer's hooks
-        self._traced = self._reducer.traced
         self._sparse_names = [named[i][0] for i in sparse]
 
     @property
@@ -333,12 +331,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             inputs, kwargs = traced_pre_forward(self._device, inputs, kwargs)
             if self._sync_buffers_next and self.forward_sync_buffers and self._buffer_sync is not None:
                 with torch.no_grad():
-                    self._traced.broadcast_buffers(list(self.module.buffers()))
+                    self._reducer.traced.broadcast_buffers(list(self.module.buffers()))
         else:  # compiled autograd around an eager forward: the eager checks and broadcast
             inputs, kwargs, sync = self._pre_forward(inputs, kwargs)
         output = self.module(*inputs, **kwargs)
         self._sync_buffers_next = sync
-        self._traced.armed = sync
+        self._reducer.traced.armed = sync
         return output
 
     @torch.compiler.disable
@@ -363,7 +361,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     @torch.compiler.disable
     def _post_forward(self, output: Any, sync: bool) -> Any:
         self._sync_buffers_next = sync
-        self._traced.armed = False  # this backward is the reducer's
+        self._reducer.traced.armed = False  # this backward is the reducer's
         self._reducer.prepare(sync, output)
         return output
 
