@@ -44,8 +44,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
-from .devices import to_device
-
 PYTHON_REDUCER = "python_reducer"
 # torch's C++ reducer's words when compiled autograd meets it (reducer.cpp, torch 2.13)
 TORCH_WORDS = ("Compiled autograd is not compatible with C++ DDP Reducer, please use "
@@ -102,8 +100,8 @@ def refusal(mode: str, settings: dict[str, Any], sparse: Sequence[str], in_join:
         return ("find_unused_parameters=True is not supported under compiled autograd: each gradient is "
                 "all-reduced from its own hook, in the compiled backward, and no hook fires for a parameter "
                 "that gets no gradient (torch's python_reducer skips such parameters too: when the ranks "
-                "differ, their collectives no longer match). Use find_unused_parameters=False with every parameter "
-                f"getting a gradient on every rank, {ELSEWHERE}.")
+                "differ, their collectives no longer match). Use find_unused_parameters=False with every "
+                f"parameter getting a gradient on every rank, {ELSEWHERE}.")
     if settings["static_graph"]:
         return ("static_graph=True is not supported under compiled autograd: it learns from the first "
                 "backward and counts each parameter's gradients, which needs an end-of-backward callback "
@@ -173,10 +171,3 @@ class CompiledAutogradReduction:
         """Group rank 0's buffers into every rank's, with functional broadcasts (traceable)."""
         for buffer in buffers:
             buffer.copy_(fcol.broadcast(buffer, 0, self.group))
-
-
-def traced_pre_forward(device: torch.device | None, inputs: Any, kwargs: Any) -> tuple[Any, Any]:
-    """Inputs to ``device`` (``None``: where they are), traceably."""
-    if device is None:
-        return inputs, kwargs
-    return to_device(inputs, device), to_device(kwargs, device)

@@ -163,7 +163,8 @@ class Reducer:
         self.on_backward_done: Any = None
         self.join_index: int | None = None  # this DDP's place in a running phalanx.join
         self._last = comm.LastWorks()  # the last backward's, until the next one's
-        self.traced = CompiledAutogradReduction(self.params, bucket_comm.group)  # the DDP sets its own
+        # the averaging under compiled autograd, armed by the DDP's forward instead of this reducer
+        self.traced = CompiledAutogradReduction(self.params, bucket_comm.group)
         self._reset()
 
     def close(self) -> None:

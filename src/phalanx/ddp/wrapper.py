@@ -32,7 +32,7 @@ from .buffer_sync import BufferSync
 from .checkin import StepCheck
 from .checks import GradientOwners, agree_on_owners, refuse_distributed_autograd
 from .compiled_autograd import (PYTHON_REDUCER, compiled_autograd_enabled, enable_inductor_bucketing,
-                                optimize_ddp_mode, refusal, traced_pre_forward)
+                                optimize_ddp_mode, refusal)
 from .devices import to_device
 from .hook_comm import HookComm
 from .hook_registration import SHARDED_WITH_HOOK, builtin_hook, check_registration
@@ -90,6 +90,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         :meth:`shard_gradients` makes each bucket a reduce to the rank that owns its
         parameters, so after backward each rank holds only the averaged gradients it
         steps (about ``1/N`` of the gradient memory); see that method.
+
+    .. note::
+        Compiled autograd: with ``torch._dynamo.config.optimize_ddp = "python_reducer"`` (as
+        torch's DDP requires), a forward with compiled autograd enabled arms one functional
+        all-reduce per gradient, which compiled autograd captures and inductor buckets, instead
+        of the buckets above (:mod:`phalanx.ddp.compiled_autograd` says what it refuses).
 
     .. note::
         With one process (world size 1) nothing is installed: no hooks, no copies, and the
@@ -328,7 +334,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if torch.compiler.is_compiling():  # the ledger steps aside: no sync point, no record
             self._forwarded = True
             sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-            inputs, kwargs = traced_pre_forward(self._device, inputs, kwargs)
+            if self._device is not None:
+                inputs, kwargs = to_device(inputs, self._device), to_device(kwargs, self._device)
             if self._sync_buffers_next and self.forward_sync_buffers and self._buffer_sync is not None:
                 with torch.no_grad():
                     self._reducer.traced.broadcast_buffers(list(self.module.buffers()))
