@@ -213,6 +213,12 @@ def _refusals(rank, world_size):
     fine = ddp(copy.deepcopy(net))
     _forward_under_compiled_autograd(fine, torch.full((4, 16), float(rank)))
     out["after"] = [p.grad.tolist() for p in fine.parameters()]  # tensors do not travel back
+    # without compiled autograd, torch.compile(ddp) still skips the eager forward whole
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.compile(ddp(copy.deepcopy(net)), backend="aot_eager")(torch.randn(4, 16)).sum().backward()
+    out["torch.compile(ddp) graph breaks"] = dict(torch._dynamo.utils.counters["graph_break"])
+    out["torch.compile(ddp) graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     joined = ddp(copy.deepcopy(net))
     with joined.join():
         out["join"] = error_of(_forward_under_compiled_autograd, joined)
@@ -290,3 +296,9 @@ def test_the_group_still_trains_after_the_refusals(refusals):
         net(torch.full((4, 16), float(rank))).sum().backward()
     for p, got in zip(net.parameters(), refusals[0]["after"]):
         assert torch.allclose(p.grad / 2, torch.tensor(got), atol=1e-6)
+
+
+def test_torch_compile_of_the_model_without_compiled_autograd_has_no_graph_break(refusals):
+    for out in refusals:
+        assert out["torch.compile(ddp) graph breaks"] == {}, out["torch.compile(ddp) graph breaks"]
+        assert out["torch.compile(ddp) graphs"] == 1  # the user's module, compiled under the wrapper
