@@ -145,6 +145,8 @@ def _check_training(results, backend):
             # grows them to a few 1e-6 in three steps (world 3, inductor: 5.9e-6, and torch's own
             # compiled DDP is 4.9e-6 from torch's eager DDP); SGD stays within 1.5e-8
             assert got["vs eager"] < TOLERANCE[name], (name, got)
+            if len(results) == 2:  # a sum of two is the same in any order: the same bits
+                assert got["vs eager"] == 0.0, (name, got)
             ours, torchs = got["phalanx"], got["torch"]
             # the only graph break is the user's loss.backward(), as with torch's DDP
             assert ours["graph breaks"] == torchs["graph breaks"] == ["Unsupported Tensor.backward() call"], got
@@ -158,10 +160,8 @@ def _check_training(results, backend):
             assert ours["inductor's DDP buckets"] == torchs["inductor's DDP buckets"], got
             assert ours["inductor's DDP buckets"] == (BUCKETS if backend == "inductor" else 0), got
         if backend == "aot_eager":
-            assert out["buffers"] < 1e-6, out
-            assert out["switch"] < 1e-6, out
-            assert out["accumulate"] < 1e-6, out
-            assert out["module"] < 1e-6, out
+            for schedule in ("buffers", "switch", "accumulate", "module"):
+                assert out[schedule] < 1e-6 if len(results) == 3 else out[schedule] == 0.0, (schedule, out)
 
 
 @pytest.mark.slow  # compiles six training steps per rank
