@@ -77,12 +77,13 @@ import torch.distributed as dist
 
 from .. import comm
 from ..diagnostics import ledger
-from ..errors import UnusedParametersError
+from ..errors import UnusedParametersError, UsageError
 from ..ledger import Collective, Ledger, syncpoint
 from ..ledger.log import call_site
 from .bucket_comm import BucketComm
 from .bucketing import Bucket, BucketSpec
 from .checkin import DDPAction
+from .compiled_autograd import EAGER_REDUCER_TRACED, CompiledAutogradReduction, compiled_autograd_tracing
 from .graph_walk import reachable_params
 from .problems import problem_message
 from .sparse import SparseGradients
@@ -168,6 +169,8 @@ class Reducer:
         self.on_backward_done: Any = None
         self.join_index: int | None = None  # this DDP's place in a running phalanx.join
         self._last = comm.LastWorks()  # the last backward's, until the next one's
+        # the averaging under compiled autograd, armed by the DDP's forward instead of this reducer
+        self.traced = CompiledAutogradReduction(self.params, bucket_comm.group)
         self._reset()
 
     def close(self) -> None:
@@ -223,8 +226,9 @@ class Reducer:
     # ---- during backward ---------------------------------------------------------------
     def _on_grad(self, k: int) -> None:
         """Parameter ``k``'s gradient is accumulated: the hot path (see the module notes)."""
-        if not self.awaiting_backward:
-            return  # no_sync(), or a backward not preceded by a synchronising forward
+        if not self.awaiting_backward:  # no_sync(), a backward without a synchronising forward,
+            self.traced.on_grad(k)  # or one under compiled autograd: its own averaging decides
+            return
         if not self._started:
             self._start_backward()
         if self.static_graph:
@@ -252,6 +256,8 @@ class Reducer:
             self._sparse.on_grad(j)
 
     def _start_backward(self) -> None:
+        if compiled_autograd_tracing():  # an eager forward armed this reducer
+            raise UsageError(EAGER_REDUCER_TRACED)
         self._started = True
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         self._ledger = ledger()  # records each bucket (phalanx.ledger)

@@ -31,6 +31,8 @@ from .bucketing import FIRST_BUCKET_BYTES, BucketSpec, describe, plan_buckets
 from .buffer_sync import BufferSync
 from .checkin import StepCheck
 from .checks import GradientOwners, agree_on_owners, refuse_distributed_autograd
+from .compiled_autograd import (PYTHON_REDUCER, compiled_autograd_enabled, enable_inductor_bucketing,
+                                optimize_ddp_mode, refusal)
 from .devices import to_device
 from .hook_comm import HookComm
 from .hook_registration import SHARDED_WITH_HOOK, builtin_hook, check_registration
@@ -89,6 +91,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         :meth:`shard_gradients` makes each bucket a reduce to the rank that owns its
         parameters, so after backward each rank holds only the averaged gradients it
         steps (about ``1/N`` of the gradient memory); see that method.
+
+    .. note::
+        Compiled autograd: with ``torch._dynamo.config.optimize_ddp = "python_reducer"`` (as
+        torch's DDP requires), a forward with compiled autograd enabled arms one functional
+        all-reduce per gradient, which compiled autograd captures and inductor buckets, instead
+        of the buckets above (:mod:`phalanx.ddp.compiled_autograd` says what it refuses).
 
     .. note::
         With one process (world size 1) nothing is installed: no hooks, no copies, and the
@@ -258,6 +266,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if dist.get_world_size(group) == 1:
             return
         self._build_reducer(None)
+        if optimize_ddp_mode() == PYTHON_REDUCER:  # as torch's DDP, at construction
+            enable_inductor_bucketing(self.bucket_cap_mb)
         if any(b.numel() for b in self.module.buffers()):
             self._buffer_sync = BufferSync(self.module, group, _rank_zero(group))
 
@@ -294,12 +304,24 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         self._reducer.on_backward_done = self._backward_done
         self._reducer.join_index = self._join.index  # rebuilt inside a join: still in it
+        self._sparse_names = [named[i][0] for i in sparse]
+
+    @property
+    def forward(self) -> Callable[..., Any]:
+        """The forward (called as ``ddp(*inputs, **kwargs)``): the eager one, or with compiled
+        autograd enabled the traceable one of :mod:`phalanx.ddp.compiled_autograd`. Chosen by
+        attribute lookup, before Dynamo picks up a frame: under ``torch.compile(ddp)`` the eager
+        one is skipped as a whole (no graph break), and a compiled training step inlines the
+        traceable one (no graph break either)."""
+        if self._reducer is not None and compiled_autograd_enabled():
+            return self._compiled_autograd_forward
+        return self._eager_forward
 
     # Under torch.compile, Dynamo runs this frame and the two around the module as they are
     # (checks, collectives and hooks stay eager: no graph break, no recompile) and compiles the
     # module's frames underneath, as it does with torch's DDP.forward.
     @torch.compiler.disable(recursive=False)
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+    def _eager_forward(self, *inputs: Any, **kwargs: Any) -> Any:
         inputs, kwargs, sync = self._pre_forward(inputs, kwargs)
         if self._reducer is None:
             return self._precision.after_forward(self.module(*inputs, **kwargs))
@@ -309,6 +331,30 @@ class DistributedDataParallel(nn.Module, Joinable):
         finally:
             _activate_for_dynamo(previous)
         return self._post_forward(output, sync)
+
+    def _compiled_autograd_forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The forward under compiled autograd (:mod:`phalanx.ddp.compiled_autograd`): traceable,
+        it arms the per-parameter functional all-reduces instead of the reducer."""
+        settings = dict(find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,
+                        comm_hook=self._comm_hook is not None,
+                        shard_gradients=isinstance(self._reducer.bucket_comm, ReduceToOwner))
+        why = refusal(optimize_ddp_mode(), settings, self._sparse_names, self._join.index is not None)
+        if why is not None:
+            raise UsageError(why)
+        if torch.compiler.is_compiling():  # the ledger steps aside: no sync point, no record
+            self._forwarded = True
+            sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+            if self._device is not None:
+                inputs, kwargs = to_device(inputs, self._device), to_device(kwargs, self._device)
+            if self._sync_buffers_next and self.forward_sync_buffers and self._buffer_sync is not None:
+                with torch.no_grad():
+                    self._reducer.traced.broadcast_buffers(list(self.module.buffers()))
+        else:  # compiled autograd around an eager forward: the eager checks and broadcast
+            inputs, kwargs, sync = self._pre_forward(inputs, kwargs)
+        output = self.module(*inputs, **kwargs)
+        self._sync_buffers_next = sync
+        self._reducer.traced.armed = sync
+        return output
 
     @torch.compiler.disable
     def _pre_forward(self, inputs: Any, kwargs: Any) -> tuple[Any, Any, bool]:
@@ -333,6 +379,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     @torch.compiler.disable
     def _post_forward(self, output: Any, sync: bool) -> Any:
         self._sync_buffers_next = sync
+        self._reducer.traced.armed = False  # this backward is the reducer's
         self._reducer.prepare(sync, output)
         return self._precision.after_forward(output)
 
