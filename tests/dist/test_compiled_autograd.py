@@ -16,6 +16,7 @@ import torch._dynamo.compiled_autograd as compiled_autograd
 from torch import nn
 from torch._dynamo.backends.registry import lookup_backend
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.nn.parallel.distributed import _MixedPrecision
 
 import phalanx
 from tests.harness import error_of, run_ranks
@@ -196,6 +197,8 @@ def _refusals(rank, world_size):
     torch._dynamo.config.optimize_ddp = "python_reducer"
     for flag in ("find_unused_parameters", "static_graph"):
         out[flag] = error_of(_forward_under_compiled_autograd, ddp(copy.deepcopy(net), **{flag: True}))
+    bf16 = _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out["mixed_precision"] = error_of(_forward_under_compiled_autograd, ddp(copy.deepcopy(net), mixed_precision=bf16))
     hooked = ddp(copy.deepcopy(net))
     hooked.register_comm_hook(None, phalanx.comm_hooks.bf16_compress_hook)
     out["comm hook"] = error_of(_forward_under_compiled_autograd, hooked)
@@ -257,6 +260,11 @@ def test_find_unused_parameters_is_refused(refusals):
 def test_static_graph_is_refused(refusals):
     _assert_refused(refusals, "static_graph", "static_graph=True is not supported under compiled autograd",
                     "Use static_graph=False", "torch's python_reducer ignores static_graph")
+
+
+def test_mixed_precision_is_refused(refusals):
+    _assert_refused(refusals, "mixed_precision", "mixed_precision= is not supported under compiled autograd",
+                    "Use torch.autocast")
 
 
 def test_comm_hooks_are_refused(refusals):

@@ -86,8 +86,8 @@ def optimize_ddp_mode() -> str:
 def refusal(mode: str, settings: dict[str, Any], sparse: Sequence[str], in_join: bool) -> str | None:
     """Why a forward with compiled autograd enabled cannot take the traced path, or ``None``.
 
-    ``settings``: the DDP's ``find_unused_parameters``, ``static_graph``, ``comm_hook`` (bool)
-    and ``shard_gradients`` (bool); ``sparse``: names of parameters with sparse gradients;
+    ``settings``: the DDP's ``find_unused_parameters``, ``static_graph``, ``mixed_precision``,
+    ``comm_hook`` and ``shard_gradients`` (bools); ``sparse``: names of parameters with sparse gradients;
     ``in_join``: a join is running."""
     if mode != PYTHON_REDUCER:
         return (f"{TORCH_WORDS} phalanx's DistributedDataParallel ran a forward with compiled autograd "
@@ -107,6 +107,11 @@ def refusal(mode: str, settings: dict[str, Any], sparse: Sequence[str], in_join:
                 "backward and counts each parameter's gradients, which needs an end-of-backward callback "
                 "compiled autograd cannot trace (torch's python_reducer ignores static_graph). Use "
                 f"static_graph=False, {ELSEWHERE}.")
+    if settings["mixed_precision"]:
+        return ("mixed_precision= is not supported under compiled autograd: its low-precision copies are "
+                "swapped in before the forward and the fp32 masters back at the end of the backward, from "
+                "Python, around the graph compiled autograd captures. Use torch.autocast for bf16 compute "
+                f"instead, {ELSEWHERE}.")
     if settings["comm_hook"]:
         return ("register_comm_hook() is not supported under compiled autograd: a communication hook "
                 "reduces whole buckets and returns a Future, which compiled autograd cannot trace (torch's "

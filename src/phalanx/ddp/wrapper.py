@@ -336,7 +336,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """The forward under compiled autograd (:mod:`phalanx.ddp.compiled_autograd`): traceable,
         it arms the per-parameter functional all-reduces instead of the reducer."""
         settings = dict(find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,
-                        comm_hook=self._comm_hook is not None,
+                        mixed_precision=self.mixed_precision is not None, comm_hook=self._comm_hook is not None,
                         shard_gradients=isinstance(self._reducer.bucket_comm, ReduceToOwner))
         why = refusal(optimize_ddp_mode(), settings, self._sparse_names, self._join.index is not None)
         if why is not None:
