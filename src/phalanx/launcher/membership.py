@@ -14,15 +14,16 @@ Node 0's launcher (the *leader*, which hosts the launchers' store) decides; the 
 ``roundR/layout``, ``latest``   the leader's decision: round R's nodes, in order; the last R.
 ``roundR/end``             how round R ended; the first record published wins.
 ``roundR/ack/ID``, ``roundR/lost``   after a failure: who is still there (see below).
-``roundR/done``            how many nodes' workers all exited 0.
+``roundR/done``, ``roundR/done/ID``   how many nodes' workers all exited 0; node ID's did.
 ``final``, ``checked_out`` the job's end, for nodes waiting outside a round; launchers done.
 
 **Rounds.** The leader opens round R once every node of round R-1 that is still there is
 ready, and at least ``--nnodes`` MIN nodes are (the first round also waits up to
 ``last_call_timeout`` for MAX), capped at MAX: the nodes of the last round first, then the
 newcomers by ``--node-rank`` and arrival. Nodes left out wait for a later round. During a
-round the leader ends it (``membership``) when one of its nodes is gone, or when a newcomer
-waits and the round has fewer than MAX nodes; every node stops its workers and meets again.
+round the leader ends it (``membership``) when one of its nodes is gone (not one whose
+workers all exited 0: that node is done, not lost), or when a newcomer waits and the round
+has fewer than MAX nodes; every node stops its workers and meets again.
 When a worker fails, every node acknowledges; the leader waits for each node's
 acknowledgement or its ``gone`` mark (at most :data:`ACK_WAIT_S`) and publishes who is
 lost: a failure with nodes lost is a membership change too, and uses no restart.
@@ -104,6 +105,10 @@ class Layout:
     members: tuple[str, ...] = ()  # each node's label, by position
 
 
+class StoreLost(RendezvousError):
+    """The launchers' store stopped answering: its host (the round's node 0) is gone."""
+
+
 class Store:
     """The launchers' store, with errors that say what was lost."""
 
@@ -117,7 +122,7 @@ class Store:
             try:
                 return fn(*args)
             except RuntimeError as e:  # DistNetworkError, DistStoreError
-                raise RendezvousError(
+                raise StoreLost(
                     f"{self._me} lost the rendezvous store at {self.where} ({e}); node 0's "
                     "launcher has probably exited"
                 ) from None

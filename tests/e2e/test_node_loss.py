@@ -1,0 +1,67 @@
+"""Launchers of several nodes on loopback that fail, or finish, or leave: each ends in time and
+with the right status (issue 23's two failures found in the same paths)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from tests.e2e.launch_helpers import (
+    BEHAVE,
+    alive,
+    finish,
+    node_env,
+    phalanx_cmd,
+    start,
+    wait_for_files,
+)
+from tests.harness import free_port
+
+pytestmark = pytest.mark.slow  # real launchers waiting out timeouts
+
+# A launcher that gives up is done within --rdzv-timeout plus this: its own start (Python,
+# the store helper importing torch) on a loaded 2-core machine, and its exit.
+SLACK_S = 6.0
+
+
+def test_a_node_missing_ends_the_launcher_within_the_rdzv_timeout(tmp_path):
+    """--nnodes 2 --rdzv-timeout 5, node 1 never started: node 0 says so and exits 1 within
+    5 s plus the slack (not 5 s plus --shutdown-timeout: no workers were running)."""
+    res = finish(start(phalanx_cmd("--nnodes", "2", "--node-rank", "0", "--master-addr",
+                                   "127.0.0.1", "--master-port", str(free_port()),
+                                   "--rdzv-timeout", "5", BEHAVE, "--record", str(tmp_path)),
+                       node_env()), timeout=60)
+    assert res.code == 1, res.err
+    assert "Only 1 of the 2 node(s) needed (--nnodes 2) were ready after 5 s" in res.err, res.err
+    assert res.seconds < 5 + SLACK_S, res.seconds
+    assert not (tmp_path / "attempts.log").exists()  # no worker ever started
+
+
+@pytest.mark.parametrize("leaving", [1, 0], ids=["node1-leaves", "node0-leaves"])
+def test_a_node_done_then_gone_is_not_lost(tmp_path, leaving):
+    """The leaving node's worker exits 0 at once, then its launcher is SIGKILLed; the other
+    node's worker, still running, is left alone and the other launcher exits 0 when it ends."""
+    staying, port = 1 - leaving, str(free_port())
+    sleep = {leaving: "0", staying: "8"}
+    procs = {n: start(phalanx_cmd("--nnodes", "2", "--node-rank", str(n), "--master-addr",
+                                  "127.0.0.1", "--master-port", port, "--rdzv-timeout", "30",
+                                  BEHAVE, "--record", str(tmp_path), "--sleep", sleep[n],
+                                  "--on-sigterm-exit", "3"), node_env())
+             for n in (0, 1)}
+    wait_for_files([tmp_path / "pid.0", tmp_path / "pid.1"])
+    gone = int((tmp_path / f"pid.{leaving}").read_text())
+    deadline = time.monotonic() + 30
+    while alive(gone) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # its launcher has reported its workers done (every --monitor-interval)
+    procs[leaving].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    res = finish(procs[staying], timeout=60)
+    finish(procs[leaving])
+    assert res.code == 0, res.err
+    assert not (tmp_path / f"signal.{staying}").exists(), res.err  # never stopped
+    assert f"worker {staying} done" in res.out, res.out
+    assert "meet again" not in res.err and "lost" not in res.err, res.err
+    assert time.monotonic() - killed < 8 + SLACK_S
