@@ -65,3 +65,29 @@ def test_a_node_done_then_gone_is_not_lost(tmp_path, leaving):
     assert f"worker {staying} done" in res.out, res.out
     assert "meet again" not in res.err and "lost" not in res.err, res.err
     assert time.monotonic() - killed < 8 + SLACK_S
+
+
+def test_the_store_moves_when_node_0s_launcher_is_killed(tmp_path):
+    """--nnodes 2:3 on loopback, 3 nodes: node 0's launcher (the store's host) is SIGKILLed;
+    nodes 1 and 2 stop their workers, meet at node 1 (the lowest surviving node) and run a
+    round at world size 2 that succeeds."""
+    port = str(free_port())
+    procs = [start(phalanx_cmd("--nnodes", "2:3", "--node-rank", str(n), "--master-addr",
+                               "127.0.0.1", "--master-port", port, "--rdzv-timeout", "30",
+                               "--shutdown-timeout", "3", BEHAVE, "--record", str(tmp_path),
+                               "--first-sleep", "60", "--sleep", "1", "--on-sigterm-exit", "0"),
+                   node_env()) for n in range(3)]
+    wait_for_files([tmp_path / f"pid.{r}" for r in range(3)])
+    procs[0].send_signal(signal.SIGKILL)
+    results = [finish(p, timeout=90) for p in procs[1:]]
+    finish(procs[0])
+    for res in results:
+        assert res.code == 0, res.err
+    assert "the store moves" in results[0].err, results[0].err
+    assert "node 1 (" in results[0].err and "hosts the store at 127.0.0.1:" in results[0].err
+    assert "the store moved to node 1" in results[1].err, results[1].err
+    for res in results:
+        assert "round 1: 2 node(s)" in res.err and "world size 2" in res.err, res.err
+    attempts = (tmp_path / "attempts.log").read_text().splitlines()
+    assert sorted(a for a in attempts if a.startswith("attempt 1")) == [
+        "attempt 1 rank 0", "attempt 1 rank 1"], attempts

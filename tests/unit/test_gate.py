@@ -117,7 +117,8 @@ def test_without_the_secret_nothing_is_read_or_written():
     gate = listen("127.0.0.1", 0)
     gate_port = gate.getsockname()[1]
     refusals, left = [], []
-    Gate(gate, KEY, lambda store: inner.connect(), left.append, refusals.append)
+    Gate(gate, KEY, lambda store: inner.connect(), lambda node, closed: left.append((node, closed)),
+         refusals.append)
     door = Door(listen("127.0.0.1", 0), lambda: [os.getpid()],
                 lambda: dial_gate("127.0.0.1", gate_port, KEY, "rdzv", "n1"), refusals.append, "d")
     wait_for_gate("127.0.0.1", gate_port, KEY, time.monotonic() + 10)
@@ -141,4 +142,4 @@ def test_without_the_secret_nothing_is_read_or_written():
     deadline = time.monotonic() + 10
     while not left and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert left == ["n1"]
+    assert left == [("n1", True)]  # closed by its end: exited, not unreachable

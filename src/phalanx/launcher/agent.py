@@ -42,9 +42,10 @@ from .config import STDERR, STDOUT, LaunchConfig
 from .console import Console
 from .environment import watchdog_note, worker_environ
 from .events import FORWARD_SIGNALS, STOP_SIGNALS, Pump, SignalInbox
-from .membership import Layout
+from .membership import Layout, StoreLost
 from .outcome import RoundEnd
 from .output import WorkerOutput, read_diagnosis, recorded_error, traceback_tail
+from .relocate import MovingBoard
 from .rendezvous import Interrupted, meet
 from .workers import Guardian, Worker, describe_exit, first_failure, shell_status, spawn
 
@@ -80,7 +81,10 @@ class Agent:
                 return self._ended_without_us(layout)
             self._begin(layout, changed)
             restarts, changed = layout.restarts, False
-            record, workers = self._round(layout.round)
+            try:
+                record, workers = self._round(layout.round)
+            except StoreLost as e:  # its host is lost: the next round meets where it moves
+                record, workers = RoundEnd("membership", detail=str(e)), []
             lost = self.board.lost_in(layout.round) if record.kind == "failed" else []
             if record.kind == "membership" or lost:
                 why = record.detail or f"{', '.join(lost)} lost ({record.who()} failed)"
@@ -398,6 +402,8 @@ def _leave(board, store) -> None:
     """Check out; node 0's store stays up (bounded) until the others have too, so that they
     learn how the job ended even once this launcher is gone."""
     board.check_out()
+    if isinstance(board, MovingBoard):
+        board = board.current
     if isinstance(board, LeaderBoard):
         try:
             store.linger(board.expected_check_outs())

@@ -17,15 +17,18 @@ from .config import LaunchConfig
 from .membership import (
     ACK_WAIT_S,
     CHECKED_OUT,
+    EXITED,
     GONE_COUNT,
     POLL_S,
     Layout,
+    MajorityLost,
     Node,
     Store,
     StoreLost,
     _key,
     gone_key,
     layout_for,
+    majority,
 )
 from .outcome import RoundEnd
 
@@ -248,7 +251,7 @@ class LeaderBoard(NodeBoard):
         self._open_store = open_store
         self._known: dict[str, Node] = {}
         self._seen = 0  # registrations reviewed
-        self._gone_seen, self._gone = -1, set()
+        self._gone_seen, self._gone = -1, {}  # id -> EXITED or UNREACHABLE
         self._problems: list[str] = []
         self._started = False
 
@@ -261,8 +264,24 @@ class LeaderBoard(NodeBoard):
         count = int(self._s.add(GONE_COUNT, 0))
         if count != self._gone_seen:  # one look at the counter; the marks only when it moved
             self._gone_seen = count
-            self._gone = {i for i in self._known if self._s.check([gone_key(i)])}
-        return self._gone
+            self._gone = {i: self._s.get(gone_key(i)).decode() for i in self._known
+                          if self._s.check([gone_key(i)])}
+        return set(self._gone)
+
+    def _voters(self, before: list[Node]) -> int:
+        """The last round's nodes that vote: all but those known to have exited."""
+        return sum(1 for n in before if self._gone.get(n.id) != EXITED)
+
+    def _lost_majority(self, before: list[Node], staying: list[Node]) -> None:
+        voters = self._voters(before)
+        away = [n.label() for n in before if n not in staying and self._gone.get(n.id) != EXITED]
+        message = (f"{self.me.label()} lost the majority: {len(staying)} of the last round's "
+                   f"{voters} node(s) that may still run ({', '.join(n.label() for n in staying)})"
+                   f" are here, more than half are needed to go on ({', '.join(away)} cannot be "
+                   f"reached). This side stops so that the job never runs twice (run id "
+                   f"{self.run_id}); the other side goes on if it holds the majority")
+        self.finish(RoundEnd("lost", detail=message))
+        raise MajorityLost(message)
 
     def _review(self) -> None:
         """Admit or refuse the launchers that registered since the last look."""
@@ -319,6 +338,8 @@ class LeaderBoard(NodeBoard):
             newcomers = sorted((n for n in self._known.values()
                                 if n.id not in gone and n.id not in ids), key=Node.order)
             ready = [n for n in staying if n not in unready] + newcomers
+            if before and not majority(len(staying), self._voters(before)):
+                self._lost_majority(before, staying)
             if not unready and len(ready) >= self._config.min_nnodes:
                 if before or len(ready) >= self._config.nnodes:
                     last_call = time.monotonic()  # only the first round waits for latecomers
