@@ -34,9 +34,10 @@ import time
 from dataclasses import replace
 from typing import Any, Callable
 
-from ..gate.listen import DEAD_PEER_S, listen, resolve
+from ..gate.listen import DEAD_PEER_S, resolve
+from ..errors import RendezvousError
 from ..gate.handshake import Refused
-from ..gate.relay import wait_for_gate
+from ..gate.relay import dial_gate, wait_for_gate
 from .board import LeaderBoard, NodeBoard
 from .config import LaunchConfig
 from .membership import Layout, Node, Store, StoreLost
@@ -59,15 +60,22 @@ def route_address(host: str, port: int) -> str:
 
 
 def bind_standby(config: LaunchConfig) -> socket.socket:
-    """A listener on the address this node reaches the master from, at ``--master-port``
-    when free there, else at a free port: the gate it serves if it becomes the host."""
-    addr = route_address(config.master_addr, config.master_port)
+    """A socket bound, not listening yet, to the address this node reaches the master from,
+    at ``--master-port`` when free there, else at a free port: the gate it serves if it
+    becomes the host. Until then a connection to it is refused at once."""
+    family, sockaddr = resolve(route_address(config.master_addr, config.master_port),
+                               config.master_port)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    # as phalanx.gate.listen's: a port whose earlier connections linger in TIME_WAIT is free
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        return listen(addr, config.master_port)
+        sock.bind(sockaddr)
     except OSError as e:
-        if e.errno != errno.EADDRINUSE:  # several nodes on one machine (loopback tests)
+        if e.errno != errno.EADDRINUSE:  # several nodes on one machine: node 0 listens there
+            sock.close()
             raise
-        return listen(addr, 0)
+        sock.bind((sockaddr[0], 0, *sockaddr[2:]))
+    return sock
 
 
 def refuses(node: Node) -> bool:
@@ -89,25 +97,27 @@ def running_at(config: LaunchConfig, interrupted: Callable[[], None]) -> tuple[s
     if len(config.rdzv_endpoints) < 2:
         return None
     for host, port in config.rdzv_endpoints:
+        interrupted()
         try:
-            wait_for_gate(host, port, config.job_secret.encode(), time.monotonic(), interrupted)
-        except (TimeoutError, Refused):  # nothing there, a standby gate, or another job's
+            dial_gate(host, port, config.job_secret.encode(), "probe", timeout=_PROBE_S).close()
+        except (OSError, Refused):  # nothing there, a standby gate, or another job's
             continue
         return host, port
     return None
 
 
 class MovedBoard(LeaderBoard):
-    """The board of a launcher that became the host after ``lost`` was lost: it leads the
-    survivors of the ``last`` round's nodes. Those that did not register ``wait_s`` after it
-    started are taken as unreachable."""
+    """The board of a launcher that became the host: it leads the ``last`` round's nodes but
+    those ``away`` (lost hosts and candidates that did not answer: id -> whether it is known
+    to have exited, which takes away its vote). Those that did not register ``wait_s`` after
+    it started are taken as unreachable."""
 
-    def __init__(self, *args, run_id: str, last: list[Node], lost: Node, lost_exited: bool,
+    def __init__(self, *args, run_id: str, last: list[Node], away: dict[str, bool],
                  wait_s: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.run_id = run_id
-        self.members = [replace(n, leader=n.id == self.me.id) for n in last if n.id != lost.id]
-        self._lost_votes = 0 if lost_exited else 1
+        self.members = [replace(n, leader=n.id == self.me.id) for n in last if n.id not in away]
+        self._away_votes = sum(1 for exited in away.values() if not exited)
         self._absent_after = time.monotonic() + wait_s
 
     def start(self) -> None:
@@ -121,7 +131,7 @@ class MovedBoard(LeaderBoard):
         return gone | {n.id for n in self.members if n.id not in self._known}
 
     def _voters(self, before: list[Node]) -> int:
-        return super()._voters(before) + self._lost_votes
+        return super()._voters(before) + self._away_votes
 
 
 class Mover:
@@ -141,7 +151,9 @@ class Mover:
         self._config, self._standby = config, standby
         self._start_store, self._client = start_store, client
         self._raise_if, self._note = interrupted, note
-        self.failed: set[str] = set()  # hosts lost, and candidates that did not answer
+        # hosts lost and candidates that did not answer, since the last round opened: id ->
+        # whether it is known to have exited
+        self.failed: dict[str, bool] = {}
 
     def reach_s(self) -> float:
         """How long a candidate may take to answer at its address (see :data:`_START_S`)."""
@@ -151,47 +163,51 @@ class Mover:
              run_id: str) -> tuple[NodeBoard, Any, Node]:
         """This node's board and store helper once the store has moved from ``host`` (lost),
         and the new host."""
-        self.failed.add(host.id)
         if host.id == me.id:  # its own store helper stopped: nothing to move to
             raise lost
-        exited = refuses(host)
+        exited = self.failed[host.id] = refuses(host)
         self._note(f"{lost}: {host.label()} {'exited' if exited else 'cannot be reached'}; "
                    "the store moves to the first of the last round's other nodes that answers")
         candidates = [n for n in last if n.id not in self.failed]
         for position, candidate in enumerate(candidates):
             self._raise_if()
             if candidate.id == me.id:
-                return (*self._host_here(me, last, host, exited, run_id, position), me)
+                return (*self._host_here(me, last, run_id, position), me)
             where = f"{candidate.addr}:{candidate.port}"
             if self._answers(candidate):
                 self._note(f"the store moved to {candidate.label()} at {where}")
                 return (*self._join(me, candidate), candidate)
             self._note(f"{candidate.label()} did not answer at {where} within "
                        f"{self.reach_s():g} s: passed over")
-            self.failed.add(candidate.id)
+            self.failed[candidate.id] = False
         raise lost  # not reached: this node is one of the candidates
 
     def _answers(self, node: Node) -> bool:
         try:
             wait_for_gate(node.addr, node.port, self._config.job_secret.encode(),
                           time.monotonic() + self.reach_s(), self._raise_if)
-        except TimeoutError:
+        except (TimeoutError, Refused):  # silent, or another job's gate
             return False
         return True
 
-    def _host_here(self, me: Node, last: list[Node], lost: Node, exited: bool, run_id: str,
+    def _host_here(self, me: Node, last: list[Node], run_id: str,
                    position: int) -> tuple[NodeBoard, Any]:
-        if self._standby is None:
-            raise StoreLost(f"{me.label()} has no standby gate to host the store on")
         where = f"{me.addr}:{me.port}"
+        if self._standby is None:  # node 0 hosts from the start; no node hosts twice
+            raise RendezvousError(f"{me.label()} has no standby gate to host the store on")
+        try:
+            self._standby.listen(socket.SOMAXCONN)  # every worker of every node may connect
+        except OSError as e:
+            raise RendezvousError(f"{me.label()} cannot listen at {where} to host the store "
+                                  f"({e.strerror})") from None
         self._note(f"{me.label()} hosts the store at {where} from now on")
         store = self._start_store("host", {"gate": self._standby}, [me.addr, me.port])
         self._standby = None
         # the others may each try the candidates before this one first
         board = MovedBoard(self._client(store, where), replace(me, leader=True), self._config,
                            self._raise_if, store.ports["workers_door"], self._note,
-                           open_store=store.open_round, run_id=run_id, last=last, lost=lost,
-                           lost_exited=exited, wait_s=(position + 1) * self.reach_s())
+                           open_store=store.open_round, run_id=run_id, last=last,
+                           away=dict(self.failed), wait_s=(position + 1) * self.reach_s())
         board.start()
         return board, store
 
