@@ -151,6 +151,9 @@ def test_a_job_cut_1_plus_2_only_the_side_of_2_trains_on(tmp_path):
         assert res.code == 0, res.err
         assert "round 1: 2 node(s)" in res.err, res.err
     assert alone.code == 1, alone.err
+    # it notices, stops its workers, finds node 0 silent (one probe) and gives node 1 its time
+    reach = DEAD_PEER_S + SHUTDOWN_S + 5
+    assert stopped < DEAD_PEER_S + SHUTDOWN_S + 2 + reach + 10, stopped
     assert "node 2 (" in alone.err and "lost the majority" in alone.err, alone.err
     # rank 2 was node 2's worker in round 0; rounds after the cut have ranks 0 and 1 only
     assert {f[1] for f in (line.split() for line in

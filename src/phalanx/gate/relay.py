@@ -38,8 +38,9 @@ Report = Callable[[str], None]
 
 def splice(a: socket.socket, b: socket.socket) -> bool:
     """Copy bytes between ``a`` and ``b`` until either closes or fails; then close both.
-    Returns True when a side closed (end of file), False when one failed (reset, or
-    unanswered: a peer dropped by keepalive)."""
+    Returns True when the other end's machine ended it (end of file, or a reset: its process
+    is gone, its machine is up), False when it was dropped unanswered (TCP keepalive or the
+    user timeout: a dead machine, or a cut network)."""
     try:
         while True:
             readable, _, _ = select.select([a, b], [], [])
@@ -48,6 +49,8 @@ def splice(a: socket.socket, b: socket.socket) -> bool:
                 if not data:
                     return True
                 (b if source is a else a).sendall(data)
+    except (ConnectionResetError, BrokenPipeError):
+        return True
     except OSError:
         return False
     finally:

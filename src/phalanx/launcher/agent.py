@@ -7,7 +7,8 @@ A *round* is one attempt of the whole group. It ends with the first of
 * a stop signal (SIGINT, SIGTERM, SIGHUP, SIGQUIT) reaching a launcher: ``signal``;
 * every worker of every node exiting 0: ``succeeded``.
 
-* on several nodes, node 0 seeing a node leave, or a newcomer waiting for a place:
+* on several nodes, node 0 seeing a node leave, or a newcomer waiting for a place, or the
+  store's host lost (the next round meets where the store moves, :mod:`.relocate`):
   ``membership``.
 
 The first ending published wins and every node acts on it: workers still running get SIGTERM

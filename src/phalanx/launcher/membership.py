@@ -1,6 +1,7 @@
 """Several nodes: who takes part in each round, and how each round ended.
 
-Node 0's launcher (the *leader*, which hosts the launchers' store) decides; the others
+Node 0's launcher (the *leader*, which hosts the launchers' store; once node 0 is lost, the
+node the store moved to, :mod:`phalanx.launcher.relocate`) decides; the others
 (*followers*) register and do as the store says. Everything goes through torch's
 ``TCPStore`` (``add``, ``set``, ``get``, ``check``, ``compare_set``); the keys:
 
@@ -9,7 +10,8 @@ Node 0's launcher (the *leader*, which hosts the launchers' store) decides; the 
 ``refused/ID``             why the leader refused launcher ID (a node rank taken, other options);
 ``refused/ID/read``        ID has read it (a leader refusing other options waits for it, 5 s at most).
 ``gone``, ``gone/ID``      written by node 0's gate when launcher ID's connection ends: ``exited``
-                           (closed by its end: the launcher exited or died, its machine is up)
+                           (closed or reset by its end: the launcher exited or died, its
+                           machine is up)
                            or ``unreachable`` (dropped by TCP keepalive within ~11 s: a dead
                            machine, or a cut network).
 ``roundR/ready/ID``        launcher ID stopped the workers of the round before R.

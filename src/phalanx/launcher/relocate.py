@@ -140,9 +140,11 @@ class Mover:
     Args:
         config: the launch request.
         standby: this node's standby gate (``None`` on node 0, whose gate is in use).
-        parts: ``(start_store, client, interrupted, note)``: starts a
-            :class:`~phalanx.launcher.rendezvous.StoreHost`; connects a launchers' store
-            client to its door; raises on a stop signal; prints a launcher note.
+        start_store: ``(role, sockets, upstream)`` -> a new
+            :class:`~phalanx.launcher.rendezvous.StoreHost`.
+        client: ``(store_host, where)`` -> the launchers' store through its door.
+        interrupted: raises once a stop signal has arrived.
+        note: prints a launcher's note.
     """
 
     def __init__(self, config: LaunchConfig, standby: socket.socket | None,
