@@ -168,8 +168,8 @@ class Mover:
         if host.id == me.id:  # its own store helper stopped: nothing to move to
             raise lost
         exited = self.failed[host.id] = refuses(host)
-        self._note(f"{lost}: {host.label()} {'exited' if exited else 'cannot be reached'}; "
-                   "the store moves to the first of the last round's other nodes that answers")
+        self._note(f"the store's host, {host.label()}, {'exited' if exited else 'cannot be reached'}"
+                   "; the store moves to the first of the last round's other nodes that answers")
         candidates = [n for n in last if n.id not in self.failed]
         for position, candidate in enumerate(candidates):
             self._raise_if()
