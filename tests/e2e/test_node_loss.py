@@ -91,3 +91,24 @@ def test_the_store_moves_when_node_0s_launcher_is_killed(tmp_path):
     attempts = (tmp_path / "attempts.log").read_text().splitlines()
     assert sorted(a for a in attempts if a.startswith("attempt 1")) == [
         "attempt 1 rank 0", "attempt 1 rank 1"], attempts
+
+
+def test_two_nodes_the_host_exits_the_other_goes_on_alone(tmp_path):
+    """--nnodes 1:2: node 0's launcher is SIGKILLed. Its address then refuses connections (its
+    machine is up, its launcher gone): it exited, and does not vote, so node 1 alone is the
+    majority of the one node left that may still run; it hosts the store and goes on."""
+    port = str(free_port())
+    procs = [start(phalanx_cmd("--nnodes", "1:2", "--node-rank", str(n), "--master-addr",
+                               "127.0.0.1", "--master-port", port, "--rdzv-timeout", "30",
+                               "--rdzv-conf", "last_call_timeout=20", "--shutdown-timeout", "3",
+                               BEHAVE, "--record", str(tmp_path), "--first-sleep", "60",
+                               "--sleep", "1", "--on-sigterm-exit", "0"), node_env())
+             for n in range(2)]
+    wait_for_files([tmp_path / f"pid.{r}" for r in range(2)])
+    procs[0].send_signal(signal.SIGKILL)
+    res = finish(procs[1], timeout=90)
+    finish(procs[0])
+    assert res.code == 0, res.err
+    assert "the store's host, node 0 (" in res.err and "exited; the store moves" in res.err
+    assert "round 1: 1 node(s)" in res.err and "world size 1" in res.err, res.err
+    assert "lost the majority" not in res.err

@@ -14,6 +14,7 @@ every epoch is 8 steps whatever the world size.
 from __future__ import annotations
 
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -118,7 +119,9 @@ def test_the_store_host_cut_off_stops_and_rejoins_when_started_again(tmp_path):
         _wait_for(lambda: _steps_of(ckpt, 2), "a step of round 2 (node 0 back)", 240)
         results = [finish(p, timeout=240) for p in job.procs]
     assert cut_off.code == 1, cut_off.err
-    assert "node 0 (" in cut_off.err and "lost the majority" in cut_off.err, cut_off.err
+    host = socket.gethostname()
+    assert "node 0 (" in cut_off.err and "lost the majority: 1 of the last round's 3" in cut_off.err
+    assert f"node 1 ({host}), node 2 ({host}) cannot be reached" in cut_off.err, cut_off.err
     assert stopped < DEAD_PEER_S + SHUTDOWN_S + 10, stopped
     for res in results:
         assert res.code == 0, res.err
@@ -154,7 +157,9 @@ def test_a_job_cut_1_plus_2_only_the_side_of_2_trains_on(tmp_path):
     # it notices, stops its workers, finds node 0 silent (one probe) and gives node 1 its time
     reach = DEAD_PEER_S + SHUTDOWN_S + 5
     assert stopped < DEAD_PEER_S + SHUTDOWN_S + 2 + reach + 10, stopped
-    assert "node 2 (" in alone.err and "lost the majority" in alone.err, alone.err
+    assert "node 2 (" in alone.err and "lost the majority: 1 of the last round's 3" in alone.err
+    host = socket.gethostname()  # the namespaces share it
+    assert f"node 0 ({host}), node 1 ({host}) cannot be reached" in alone.err, alone.err
     # rank 2 was node 2's worker in round 0; rounds after the cut have ranks 0 and 1 only
     assert {f[1] for f in (line.split() for line in
                            (ckpt / "samples.rank2.log").read_text().splitlines())} == {"0"}

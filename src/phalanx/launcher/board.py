@@ -272,9 +272,12 @@ class LeaderBoard(NodeBoard):
         """The last round's nodes that vote: all but those known to have exited."""
         return sum(1 for n in before if self._gone.get(n.id) != EXITED)
 
+    def _silent(self, before: list[Node], staying: list[Node]) -> list[str]:
+        """The last round's nodes that vote and are not here."""
+        return [n.label() for n in before if n not in staying and self._gone.get(n.id) != EXITED]
+
     def _lost_majority(self, before: list[Node], staying: list[Node]) -> None:
-        voters = self._voters(before)
-        away = [n.label() for n in before if n not in staying and self._gone.get(n.id) != EXITED]
+        voters, away = self._voters(before), self._silent(before, staying)
         message = (f"{self.me.label()} lost the majority: {len(staying)} of the last round's "
                    f"{voters} node(s) that may still run ({', '.join(n.label() for n in staying)})"
                    f" are here, more than half are needed to go on ({', '.join(away)} cannot be "

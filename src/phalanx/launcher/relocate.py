@@ -117,7 +117,7 @@ class MovedBoard(LeaderBoard):
         super().__init__(*args, **kwargs)
         self.run_id = run_id
         self.members = [replace(n, leader=n.id == self.me.id) for n in last if n.id not in away]
-        self._away_votes = sum(1 for exited in away.values() if not exited)
+        self._away = [n.label() for n in last if n.id in away and not away[n.id]]  # they vote
         self._absent_after = time.monotonic() + wait_s
 
     def start(self) -> None:
@@ -131,7 +131,10 @@ class MovedBoard(LeaderBoard):
         return gone | {n.id for n in self.members if n.id not in self._known}
 
     def _voters(self, before: list[Node]) -> int:
-        return super()._voters(before) + self._away_votes
+        return super()._voters(before) + len(self._away)
+
+    def _silent(self, before: list[Node], staying: list[Node]) -> list[str]:
+        return self._away + super()._silent(before, staying)
 
 
 class Mover:
