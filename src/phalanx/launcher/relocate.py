@@ -20,9 +20,14 @@ fresh launchers' store behind it. A candidate that is another node is given
 **The vote.** The new host opens the next round as node 0 did, once more than half of the
 last round's nodes are with it; the lost host does not vote when it is known to have exited
 (its address refuses connections: the machine is up, the launcher gone), nor does any node
-whose connection its machine closed. Nodes that did not come within the time they may take
-to get there count as unreachable. A side without the majority stops with
+whose connection its machine closed. Candidates passed over, and nodes that did not come
+within the time they may take to get there, count as unreachable (they vote, and are not
+there). A side without the majority stops with
 :class:`~phalanx.launcher.membership.MajorityLost`: no second job runs under the job's id.
+
+**Coming back.** A launcher given several ``--rdzv-endpoint`` s asks each, before anything
+else, whether a gate of this job answers there (:func:`running_at`), and joins the first that
+does: a restarted node 0 finds the job where the store moved.
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ import time
 from dataclasses import replace
 from typing import Any, Callable
 
-from ..gate.listen import DEAD_PEER_S, resolve
 from ..errors import RendezvousError
 from ..gate.handshake import Refused
+from ..gate.listen import DEAD_PEER_S, resolve
 from ..gate.relay import dial_gate, wait_for_gate
 from .board import LeaderBoard, NodeBoard
 from .config import LaunchConfig
