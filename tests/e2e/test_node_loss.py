@@ -1,5 +1,6 @@
 """Launchers of several nodes on loopback that fail, or finish, or leave: each ends in time and
-with the right status (issue 23's two failures found in the same paths)."""
+with the right status (issue 23's two failures found in the same paths); and the store's
+host lost, on loopback (the network cases, cut links included, are in test_store_moves.py)."""
 
 from __future__ import annotations
 
