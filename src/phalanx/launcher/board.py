@@ -1,8 +1,8 @@
 """The nodes' board: the verbs the agent uses to meet the other nodes round after round.
 
-:class:`LocalBoard` is one node alone (no store). :class:`NodeBoard` is a follower of
-several nodes, :class:`LeaderBoard` node 0, which decides; the protocol and its keys are in
-:mod:`phalanx.launcher.membership`.
+:class:`NodeBoard` is a follower of several nodes, :class:`LeaderBoard` node 0, which
+decides; the protocol and its keys are in :mod:`phalanx.launcher.membership`. One node alone
+has :class:`phalanx.launcher.localboard.LocalBoard`.
 """
 
 from __future__ import annotations
@@ -35,56 +35,6 @@ from .outcome import RoundEnd
 Interrupted = Callable[[], None]  # raises when a stop signal has arrived
 # How long node 0, refusing a launcher started with other options, waits for it to read why.
 REFUSAL_READ_S = 5.0
-
-
-class LocalBoard:
-    """One node: rounds follow each other, how each ended is kept in memory."""
-
-    multi = False
-
-    def __init__(self, layout: Layout) -> None:
-        self._first = layout
-        self._ends: dict[int, RoundEnd] = {}
-        self._done: set[int] = set()
-
-    def start(self) -> None:
-        """Nobody to meet."""
-
-    def next_round(self, previous: Layout | None, restarts: int) -> Layout:
-        if previous is None:
-            return self._first
-        return replace(previous, round=previous.round + 1, restarts=restarts)
-
-    def membership(self, round_: int) -> RoundEnd | None:
-        return None
-
-    def acknowledge(self, round_: int) -> None:
-        """Nobody to tell."""
-
-    def lost_in(self, round_: int) -> list[str]:
-        return []
-
-    def publish_end(self, round_: int, record: RoundEnd) -> RoundEnd:
-        """Record how ``round_`` ended unless it already is; return the record that stands."""
-        return self._ends.setdefault(round_, record)
-
-    def end_record(self, round_: int) -> RoundEnd | None:
-        return self._ends.get(round_)
-
-    def report_done(self, round_: int) -> None:
-        self._done.add(round_)
-
-    def all_done(self, round_: int) -> bool:
-        return round_ in self._done
-
-    def finish(self, record: RoundEnd) -> None:
-        """Nobody waits outside a round."""
-
-    def check_out(self) -> None:
-        """Nothing to tell anyone."""
-
-    def close(self) -> None:
-        """Nothing to release."""
 
 
 class NodeBoard:

@@ -36,8 +36,9 @@ from ..gate.handshake import Refused
 from ..gate.listen import LOOPBACK, listen
 from ..gate.relay import wait_for_gate
 from ..gate.secret import HOW_TO_MAKE
-from .board import LeaderBoard, LocalBoard, NodeBoard
+from .board import LeaderBoard, NodeBoard
 from .config import LaunchConfig
+from .localboard import LocalBoard
 from .membership import Layout, Node, Store
 from .relocate import CurrentStore, Mover, MovingBoard, bind_standby, running_at
 from .workers import Guardian, describe_exit, start_tied
