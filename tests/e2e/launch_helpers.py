@@ -158,3 +158,51 @@ def tree_listeners(pid: int) -> list[tuple[int, str, int]]:
         except psutil.NoSuchProcess:
             continue
     return found
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode:
+        raise netns.NamespaceError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}", False)
+
+
+@contextlib.contextmanager
+def bridged_namespaces(count: int):
+    """``count`` network namespaces ("machines") on one bridge, which lives in a namespace
+    of its own: ``(ns, interface, address)`` for each; skips without root. Cut a machine off
+    with :func:`set_link`."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and the `ip` command")
+    tag = os.getpid() % 100000  # names are short: interfaces have 15 characters at most
+    hub = f"phxh{tag}"
+    nodes = [(f"phx{tag}n{i}", f"vphx{tag}n{i}", f"10.214.0.{i + 1}") for i in range(count)]
+    created: list[str] = []
+    try:
+        for ns in [hub, *(n for n, _, _ in nodes)]:
+            _ip("netns", "add", ns)
+            created.append(ns)
+        _ip("-n", hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", hub, "link", "set", "br0", "up")
+        for i, (ns, dev, addr) in enumerate(nodes):
+            port = f"hphx{tag}n{i}"
+            _ip("link", "add", dev, "type", "veth", "peer", "name", port)
+            _ip("link", "set", dev, "netns", ns)
+            _ip("link", "set", port, "netns", hub)
+            _ip("-n", hub, "link", "set", port, "master", "br0")
+            _ip("-n", hub, "link", "set", port, "up")
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield nodes
+    except netns.NamespaceError as e:
+        if not created:
+            pytest.skip(f"cannot create a network namespace: {e}")
+        raise
+    finally:
+        for ns in created:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def set_link(ns: str, dev: str, state: str) -> None:
+    """``ip link set DEV up|down`` in ``ns``: down cuts that machine off (no FIN, no RST)."""
+    _ip("-n", ns, "link", "set", dev, state)

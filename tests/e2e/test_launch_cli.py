@@ -135,6 +135,9 @@ def test_bad_input_exits_2_with_a_clear_message(capsys, argv, message):
     (["--nnodes", "2", "--rdzv-endpoint", "h:1"], {"node_rank": 0}),  # static: --node-rank 0
     (["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0"], {"standalone": True}),  # = --standalone
     (["--rdzv-backend", "c10d", "--rdzv-endpoint", "node0"], {"master_addr": "node0", "master_port": 29400}),
+    (["--nnodes", "2:3", "--rdzv-endpoint", "a:5,b:6, [::1]:7"],  # where a job may have moved
+     {"master_addr": "a", "master_port": 5, "rdzv_endpoints": (("a", 5), ("b", 6), ("[::1]", 7))}),
+    (["--rdzv-endpoint", "a:5"], {"rdzv_endpoints": ()}),
     (["--rdzv-endpoint", "[::1]:5", "--rdzv-conf", "join_timeout=900"],
      {"master_addr": "[::1]", "master_port": 5, "rdzv_timeout": 900}),
     (["--nnodes", "1:1", "--rdzv-backend", "static"], {"nnodes": 1}),
@@ -156,6 +159,9 @@ def test_torchruns_options_with_torchruns_meaning(secret, argv, expected):
                                     "rendezvous is a TCPStore hosted by node 0's launcher"),
     (["--rdzv-endpoint", "h:1", "--master-port", "2"], "--rdzv-endpoint names node 0's address"),
     (["--rdzv-endpoint", "h"], "--rdzv-endpoint 'h' has no port"),
+    (["--rdzv-endpoint", "h:1,g"], "--rdzv-endpoint 'g' has no port"),
+    (["--rdzv-endpoint", "h:1,,g:2"], "Invalid --rdzv-endpoint '': expected HOST:PORT"),
+    (["--rdzv-endpoint", "h:1,g:70000"], "Invalid --rdzv-endpoint g:70000: expected a port in [1, 65535]"),
     (["--rdzv-conf", "read_timeout=5"], "--rdzv-conf read_timeout: not supported"),
     (["--rdzv-conf", "timeout=5", "--rdzv-timeout", "3"], "say the same: give one"),
     (["--local-addr", "10.0.0.2"], "torchrun's --local-addr is not supported: phalanx needs no "

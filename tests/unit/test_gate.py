@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from phalanx.gate import handshake, peers
 from phalanx.gate.inner import InnerStore
 from phalanx.gate.listen import listen
-from phalanx.gate.relay import Door, Gate, dial_gate, wait_for_gate
+from phalanx.gate.relay import Door, Gate, dial_gate, splice, wait_for_gate
 from phalanx.gate.secret import check_secret, read_secret_file
 
 KEY = b"unit-test-secret-0123456789"
@@ -117,7 +118,8 @@ def test_without_the_secret_nothing_is_read_or_written():
     gate = listen("127.0.0.1", 0)
     gate_port = gate.getsockname()[1]
     refusals, left = [], []
-    Gate(gate, KEY, lambda store: inner.connect(), left.append, refusals.append)
+    Gate(gate, KEY, lambda store: inner.connect(), lambda node, closed: left.append((node, closed)),
+         refusals.append)
     door = Door(listen("127.0.0.1", 0), lambda: [os.getpid()],
                 lambda: dial_gate("127.0.0.1", gate_port, KEY, "rdzv", "n1"), refusals.append, "d")
     wait_for_gate("127.0.0.1", gate_port, KEY, time.monotonic() + 10)
@@ -141,4 +143,31 @@ def test_without_the_secret_nothing_is_read_or_written():
     deadline = time.monotonic() + 10
     while not left and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert left == ["n1"]
+    assert left == [("n1", True)]  # closed by its end: exited, not unreachable
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with listen("127.0.0.1", 0) as server:
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+    return client, accepted
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+def test_splice_says_the_other_end_ended_it(how):
+    """A peer that closes (FIN) or resets (RST: its process is gone, its machine answers)
+    ended the connection itself: True, which the gate reports as ``exited``, not as
+    ``unreachable`` (a silent peer dropped by keepalive, which the network tests cut)."""
+    remote, near = _tcp_pair()
+    store, far = _tcp_pair()
+    result = []
+    thread = threading.Thread(target=lambda: result.append(splice(near, store)))
+    thread.start()
+    remote.sendall(b"x")
+    assert far.recv(1) == b"x"
+    if how == "reset":  # linger on, for 0 s: close sends a reset
+        remote.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    remote.close()
+    thread.join(10)
+    assert result == [True]
+    far.close()

@@ -70,9 +70,10 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     add("--rdzv-backend", "--rdzv_backend", default=None, metavar="static|c10d",
         help="both mean node 0 hosts the store at --rdzv-endpoint (or --master-addr/port); "
              "with c10d, nodes without --node-rank are numbered as they join")
-    add("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST[:PORT]",
+    add("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST[:PORT][,HOST:PORT...]",
         help=f"node 0's address and port, as --master-addr/--master-port (c10d's port "
-             f"{C10D_DEFAULT_PORT} when none is given)")
+             f"{C10D_DEFAULT_PORT} when none is given); a list: where a launcher started "
+             "while its job runs looks for it (the store moves when node 0 is lost)")
     add("--rdzv-conf", "--rdzv_conf", default=None, metavar="KEY=VALUE,...",
         help="join_timeout=S or timeout=S: as --rdzv-timeout S; last_call_timeout=S: elastic's "
              "wait for more nodes; other keys are refused")
@@ -171,10 +172,13 @@ def rendezvous(args: argparse.Namespace) -> dict[str, Any]:
             "--rdzv-endpoint names node 0's address and port: give it alone, without "
             "--master-addr/--master-port or --standalone"
         )
-    host, port = _endpoint(args.rdzv_endpoint, C10D_DEFAULT_PORT if backend == "c10d" else None)
+    default = C10D_DEFAULT_PORT if backend == "c10d" else None
+    endpoints = [_endpoint(spec, default) for spec in args.rdzv_endpoint.split(",")]
+    host, port = endpoints[0]
     if port == 0 and parse_nnodes(args.nnodes) == (1, 1):  # torchrun's --standalone is c10d on localhost:0
         return {**out, "standalone": True}
-    return {**out, "master_addr": host, "master_port": port}
+    more = {"rdzv_endpoints": tuple(endpoints)} if len(endpoints) > 1 else {}
+    return {**out, "master_addr": host, "master_port": port, **more}
 
 
 def _endpoint(spec: str, default_port: int | None) -> tuple[str, int]:

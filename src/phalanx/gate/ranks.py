@@ -46,7 +46,7 @@ def host_gated(host: str, port: int, key: bytes, timeout: timedelta, warn) -> An
     gate = listen(host, port)
     inner = InnerStore(timeout.total_seconds(), warn)
     refused = lambda message: warn(f"rank 0's store gate {message}")  # noqa: E731
-    Gate(gate, key, lambda store: inner.connect(), lambda node: None, refused)
+    Gate(gate, key, lambda store: inner.connect(), lambda node, closed: None, refused)
     # the gate's and the door's threads keep the inner store alive
     return _through_own_door(inner.connect, timeout, warn)
 

@@ -36,18 +36,23 @@ _CONNECT_TRY_S, _CONNECT_TRY_MIN_S = 2.0, 0.1
 Report = Callable[[str], None]
 
 
-def splice(a: socket.socket, b: socket.socket) -> None:
-    """Copy bytes between ``a`` and ``b`` until either closes or fails; then close both."""
+def splice(a: socket.socket, b: socket.socket) -> bool:
+    """Copy bytes between ``a`` and ``b`` until either closes or fails; then close both.
+    Returns True when the other end's machine ended it (end of file, or a reset: its process
+    is gone, its machine is up), False when it was dropped unanswered (TCP keepalive or the
+    user timeout: a dead machine, or a cut network)."""
     try:
         while True:
             readable, _, _ = select.select([a, b], [], [])
             for source in readable:
                 data = source.recv(_CHUNK)
                 if not data:
-                    return
+                    return True
                 (b if source is a else a).sendall(data)
+    except (ConnectionResetError, BrokenPipeError):
+        return True
     except OSError:
-        return
+        return False
     finally:
         a.close()
         b.close()
@@ -99,10 +104,12 @@ class Door:
 class Gate:
     """Lets in connections that prove the job secret; ``route(store)`` gives the store
     connection to splice each to. When the last ``rdzv`` connection of a node closes,
-    ``on_leave(node)`` is called: that node's launcher is gone (or done)."""
+    ``on_leave(node, closed)`` is called: that node's launcher is gone (or done); ``closed``:
+    its connection was closed by the other end (its launcher exited), not dropped as
+    unreachable (see :func:`splice`)."""
 
     def __init__(self, listener: socket.socket, key: bytes,
-                 route: Callable[[str], socket.socket], on_leave: Callable[[str], None],
+                 route: Callable[[str], socket.socket], on_leave: Callable[[str, bool], None],
                  report: Report) -> None:
         self._key, self._route, self._on_leave, self._report = key, route, on_leave, report
         self._lock = threading.Lock()
@@ -134,15 +141,16 @@ class Gate:
         if tracked:
             with self._lock:
                 self._open[node] = self._open.get(node, 0) + 1
+        closed = False
         try:
-            splice(conn, self._route(store))
+            closed = splice(conn, self._route(store))
         finally:
             if tracked:
                 with self._lock:
                     self._open[node] -= 1
                     last = self._open[node] == 0
                 if last:
-                    self._on_leave(node)
+                    self._on_leave(node, closed)
 
 
 def dial_gate(host: str, port: int, key: bytes, store: str, node: str = "-",

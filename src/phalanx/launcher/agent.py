@@ -7,7 +7,8 @@ A *round* is one attempt of the whole group. It ends with the first of
 * a stop signal (SIGINT, SIGTERM, SIGHUP, SIGQUIT) reaching a launcher: ``signal``;
 * every worker of every node exiting 0: ``succeeded``.
 
-* on several nodes, node 0 seeing a node leave, or a newcomer waiting for a place:
+* on several nodes, node 0 seeing a node leave, or a newcomer waiting for a place, or the
+  store's host lost (the next round meets where the store moves, :mod:`.relocate`):
   ``membership``.
 
 The first ending published wins and every node acts on it: workers still running get SIGTERM
@@ -42,9 +43,10 @@ from .config import STDERR, STDOUT, LaunchConfig
 from .console import Console
 from .environment import watchdog_note, worker_environ
 from .events import FORWARD_SIGNALS, STOP_SIGNALS, Pump, SignalInbox
-from .membership import Layout
+from .membership import Layout, StoreLost
 from .outcome import RoundEnd
 from .output import WorkerOutput, read_diagnosis, recorded_error, traceback_tail
+from .relocate import MovingBoard
 from .rendezvous import Interrupted, meet
 from .workers import Guardian, Worker, describe_exit, first_failure, shell_status, spawn
 
@@ -80,7 +82,10 @@ class Agent:
                 return self._ended_without_us(layout)
             self._begin(layout, changed)
             restarts, changed = layout.restarts, False
-            record, workers = self._round(layout.round)
+            try:
+                record, workers = self._round(layout.round)
+            except StoreLost as e:  # its host is lost: the next round meets where it moves
+                record, workers = RoundEnd("membership", detail=str(e)), []
             lost = self.board.lost_in(layout.round) if record.kind == "failed" else []
             if record.kind == "membership" or lost:
                 why = record.detail or f"{', '.join(lost)} lost ({record.who()} failed)"
@@ -413,6 +418,8 @@ def _leave(board, store) -> None:
     """Check out; node 0's store stays up (bounded) until the others have too, so that they
     learn how the job ended even once this launcher is gone."""
     board.check_out()
+    if isinstance(board, MovingBoard):
+        board = board.current
     if isinstance(board, LeaderBoard):
         try:
             store.linger(board.expected_check_outs())

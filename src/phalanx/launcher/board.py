@@ -1,8 +1,8 @@
 """The nodes' board: the verbs the agent uses to meet the other nodes round after round.
 
-:class:`LocalBoard` is one node alone (no store). :class:`NodeBoard` is a follower of
-several nodes, :class:`LeaderBoard` node 0, which decides; the protocol and its keys are in
-:mod:`phalanx.launcher.membership`.
+:class:`NodeBoard` is a follower of several nodes, :class:`LeaderBoard` node 0, which
+decides; the protocol and its keys are in :mod:`phalanx.launcher.membership`. One node alone
+has :class:`phalanx.launcher.localboard.LocalBoard`.
 """
 
 from __future__ import annotations
@@ -17,70 +17,24 @@ from .config import LaunchConfig
 from .membership import (
     ACK_WAIT_S,
     CHECKED_OUT,
+    EXITED,
     GONE_COUNT,
     POLL_S,
     Layout,
+    MajorityLost,
     Node,
     Store,
+    StoreLost,
     _key,
     gone_key,
     layout_for,
+    majority,
 )
 from .outcome import RoundEnd
 
 Interrupted = Callable[[], None]  # raises when a stop signal has arrived
 # How long node 0, refusing a launcher started with other options, waits for it to read why.
 REFUSAL_READ_S = 5.0
-
-
-class LocalBoard:
-    """One node: rounds follow each other, how each ended is kept in memory."""
-
-    multi = False
-
-    def __init__(self, layout: Layout) -> None:
-        self._first = layout
-        self._ends: dict[int, RoundEnd] = {}
-        self._done: set[int] = set()
-
-    def start(self) -> None:
-        """Nobody to meet."""
-
-    def next_round(self, previous: Layout | None, restarts: int) -> Layout:
-        if previous is None:
-            return self._first
-        return replace(previous, round=previous.round + 1, restarts=restarts)
-
-    def membership(self, round_: int) -> RoundEnd | None:
-        return None
-
-    def acknowledge(self, round_: int) -> None:
-        """Nobody to tell."""
-
-    def lost_in(self, round_: int) -> list[str]:
-        return []
-
-    def publish_end(self, round_: int, record: RoundEnd) -> RoundEnd:
-        """Record how ``round_`` ended unless it already is; return the record that stands."""
-        return self._ends.setdefault(round_, record)
-
-    def end_record(self, round_: int) -> RoundEnd | None:
-        return self._ends.get(round_)
-
-    def report_done(self, round_: int) -> None:
-        self._done.add(round_)
-
-    def all_done(self, round_: int) -> bool:
-        return round_ in self._done
-
-    def finish(self, record: RoundEnd) -> None:
-        """Nobody waits outside a round."""
-
-    def check_out(self) -> None:
-        """Nothing to tell anyone."""
-
-    def close(self) -> None:
-        """Nothing to release."""
 
 
 class NodeBoard:
@@ -97,6 +51,9 @@ class NodeBoard:
         self.members: list[Node] = []
         self.run_id = ""
         self._checked_out = self._refused = False
+        # node 0's workers all exited 0 in this round (looked at each round); once its store is
+        # then lost, this node finishes the round on its own (see _unless_host_done)
+        self._host_done = self._alone = False
 
     def _options(self) -> dict:
         c = self._config
@@ -128,7 +85,24 @@ class NodeBoard:
         layout = layout_for(self.me, decision, "127.0.0.1", self._workers_port, self.run_id)
         if layout is not None:
             self.members = [Node(**n) for n in decision["nodes"]]
+            self._host_done = False
         return layout
+
+    def _unless_host_done(self, call: Callable, alone):
+        """``call()``; ``alone`` once the store is lost after node 0's workers all exited 0:
+        node 0 finished its part, and its launcher leaving is no loss (each node then ends
+        with its own workers' status)."""
+        if self._alone:
+            return alone
+        try:
+            return call()
+        except StoreLost:
+            if not self._host_done:
+                raise
+        self._alone = True
+        self._note("node 0's workers had all exited 0 and its launcher is gone: "
+                   f"{self.me.label()} finishes the round on its own")
+        return alone
 
     def next_round(self, previous: Layout | None, restarts: int) -> Layout | RoundEnd:
         """Wait for a round with a place for this node; or the job's end (a record)."""
@@ -164,30 +138,41 @@ class NodeBoard:
             time.sleep(POLL_S)
 
     def membership(self, round_: int) -> RoundEnd | None:
-        """Node 0 watches the membership; the others learn of a change by the round's end."""
+        """Node 0 watches the membership; the others learn of a change by the round's end.
+        Here a node looks whether node 0's workers are all done."""
+        def look() -> None:
+            host = next(n for n in self.members if n.leader)
+            self._host_done = self._s.check([_key(round_, f"done/{host.id}")])
+        if not self._host_done:
+            self._unless_host_done(look, None)
         return None
 
     def acknowledge(self, round_: int) -> None:
         """Say that this node saw round ``round_`` fail and is still here."""
-        self._s.set(_key(round_, f"ack/{self.me.id}"), "1")
+        self._unless_host_done(lambda: self._s.set(_key(round_, f"ack/{self.me.id}"), "1"), None)
 
     def lost_in(self, round_: int) -> list[str]:
         """The nodes lost in failed round ``round_``, as node 0 decided."""
-        return json.loads(self._wait_for(_key(round_, "lost"), f"say who is left after round {round_}"))
+        return self._unless_host_done(lambda: json.loads(self._wait_for(
+            _key(round_, "lost"), f"say who is left after round {round_}")), [])
 
     def publish_end(self, round_: int, record: RoundEnd) -> RoundEnd:
-        won = self._s.compare_set(_key(round_, "end"), "", record.to_json())
-        return RoundEnd.from_json(won)
+        return self._unless_host_done(lambda: RoundEnd.from_json(
+            self._s.compare_set(_key(round_, "end"), "", record.to_json())), record)
 
     def end_record(self, round_: int) -> RoundEnd | None:
-        text = self._s.read(_key(round_, "end"))
+        text = self._unless_host_done(lambda: self._s.read(_key(round_, "end")), None)
         return None if text is None else RoundEnd.from_json(text)
 
     def report_done(self, round_: int) -> None:
-        self._s.add(_key(round_, "done"), 1)
+        def report() -> None:
+            self._s.set(_key(round_, f"done/{self.me.id}"), "1")
+            self._s.add(_key(round_, "done"), 1)
+        self._unless_host_done(report, None)
 
     def all_done(self, round_: int) -> bool:
-        return int(self._s.add(_key(round_, "done"), 0)) >= len(self.members)
+        return self._unless_host_done(
+            lambda: int(self._s.add(_key(round_, "done"), 0)) >= len(self.members), True)
 
     def finish(self, record: RoundEnd) -> None:
         """Node 0 tells the nodes outside a round how the job ended."""
@@ -216,7 +201,7 @@ class LeaderBoard(NodeBoard):
         self._open_store = open_store
         self._known: dict[str, Node] = {}
         self._seen = 0  # registrations reviewed
-        self._gone_seen, self._gone = -1, set()
+        self._gone_seen, self._gone = -1, {}  # id -> EXITED or UNREACHABLE
         self._problems: list[str] = []
         self._started = False
 
@@ -229,8 +214,27 @@ class LeaderBoard(NodeBoard):
         count = int(self._s.add(GONE_COUNT, 0))
         if count != self._gone_seen:  # one look at the counter; the marks only when it moved
             self._gone_seen = count
-            self._gone = {i for i in self._known if self._s.check([gone_key(i)])}
-        return self._gone
+            self._gone = {i: self._s.get(gone_key(i)).decode() for i in self._known
+                          if self._s.check([gone_key(i)])}
+        return set(self._gone)
+
+    def _voters(self, before: list[Node]) -> int:
+        """The last round's nodes that vote: all but those known to have exited."""
+        return sum(1 for n in before if self._gone.get(n.id) != EXITED)
+
+    def _silent(self, before: list[Node], staying: list[Node]) -> list[str]:
+        """The last round's nodes that vote and are not here."""
+        return [n.label() for n in before if n not in staying and self._gone.get(n.id) != EXITED]
+
+    def _lost_majority(self, before: list[Node], staying: list[Node]) -> None:
+        voters, away = self._voters(before), self._silent(before, staying)
+        message = (f"{self.me.label()} lost the majority: {len(staying)} of the last round's "
+                   f"{voters} node(s) that may still run ({', '.join(n.label() for n in staying)})"
+                   f" are here, more than half are needed to go on ({', '.join(away)} cannot be "
+                   f"reached). This side stops so that the job never runs twice (run id "
+                   f"{self.run_id}); the other side goes on if it holds the majority")
+        self.finish(RoundEnd("lost", detail=message))
+        raise MajorityLost(message)
 
     def _review(self) -> None:
         """Admit or refuse the launchers that registered since the last look."""
@@ -276,9 +280,7 @@ class LeaderBoard(NodeBoard):
         and publish the decision; return node 0's layout in it."""
         round_ = 0 if previous is None else previous.round + 1
         before, ids = self.members, {n.id for n in self.members}
-        # the nodes of the round before may take their --shutdown-timeout to stop their workers
-        deadline = time.monotonic() + self._timeout + self._config.shutdown_timeout
-        last_call = None
+        began, last_call = time.monotonic(), None
         while True:
             self._raise_if()
             self._review()
@@ -289,6 +291,8 @@ class LeaderBoard(NodeBoard):
             newcomers = sorted((n for n in self._known.values()
                                 if n.id not in gone and n.id not in ids), key=Node.order)
             ready = [n for n in staying if n not in unready] + newcomers
+            if before and not majority(len(staying), self._voters(before)):
+                self._lost_majority(before, staying)
             if not unready and len(ready) >= self._config.min_nnodes:
                 if before or len(ready) >= self._config.nnodes:
                     last_call = time.monotonic()  # only the first round waits for latecomers
@@ -297,8 +301,11 @@ class LeaderBoard(NodeBoard):
                 if time.monotonic() >= last_call:
                     return self._open(round_, sorted(ready[: self._config.nnodes], key=Node.order),
                                       restarts)
-            if time.monotonic() > deadline:
-                self._give_up(len(ready), unready)
+            # --rdzv-timeout, and while nodes of the round before still stop their workers,
+            # their --shutdown-timeout too
+            waited = time.monotonic() - began
+            if waited > self._timeout + (self._config.shutdown_timeout if unready else 0.0):
+                self._give_up(len(ready), unready, waited)
             time.sleep(POLL_S)
 
     def _open(self, round_: int, chosen: list[Node], restarts: int) -> Layout:
@@ -309,11 +316,11 @@ class LeaderBoard(NodeBoard):
         self._started = True
         return self._layout(decision)
 
-    def _give_up(self, ready: int, unready: list[Node]) -> None:
+    def _give_up(self, ready: int, unready: list[Node], waited: float) -> None:
         spec = self._options()["nnodes"]
         message = (f"Only {ready} of the {self._config.min_nnodes} node(s) needed (--nnodes "
-                   f"{spec}) were ready within {self._timeout:g} s (--rdzv-timeout) at "
-                   f"{self._s.where}")
+                   f"{spec}) were ready after {waited:.0f} s (--rdzv-timeout "
+                   f"{self._timeout:g}) at {self._s.where}")
         if unready:
             message += f"; {', '.join(n.label() for n in unready)} did not stop its workers"
         if self._problems:
@@ -326,7 +333,8 @@ class LeaderBoard(NodeBoard):
         a place that exists."""
         self._review()
         gone = self._gone_ids()
-        left = [n.label() for n in self.members if n.id in gone]
+        left = [n.label() for n in self.members if n.id in gone
+                and not self._s.check([_key(round_, f"done/{n.id}")])]  # done: not lost
         if left:
             return RoundEnd("membership", detail=f"{', '.join(left)} left")
         members = {n.id for n in self.members}

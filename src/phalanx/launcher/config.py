@@ -111,6 +111,10 @@ class LaunchConfig:
             Default ``0``.
         master_addr (str): node 0's address. Default ``"127.0.0.1"``.
         master_port (int): node 0's rendezvous port. Default ``29500``.
+        rdzv_endpoints (tuple of (str, int)): where a launcher started while its job runs
+            looks for it first (``--rdzv-endpoint A:P,B:P,...``): once node 0 was lost, the
+            store is at another node's address. Looked at when two or more are given.
+            Default ``()``.
         standalone (bool): one node on loopback, on a free port. Default ``False``.
         max_restarts (int): restarts of the whole group after a failure. Default ``0``.
         monitor_interval (float): seconds between health checks. Default ``0.1``.
@@ -157,6 +161,7 @@ class LaunchConfig:
     node_rank: int | None = 0
     master_addr: str = DEFAULT_MASTER_ADDR
     master_port: int = DEFAULT_MASTER_PORT
+    rdzv_endpoints: tuple[tuple[str, int], ...] = ()
     standalone: bool = False
     max_restarts: int = 0
     monitor_interval: float = DEFAULT_MONITOR_INTERVAL
@@ -208,6 +213,10 @@ class LaunchConfig:
             raise LaunchConfigError(
                 f"Invalid --master-port {self.master_port}: expected a port in [1, 65535]"
             )
+        for host, port in self.rdzv_endpoints:
+            if not 1 <= port <= 65535:
+                raise LaunchConfigError(
+                    f"Invalid --rdzv-endpoint {host}:{port}: expected a port in [1, 65535]")
         _at_least("--max-restarts", self.max_restarts, 0)
         _positive("--monitor-interval", self.monitor_interval)
         _positive("--rdzv-timeout", self.rdzv_timeout)

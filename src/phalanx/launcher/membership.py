@@ -1,6 +1,7 @@
 """Several nodes: who takes part in each round, and how each round ended.
 
-Node 0's launcher (the *leader*, which hosts the launchers' store) decides; the others
+Node 0's launcher (the *leader*, which hosts the launchers' store; once node 0 is lost, the
+node the store moved to, :mod:`phalanx.launcher.relocate`) decides; the others
 (*followers*) register and do as the store says. Everything goes through torch's
 ``TCPStore`` (``add``, ``set``, ``get``, ``check``, ``compare_set``); the keys:
 
@@ -8,22 +9,28 @@ Node 0's launcher (the *leader*, which hosts the launchers' store) decides; the 
 ``joins``, ``join/J``      registration J of a launcher: its id, ``--node-rank``, workers, host.
 ``refused/ID``             why the leader refused launcher ID (a node rank taken, other options);
 ``refused/ID/read``        ID has read it (a leader refusing other options waits for it, 5 s at most).
-``gone``, ``gone/ID``      written by node 0's gate when launcher ID's connection closes: it has
-                           exited, or died (a dead machine: within ~11 s, by TCP keepalive).
+``gone``, ``gone/ID``      written by node 0's gate when launcher ID's connection ends: ``exited``
+                           (closed or reset by its end: the launcher exited or died, its
+                           machine is up)
+                           or ``unreachable`` (dropped by TCP keepalive within ~11 s: a dead
+                           machine, or a cut network).
 ``roundR/ready/ID``        launcher ID stopped the workers of the round before R.
 ``roundR/layout``, ``latest``   the leader's decision: round R's nodes, in order; the last R.
 ``roundR/end``             how round R ended; the first record published wins.
 ``roundR/ack/ID``, ``roundR/lost``   after a failure: who is still there (see below).
-``roundR/done``            how many nodes' workers all exited 0.
+``roundR/done``, ``roundR/done/ID``   how many nodes' workers all exited 0; node ID's did.
 ``final``, ``checked_out`` the job's end, for nodes waiting outside a round; launchers done.
 
 **Rounds.** The leader opens round R once every node of round R-1 that is still there is
 ready, and at least ``--nnodes`` MIN nodes are (the first round also waits up to
 ``last_call_timeout`` for MAX), capped at MAX: the nodes of the last round first, then the
 newcomers by ``--node-rank`` and arrival. Nodes left out wait for a later round. During a
-round the leader ends it (``membership``) when one of its nodes is gone, or when a newcomer
-waits and the round has fewer than MAX nodes; every node stops its workers and meets again.
-When a worker fails, every node acknowledges; the leader waits for each node's
+round the leader ends it (``membership``) when one of its nodes is gone (not one whose
+workers all exited 0: that node is done, not lost), or when a newcomer waits and the round
+has fewer than MAX nodes; every node stops its workers and meets again.
+A round opens only with more than half of the last round's nodes (those that exited do not
+vote; see :func:`majority`), so that a side cut off from the others never runs the job a
+second time. When a worker fails, every node acknowledges; the leader waits for each node's
 acknowledgement or its ``gone`` mark (at most :data:`ACK_WAIT_S`) and publishes who is
 lost: a failure with nodes lost is a membership change too, and uses no restart.
 """
@@ -42,6 +49,7 @@ from .config import LaunchConfig
 # Keys written by node 0's gate (phalanx.launcher.storehost) and read here.
 GONE_COUNT = "gone"
 CHECKED_OUT = "checked_out"
+EXITED, UNREACHABLE = "exited", "unreachable"  # the values of gone/ID
 # How often a waiting launcher looks at the store again: short next to a human's patience and
 # to torch's own start-up, long enough that the polling costs nothing.
 POLL_S = 0.05
@@ -59,9 +67,22 @@ def _key(round_: int, what: str) -> str:
     return f"round{round_}/{what}"
 
 
+class MajorityLost(RendezvousError):
+    """Too few of the last round's nodes are left to go on: this side of a split stops."""
+
+
+def majority(staying: int, voters: int) -> bool:
+    """Whether ``staying`` nodes are more than half of the ``voters``: the last round's nodes
+    but those known to have exited (their connection closed by a live machine: they run no
+    second job). Two sides of a split cannot both hold more than half of the same voters."""
+    return 2 * staying > voters
+
+
 @dataclass(frozen=True)
 class Node:
-    """One launcher: ``node_rank`` as given (``None``: numbered by arrival)."""
+    """One launcher: ``node_rank`` as given (``None``: numbered by arrival); ``addr:port``,
+    where it can be reached: node 0's gate, or the others' standby gate
+    (:mod:`phalanx.launcher.relocate`)."""
 
     id: str
     node_rank: int | None
@@ -69,11 +90,13 @@ class Node:
     host: str
     arrival: int = 0
     leader: bool = False
+    addr: str = ""
+    port: int = 0
 
     @classmethod
-    def me(cls, config: LaunchConfig, nproc: int, leader: bool) -> "Node":
+    def me(cls, config: LaunchConfig, nproc: int, leader: bool, addr: str, port: int) -> "Node":
         return cls(uuid.uuid4().hex[:12], config.node_rank, nproc, socket.gethostname(),
-                   leader=leader)
+                   leader=leader, addr=addr, port=port)
 
     def name(self) -> str:
         """``"node 1"``; ``"the node on HOST"`` for a node numbered by arrival."""
@@ -104,6 +127,10 @@ class Layout:
     members: tuple[str, ...] = ()  # each node's label, by position
 
 
+class StoreLost(RendezvousError):
+    """The launchers' store stopped answering: its host (the round's node 0) is gone."""
+
+
 class Store:
     """The launchers' store, with errors that say what was lost."""
 
@@ -117,7 +144,7 @@ class Store:
             try:
                 return fn(*args)
             except RuntimeError as e:  # DistNetworkError, DistStoreError
-                raise RendezvousError(
+                raise StoreLost(
                     f"{self._me} lost the rendezvous store at {self.where} ({e}); node 0's "
                     "launcher has probably exited"
                 ) from None

@@ -14,7 +14,8 @@ wire (see :mod:`phalanx.gate`):
   the dead attempt's addresses). Workers find it at ``MASTER_ADDR:MASTER_PORT``: the master
   address and port for one node, this node's door on loopback for several.
 * **Several nodes** meet on node 0's launchers' store, through the board
-  (:mod:`phalanx.launcher.board`): node 0 decides each round's nodes.
+  (:mod:`phalanx.launcher.board`): node 0 decides each round's nodes. When node 0 is lost,
+  the store moves to the next node (:mod:`phalanx.launcher.relocate`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import socket
 import sys
 import time
 import uuid
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -34,9 +36,11 @@ from ..gate.handshake import Refused
 from ..gate.listen import LOOPBACK, listen
 from ..gate.relay import wait_for_gate
 from ..gate.secret import HOW_TO_MAKE
-from .board import LeaderBoard, LocalBoard, NodeBoard
+from .board import LeaderBoard, NodeBoard
 from .config import LaunchConfig
+from .localboard import LocalBoard
 from .membership import Layout, Node, Store
+from .relocate import CurrentStore, Mover, MovingBoard, bind_standby, running_at
 from .workers import Guardian, describe_exit, start_tied
 
 # The helper's answer to "close": it ends the round's store at once; the bound covers a
@@ -237,8 +241,30 @@ def _one_node(config: LaunchConfig, nproc: int, guardian: Guardian) -> tuple[Loc
     return LocalBoard(layout), store
 
 
+def _start_store(config: LaunchConfig, me: str, guardian: Guardian, role: str,
+                 sockets: dict[str, socket.socket], upstream: list) -> StoreHost:
+    """A store helper in ``role`` with fresh doors on loopback (and ``sockets``)."""
+    doors = {"launcher_door": bind_listener(LOOPBACK, 0), "workers_door": bind_listener(LOOPBACK, 0)}
+    return StoreHost(role, {**doors, **sockets}, guardian, secret=config.job_secret, node=me,
+                     timeout=config.rdzv_timeout, upstream=upstream)
+
+
+def _client(config: LaunchConfig, interrupted: Callable[[], int | None], store: StoreHost,
+            where: str) -> Store:
+    """The launchers' store, through ``store``'s launcher door."""
+    try:
+        return Store(_tcp_store(store.ports["launcher_door"], config.rdzv_timeout,
+                                lambda: _raise_if(interrupted)), where, _who(config))
+    except Interrupted:
+        store.kill()
+        raise
+    except RuntimeError as e:  # DistNetworkError, DistStoreError
+        store.kill()  # no round will be served: give the ports back now
+        raise RendezvousError(f"{_who(config)} could not reach its store helper ({e})") from None
+
+
 def meet(config: LaunchConfig, nproc: int, interrupted: Callable[[], int | None],
-         guardian: Guardian, note: Callable[[str], None]) -> tuple[Any, StoreHost]:
+         guardian: Guardian, note: Callable[[str], None]) -> tuple[Any, Any]:
     """Bind, host or reach the stores this node needs; return (board, store host). The
     board is not started yet (``board.start()`` registers with node 0).
 
@@ -246,26 +272,27 @@ def meet(config: LaunchConfig, nproc: int, interrupted: Callable[[], int | None]
     """
     if not config.multi_node:
         return _one_node(config, nproc, guardian)
-    gate = _gate_listener(config)
+    running = running_at(config, lambda: _raise_if(interrupted))
+    if running is not None:  # a job already runs there (its store moved): join it
+        config = replace(config, master_addr=running[0], master_port=running[1])
+    gate = None if running is not None else _gate_listener(config)
+    standby = None
     if gate is None:
         _check_secret(config, interrupted)
-    doors = {"launcher_door": bind_listener(LOOPBACK, 0), "workers_door": bind_listener(LOOPBACK, 0)}
-    me = Node.me(config, nproc, leader=gate is not None)
-    settings = {"secret": config.job_secret, "node": me.id, "timeout": config.rdzv_timeout,
-                "upstream": [config.master_addr.strip("[]"), config.master_port]}
-    store = StoreHost("door" if gate is None else "host",
-                      {**doors, **({} if gate is None else {"gate": gate})}, guardian, **settings)
-    where = f"{config.master_addr}:{config.master_port}"
-    try:
-        client = Store(_tcp_store(store.ports["launcher_door"], config.rdzv_timeout,
-                                  lambda: _raise_if(interrupted)), where, _who(config))
-    except Interrupted:
-        store.kill()
-        raise
-    except RuntimeError as e:  # DistNetworkError, DistStoreError
-        store.kill()  # no round will be served: give the ports back now
-        raise RendezvousError(f"{_who(config)} could not reach its store helper ({e})") from None
-    args = (client, me, config, lambda: _raise_if(interrupted), store.ports["workers_door"], note)
-    if gate is None:
-        return NodeBoard(*args), store
-    return LeaderBoard(*args, open_store=store.open_round), store
+        standby = bind_standby(config)
+        addr, port = standby.getsockname()[:2]
+    else:
+        addr, port = config.master_addr.strip("[]"), config.master_port
+    me = Node.me(config, nproc, gate is not None, addr, port)
+    upstream = [config.master_addr.strip("[]"), config.master_port]
+    store = _start_store(config, me.id, guardian, "door" if gate is None else "host",
+                         {} if gate is None else {"gate": gate}, upstream)
+    client = _client(config, interrupted, store, f"{config.master_addr}:{config.master_port}")
+    raise_if = lambda: _raise_if(interrupted)  # noqa: E731
+    args = (client, me, config, raise_if, store.ports["workers_door"], note)
+    board = NodeBoard(*args) if gate is None else LeaderBoard(*args, open_store=store.open_round)
+    mover = Mover(config, standby,
+                  lambda role, sockets, up: _start_store(config, me.id, guardian, role, sockets, up),
+                  lambda helper, where: _client(config, interrupted, helper, where), raise_if, note)
+    moving = MovingBoard(board, store, mover)
+    return moving, CurrentStore(moving)

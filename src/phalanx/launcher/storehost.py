@@ -31,7 +31,7 @@ import time
 from ..gate import peers
 from ..gate.inner import InnerStore
 from ..gate.relay import Door, Gate, dial_gate
-from .membership import CHECKED_OUT, GONE_COUNT, gone_key
+from .membership import CHECKED_OUT, EXITED, GONE_COUNT, UNREACHABLE, gone_key
 
 # How long node 0's store stays up after its launcher has gone, for the other launchers to
 # read the job's end and check out; a launcher looks at the store every --monitor-interval.
@@ -118,8 +118,8 @@ def _serve(config: dict, rounds: Rounds) -> InnerStore | None:
         return None
     rdzv = Rounds(config["timeout"])  # one "round": the launchers' store, for the whole job
 
-    def left(node: str) -> None:  # its launcher's last connection closed: it is gone
-        rdzv.current.store.set(gone_key(node), "1")
+    def left(node: str, closed: bool) -> None:  # its launcher's last connection ended: gone
+        rdzv.current.store.set(gone_key(node), EXITED if closed else UNREACHABLE)
         rdzv.current.store.add(GONE_COUNT, 1)
 
     # Serving first, so the other nodes' probes get an answer while torch is imported.
