@@ -1,0 +1,125 @@
+"""``FSDPModule``: the class a module takes on under ``fully_shard`` (``FSDP<Class>``), with
+torch's methods to gather, free and stop synchronising its parameters by hand."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .unit import UNIT_ATTRIBUTE, Unit, unit_of
+
+# torch's FSDPModule methods phalanx does not offer yet: calling one raises, naming it.
+NOT_YET = ("set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch",
+           "set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce_hook",
+           "set_gradient_divide_factor", "set_reduce_scatter_divide_factor",
+           "set_requires_all_reduce", "set_post_optim_event", "set_unshard_in_backward",
+           "set_reduce_scatter_unused_params", "set_force_sum_reduction_for_comms",
+           "reset_iter_state")
+
+
+def _not_yet(name: str) -> Any:
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError(f"phalanx's FSDPModule does not support {name}() yet: "
+                         "torch's fully_shard offers it")
+    refuse.__name__ = name
+    refuse.__doc__ = f"Not supported yet: raises ``ValueError`` (torch's ``FSDPModule.{name}``)."
+    return refuse
+
+
+class UnshardHandle:
+    """A pending :meth:`FSDPModule.unshard` (``async_op=True``): :meth:`wait` lands it."""
+
+    def __init__(self, unit: Unit) -> None:
+        self._unit: Unit | None = unit
+
+    def wait(self) -> None:
+        """Wait for the all-gather and put the unsharded parameters on the module."""
+        if self._unit is not None:
+            self._unit.wait_for_unshard()
+            self._unit = None
+
+
+class FSDPModule:
+    """What ``phalanx.fully_shard`` makes of a module: ``FSDP<Class>`` derives from this
+    class and from the module's own class, as torch's ``fully_shard`` does.
+
+    The module's parameters are sharded DTensors except while its unit is unsharded (during
+    its forward and backward, or after :meth:`unshard`). The methods act on this module's
+    unit only, or on every unit below it with ``recurse``.
+
+    Example::
+
+        >>> model.set_requires_gradient_sync(False)   # accumulate: no reduce-scatter
+        >>> loss_of(model, micro_batch_1).backward()
+        >>> model.set_requires_gradient_sync(True)    # this backward reduces the sum
+        >>> loss_of(model, micro_batch_2).backward()
+    """
+
+    # Index in the method resolution order of the module's own class:
+    # [FSDP<Class>, FSDPModule, Class, ...]
+    _ORIG_CLASS_INDEX = 2
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """A new module of the original class (indexing a sharded ``nn.Sequential`` builds
+        one through its class), as torch's."""
+        orig = cls.__mro__[cls._ORIG_CLASS_INDEX]
+        self = orig.__new__(orig)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def _unit(self) -> Unit:
+        return self.__dict__[UNIT_ATTRIBUTE]
+
+    def _units(self, recurse: bool) -> list[Unit]:
+        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
+        return [u for u in map(unit_of, modules) if u is not None]
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and put the sharded ones back on the module (not
+        recursive)."""
+        self._unit().reshard()
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather the parameters and put them, unsharded, on the module (not recursive).
+
+        Args:
+            async_op (bool): return a handle whose ``wait()`` lands the all-gather (the next
+                forward waits for it anyway). Default ``False``: wait here.
+        """
+        unit = self._unit()
+        unit.unshard()
+        handle = UnshardHandle(unit)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Whether the next backwards reduce-scatter gradients. ``False``: each unit keeps its
+        whole unsharded gradient (as a replica would) and sends nothing; the next backward
+        with ``True`` reduces their sum.
+
+        Args:
+            requires_gradient_sync (bool): reduce (``True``) or accumulate locally.
+            recurse (bool): for every unit below this module too. Default ``True``.
+        """
+        for unit in self._units(recurse):
+            unit.reduce_grads = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether the units free their unsharded parameters after the forward (the root's
+        default, ``False``, included)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
+        for unit in self._units(recurse):
+            unit.auto_reshard = False
+            unit.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Whether the units free their unsharded parameters after the backward (``False``
+        saves the next forward's all-gather during accumulation, at their memory)."""
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = reshard_after_backward
+
+    for _name in NOT_YET:
+        locals()[_name] = _not_yet(_name)
+    del _name

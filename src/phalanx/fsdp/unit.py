@@ -1,0 +1,276 @@
+"""One ``fully_shard`` unit: its parameters' all-gather before the forward (and the
+backward), the reshard after them, and the reduce-scatter of its gradients.
+
+The life of a unit in one iteration (torch's FSDP2 order):
+
+* **pre-forward** (a forward pre-hook): all-gather the shards into the unsharded buffer and
+  put the unsharded parameters on the modules. The first unit to run forward is the root
+  (:meth:`Unit.lazy_init`): it finds the units below it and shares an :class:`Iteration`
+  with them.
+* **post-forward** (a forward hook): reshard (``reshard_after_forward``; the root keeps its
+  parameters by default) and hook the outputs: the gradient reaching them starts this
+  unit's backward.
+* **pre-backward** (that tensor hook): all-gather again if resharded.
+* **post-backward**: when the last of its parameters has accumulated its gradient (a
+  post-accumulate-grad hook on each unsharded parameter), the unsharded gradients go into
+  one flat buffer (torch's layout), are freed, and one reduce-scatter (averaging over the
+  ranks) starts; the parameters are resharded.
+* **end of backward** (an autograd-engine callback, queued by the first pre-backward):
+  units whose backward did not finish (parameters without gradients) finish now; every
+  reduce-scatter is waited for and its slices become the sharded ``.grad`` DTensors
+  (accumulated into existing ones).
+
+``set_requires_gradient_sync(False)`` keeps the unsharded gradients (on every rank, the
+whole unit's) instead of reducing them; the next synchronised backward reduces their sum.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from .collectives import Pending, all_gather, chunk_cat, reduce_scatter
+from .params import Params, Slot
+
+
+# Where a module keeps its unit (in its __dict__: not a parameter, buffer or submodule).
+UNIT_ATTRIBUTE = "_phalanx_fsdp_unit"
+
+
+def unit_of(module: nn.Module) -> Unit | None:
+    """The unit ``fully_shard`` made of ``module``, if any."""
+    return module.__dict__.get(UNIT_ATTRIBUTE)
+
+
+class Stage(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
+
+
+def _division(dtype: torch.dtype, world: int) -> tuple[Any, float | None, float | None]:
+    """(reduce op, divisor before, divisor after), as torch's FSDP averages a gradient
+    (``_get_gradient_divide_factors``): ``AVG`` for fp32 and bf16; for other dtypes a sum of
+    gradients divided first by a power of two near sqrt(world), against overflow, then by
+    the rest."""
+    if dtype in (torch.float32, torch.bfloat16):
+        return dist.ReduceOp.AVG, None, None
+    pre = 1
+    while world % pre == 0 and world / pre > pre:
+        pre *= 2
+    return dist.ReduceOp.SUM, pre, world / pre
+
+
+class _Reduction:
+    """One unit's reduce-scatter in flight and where its result goes."""
+
+    def __init__(self, pending: Pending, output: torch.Tensor, slots: list[Slot],
+                 post_divide: float | None, mesh: Any) -> None:
+        self.pending, self.output, self.slots = pending, output, slots
+        self.post_divide, self.mesh = post_divide, mesh
+
+    def finish(self) -> None:
+        self.pending.wait()
+        with torch.no_grad():
+            if self.post_divide not in (None, 1):
+                self.output.div_(self.post_divide)
+            for s in self.slots:
+                grad = s.shard_of(self.output)
+                if s.sharded.grad is None:
+                    s.sharded.grad = DTensor.from_local(grad, self.mesh, [Shard(0)], run_check=False,
+                                                        shape=s.shape, stride=s.sharded.stride())
+                else:
+                    s.sharded.grad.to_local().add_(grad)
+
+
+class Iteration:
+    """What the units under one root share: who they are, the callback queued for the end of
+    the backward, the reduce-scatters in flight."""
+
+    def __init__(self, units: list[Unit]) -> None:
+        self.units = units
+        self.reductions: list[_Reduction] = []
+        self.callback_queued = False
+
+    def queue_end_of_backward(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+
+    def end_of_backward(self) -> None:
+        self.callback_queued = False
+        for unit in reversed(self.units):
+            if unit.stage is not Stage.POST_BACKWARD:
+                unit.post_backward()  # parameters without gradients (the root's inputs need none)
+            unit.stage = Stage.IDLE
+        reductions, self.reductions = self.reductions, []
+        for r in reductions:
+            r.finish()
+
+
+class Unit:
+    """The state of one ``fully_shard`` call (see the module notes)."""
+
+    def __init__(self, module: nn.Module, params: Params, reshard_after_forward: bool | None) -> None:
+        self.module, self.params = module, params
+        self.group = params.mesh.get_group()
+        self.auto_reshard = reshard_after_forward is None
+        self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
+        self.reshard_after_backward = True
+        self.reduce_grads = True
+        self.stage = Stage.IDLE
+        self.is_root: bool | None = None
+        self.name = type(module).__name__  # its path under the root, from lazy_init on
+        self.iteration: Iteration | None = None
+        self._gathering: tuple[Pending, torch.Tensor] | None = None
+        self._remaining = 0
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward)
+        for s in params.slots:
+            if s.sharded.requires_grad:
+                s.unsharded.register_post_accumulate_grad_hook(self._accumulated)
+        for module_with_params in {m for s in params.slots for m, _ in s.locations}:
+            module_with_params.register_state_dict_pre_hook(self._reshard_hook)
+            module_with_params.register_load_state_dict_pre_hook(self._reshard_hook)
+
+    # ---- the root -------------------------------------------------------------------------
+    def lazy_init(self) -> None:
+        """The first unit to run forward becomes the root of the units below it."""
+        if self.is_root is not None:
+            return
+        units: list[Unit] = []
+        for name, module in self.module.named_modules():
+            unit = unit_of(module)
+            if unit is None or unit in units:
+                continue
+            if unit is not self and unit.is_root is not None:
+                raise RuntimeError(f"FSDP state has already been lazily initialized for {name}\n"
+                                   "FSDP requires running forward through the root module first")
+            unit.is_root, unit.name = unit is self, name or "(root)"
+            units.append(unit)
+        if self.auto_reshard:  # the root's parameters are needed again at once by the backward
+            self.reshard_after_forward = False
+        iteration = Iteration(units)
+        for unit in units:
+            unit.iteration = iteration
+
+    # ---- all-gather and reshard -----------------------------------------------------------
+    def unshard(self) -> None:
+        """Start the all-gather (no-op if unsharded or under way)."""
+        p = self.params
+        if p.unsharded or self._gathering is not None:
+            return
+        if not p.slots:
+            p.register(sharded=False)  # nothing to gather
+            return
+        output = torch.empty(p.flat.numel() * p.world, dtype=p.dtype, device=p.device)
+        self._gathering = (all_gather(output, p.flat, self.group, self.name), output)
+
+    def wait_for_unshard(self) -> None:
+        if self._gathering is None:
+            return
+        (pending, output), self._gathering = self._gathering, None
+        pending.wait()
+        self.params.fill_unsharded(output)
+        self.params.register(sharded=False)
+
+    def reshard(self) -> None:
+        self.wait_for_unshard()  # an unshard under way lands first (its buffer is in use)
+        if self.params.unsharded:
+            self.params.register(sharded=True)
+
+    def _reshard_hook(self, *args: Any) -> None:
+        self.reshard()
+
+    # ---- hooks ----------------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        self.lazy_init()
+        if self.stage is not Stage.PRE_BACKWARD:  # (a recomputation of activation checkpointing)
+            self.stage = Stage.FORWARD
+        self.unshard()
+        self.wait_for_unshard()
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.stage is Stage.PRE_BACKWARD:
+            return output
+        if self.reshard_after_forward:
+            self.reshard()
+        self._remaining = sum(s.sharded.requires_grad for s in self.params.slots)
+        if torch.is_grad_enabled():
+            for t in _grad_tensors(output):
+                t.register_hook(self._pre_backward)
+        self.stage = Stage.IDLE
+        return output
+
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        assert self.iteration is not None  # set by the root's first forward
+        self.iteration.queue_end_of_backward()
+        if self.stage is not Stage.PRE_BACKWARD:
+            self.stage = Stage.PRE_BACKWARD
+            self.unshard()
+            self.wait_for_unshard()
+        return grad
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        self._remaining -= 1
+        if self._remaining == 0 and self.stage is Stage.PRE_BACKWARD:
+            self.post_backward()
+
+    # ---- gradients ------------------------------------------------------------------------
+    def post_backward(self) -> None:
+        """Reduce-scatter the unit's unsharded gradients (or keep them, without sync)."""
+        self.stage = Stage.POST_BACKWARD
+        if not self.reduce_grads:
+            if self.reshard_after_backward:
+                self.reshard()
+            return
+        slots = [s for s in self.params.slots if s.unsharded.grad is not None]
+        grads = [s.unsharded.grad for s in slots]
+        for s in slots:
+            s.unsharded.grad = None
+        if self.reshard_after_backward:
+            self.reshard()
+        if grads:
+            assert self.iteration is not None
+            self.iteration.reductions.append(self._reduce(slots, grads))
+
+    def _reduce(self, slots: list[Slot], grads: list[torch.Tensor]) -> _Reduction:
+        p = self.params
+        numel = sum(s.numel for s in slots)
+        flat = torch.empty(numel * p.world, dtype=grads[0].dtype, device=p.device)
+        chunk_cat(grads, p.world, flat)
+        grads.clear()  # the unsharded gradients are freed here
+        op, pre_divide, post_divide = _division(flat.dtype, p.world)
+        if pre_divide not in (None, 1):
+            flat.div_(pre_divide)
+        output = torch.empty(numel, dtype=flat.dtype, device=p.device)
+        pending = reduce_scatter(output, flat, op, self.group, self.name)
+        # the output is laid out like the shards of the parameters with gradients
+        return _Reduction(pending, output, _relaid(slots), post_divide, p.mesh)
+
+
+def _relaid(slots: list[Slot]) -> list[Slot]:
+    """``slots`` with offsets into a buffer holding only their shards, in order."""
+    out, offset = [], 0
+    for s in slots:
+        out.append(Slot(s.locations, s.shape, s.rows, s.padded, offset, s.sharded, s.unsharded))
+        offset += s.numel
+    return out
+
+
+def _grad_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors requiring grad in a forward's output (tensors, tuples, lists, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.requires_grad else []
+    if isinstance(obj, (tuple, list)):
+        return [t for item in obj for t in _grad_tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _grad_tensors(item)]
+    return []
