@@ -199,8 +199,25 @@ def _errors(rank, world_size):
     out["dtypes"] = error_of(fully_shard, mixed)
     out["mesh_2d"] = error_of(fully_shard, lin(), mesh=init_device_mesh(
         "cpu", (1, world_size), mesh_dim_names=("replicate", "shard")))
-    out["not_yet"] = error_of(twice.set_modules_to_forward_prefetch, [])
+    out["not_yet"] = error_of(twice.set_custom_all_gather, None)
+    out["prefetch_list"] = error_of(twice.set_modules_to_forward_prefetch, [lin()])
     return out
+
+
+def _prefetch(rank, world_size):
+    """The collectives of two iterations, and the last one issued when blocks.0's forward
+    begins: the second iteration gathers one unit ahead in the forward and the backward."""
+    model = _shard(_model(3), fully_shard)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    log = ledger().logs["world"]
+    at_block0 = []
+    model.blocks[0].register_forward_pre_hook(lambda *_: at_block0.append(log.records[-1].op))
+    ops = []
+    for step in range(2):
+        start = log.next_seq
+        _step(model, opt, *_mine(_batch(step, world_size), rank))
+        ops.append([r.op.removeprefix("fully_shard ") for r in log.records if r.seq >= start])
+    return {"ops": ops, "at_block0": at_block0}
 
 
 def _all_checks(rank, world_size):
@@ -208,6 +225,7 @@ def _all_checks(rank, world_size):
     out["accumulation"] = _accumulation(rank, world_size)
     out["by_hand"] = _by_hand(rank, world_size)
     out["errors"] = _errors(rank, world_size)
+    out["prefetch"] = _prefetch(rank, world_size)
     return out
 
 
@@ -278,4 +296,21 @@ def test_bad_input(ranks):
                            "torch.float32, torch.float64: shard the modules of each dtype as units of their own")
     assert e["mesh_2d"][0] == "ValueError" and "does not support HSDP" in e["mesh_2d"][1]
     assert e["not_yet"] == ("ValueError", "phalanx's FSDPModule does not support "
-                            "set_modules_to_forward_prefetch() yet: torch's fully_shard offers it")
+                            "set_custom_all_gather() yet: torch's fully_shard offers it")
+    assert e["prefetch_list"][0] == "ValueError"
+    assert e["prefetch_list"][1].startswith("Expects FSDPModule but got <class 'torch.nn.modules.linear.Linear'>")
+
+
+def test_prefetch(ranks):
+    """Backward: each unit, once it has its parameters, starts the gather of the next one
+    backward before its own reduce-scatter. Forward (from the second iteration, which knows
+    the order): when blocks.0 computes, blocks.1's gather is already under way."""
+    _, results = ranks
+    gather = ["all-gather (root)"] + [f"all-gather blocks.{i}" for i in range(3)]
+    backward = ["all-gather blocks.2", "all-gather blocks.1", "reduce-scatter blocks.2",
+                "all-gather blocks.0", "reduce-scatter blocks.1", "reduce-scatter blocks.0",
+                "reduce-scatter (root)"]
+    for out in results:
+        assert out["prefetch"]["ops"] == [gather + backward] * 2, out["prefetch"]["ops"]
+        assert out["prefetch"]["at_block0"] == ["fully_shard all-gather blocks.0",
+                                                "fully_shard all-gather blocks.1"]

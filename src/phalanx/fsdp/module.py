@@ -8,8 +8,7 @@ from typing import Any
 from .unit import UNIT_ATTRIBUTE, Unit, unit_of
 
 # torch's FSDPModule methods phalanx does not offer yet: calling one raises, naming it.
-NOT_YET = ("set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch",
-           "set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce_hook",
+NOT_YET = ("set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce_hook",
            "set_gradient_divide_factor", "set_reduce_scatter_divide_factor",
            "set_requires_all_reduce", "set_post_optim_event", "set_unshard_in_backward",
            "set_reduce_scatter_unused_params", "set_force_sum_reduction_for_comms",
@@ -23,6 +22,13 @@ def _not_yet(name: str) -> Any:
     refuse.__name__ = name
     refuse.__doc__ = f"Not supported yet: raises ``ValueError`` (torch's ``FSDPModule.{name}``)."
     return refuse
+
+
+def _units_of(modules: list[Any]) -> list[Unit]:
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects FSDPModule but got {type(module)}: {module}")
+    return [module._unit() for module in modules]
 
 
 class UnshardHandle:
@@ -119,6 +125,16 @@ class FSDPModule:
         saves the next forward's all-gather during accumulation, at their memory)."""
         for unit in self._units(recurse):
             unit.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """The units whose all-gather this unit starts once it has its parameters in the
+        forward, instead of the default (the unit that ran next in the previous iteration)."""
+        self._unit().forward_prefetch = _units_of(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """The units whose all-gather this unit starts once it has its parameters in the
+        backward, instead of the default (the unit whose forward ended before its own)."""
+        self._unit().backward_prefetch = _units_of(modules)
 
     for _name in NOT_YET:
         locals()[_name] = _not_yet(_name)

@@ -26,15 +26,13 @@ whole unit's) instead of reducing them; the next synchronised backward reduces t
 
 from __future__ import annotations
 
-from enum import Enum, auto
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
 
 from .collectives import Pending, all_gather, chunk_cat, reduce_scatter
+from .iteration import Iteration, Reduction, Stage, division
 from .params import Params, Slot
 
 
@@ -45,73 +43,6 @@ UNIT_ATTRIBUTE = "_phalanx_fsdp_unit"
 def unit_of(module: nn.Module) -> Unit | None:
     """The unit ``fully_shard`` made of ``module``, if any."""
     return module.__dict__.get(UNIT_ATTRIBUTE)
-
-
-class Stage(Enum):
-    IDLE = auto()
-    FORWARD = auto()
-    PRE_BACKWARD = auto()
-    POST_BACKWARD = auto()
-
-
-def _division(dtype: torch.dtype, world: int) -> tuple[Any, float | None, float | None]:
-    """(reduce op, divisor before, divisor after), as torch's FSDP averages a gradient
-    (``_get_gradient_divide_factors``): ``AVG`` for fp32 and bf16; for other dtypes a sum of
-    gradients divided first by a power of two near sqrt(world), against overflow, then by
-    the rest."""
-    if dtype in (torch.float32, torch.bfloat16):
-        return dist.ReduceOp.AVG, None, None
-    pre = 1
-    while world % pre == 0 and world / pre > pre:
-        pre *= 2
-    return dist.ReduceOp.SUM, pre, world / pre
-
-
-class _Reduction:
-    """One unit's reduce-scatter in flight and where its result goes."""
-
-    def __init__(self, pending: Pending, output: torch.Tensor, slots: list[Slot],
-                 post_divide: float | None, mesh: Any) -> None:
-        self.pending, self.output, self.slots = pending, output, slots
-        self.post_divide, self.mesh = post_divide, mesh
-
-    def finish(self) -> None:
-        self.pending.wait()
-        with torch.no_grad():
-            if self.post_divide not in (None, 1):
-                self.output.div_(self.post_divide)
-            for s in self.slots:
-                grad = s.shard_of(self.output)
-                if s.sharded.grad is None:
-                    s.sharded.grad = DTensor.from_local(grad, self.mesh, [Shard(0)], run_check=False,
-                                                        shape=s.shape, stride=s.sharded.stride())
-                else:
-                    s.sharded.grad.to_local().add_(grad)
-
-
-class Iteration:
-    """What the units under one root share: who they are, the callback queued for the end of
-    the backward, the reduce-scatters in flight."""
-
-    def __init__(self, units: list[Unit]) -> None:
-        self.units = units
-        self.reductions: list[_Reduction] = []
-        self.callback_queued = False
-
-    def queue_end_of_backward(self) -> None:
-        if not self.callback_queued:
-            self.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
-
-    def end_of_backward(self) -> None:
-        self.callback_queued = False
-        for unit in reversed(self.units):
-            if unit.stage is not Stage.POST_BACKWARD:
-                unit.post_backward()  # parameters without gradients (the root's inputs need none)
-            unit.stage = Stage.IDLE
-        reductions, self.reductions = self.reductions, []
-        for r in reductions:
-            r.finish()
 
 
 class Unit:
@@ -130,6 +61,10 @@ class Unit:
         self.iteration: Iteration | None = None
         self._gathering: tuple[Pending, torch.Tensor] | None = None
         self._remaining = 0
+        # set_modules_to_forward_prefetch / _backward_prefetch: these units instead of the
+        # next ones (iteration.py)
+        self.forward_prefetch: list[Unit] | None = None
+        self.backward_prefetch: list[Unit] | None = None
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
         for s in params.slots:
@@ -191,15 +126,26 @@ class Unit:
     # ---- hooks ----------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         self.lazy_init()
-        if self.stage is not Stage.PRE_BACKWARD:  # (a recomputation of activation checkpointing)
-            self.stage = Stage.FORWARD
+        assert self.iteration is not None
+        if self.stage is Stage.PRE_BACKWARD:  # a recomputation (activation checkpointing)
+            self.unshard()
+            self.wait_for_unshard()
+            return args, kwargs
+        self.stage = Stage.FORWARD
+        if self.is_root:
+            self.iteration.begin()
         self.unshard()
         self.wait_for_unshard()
+        following = self.iteration.forward_next(self)
+        for unit in following if self.forward_prefetch is None else self.forward_prefetch:
+            unit.unshard()  # travels while this unit computes
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.stage is Stage.PRE_BACKWARD:
             return output
+        assert self.iteration is not None
+        self.iteration.finished.append(self)
         if self.reshard_after_forward:
             self.reshard()
         self._remaining = sum(s.sharded.requires_grad for s in self.params.slots)
@@ -216,6 +162,9 @@ class Unit:
             self.stage = Stage.PRE_BACKWARD
             self.unshard()
             self.wait_for_unshard()
+            following = self.iteration.backward_next(self)
+            for unit in following if self.backward_prefetch is None else self.backward_prefetch:
+                unit.unshard()  # travels while this unit computes its gradients
         return grad
 
     def _accumulated(self, param: torch.Tensor) -> None:
@@ -241,19 +190,19 @@ class Unit:
             assert self.iteration is not None
             self.iteration.reductions.append(self._reduce(slots, grads))
 
-    def _reduce(self, slots: list[Slot], grads: list[torch.Tensor]) -> _Reduction:
+    def _reduce(self, slots: list[Slot], grads: list[torch.Tensor]) -> Reduction:
         p = self.params
         numel = sum(s.numel for s in slots)
         flat = torch.empty(numel * p.world, dtype=grads[0].dtype, device=p.device)
         chunk_cat(grads, p.world, flat)
         grads.clear()  # the unsharded gradients are freed here
-        op, pre_divide, post_divide = _division(flat.dtype, p.world)
+        op, pre_divide, post_divide = division(flat.dtype, p.world)
         if pre_divide not in (None, 1):
             flat.div_(pre_divide)
         output = torch.empty(numel, dtype=flat.dtype, device=p.device)
         pending = reduce_scatter(output, flat, op, self.group, self.name)
         # the output is laid out like the shards of the parameters with gradients
-        return _Reduction(pending, output, _relaid(slots), post_divide, p.mesh)
+        return Reduction(pending, output, _relaid(slots), post_divide, p.mesh)
 
 
 def _relaid(slots: list[Slot]) -> list[Slot]:
