@@ -33,6 +33,7 @@ TOL = 1e-6
 VOCAB, TOKENS, BATCH = 50, 8, 3  # BATCH sequences per rank and step
 # reshard_after_forward cases: torch's default (blocks reshard, the root keeps), never, always
 RESHARD = {"default": None, "keep": False, "always": True}
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def _model(seed=0):
@@ -79,10 +80,10 @@ def _max_diff(pairs):
     return max(((a - b).abs().max().item() if a.numel() else 0.0) for a, b in pairs)
 
 
-def _train(rank, world_size, reshard):
+def _train(rank, world_size, reshard, **kwargs):
     base = _model()
-    ours = _shard(copy.deepcopy(base), fully_shard, reshard_after_forward=reshard)
-    theirs = _shard(copy.deepcopy(base), torch_fully_shard, reshard_after_forward=reshard)
+    ours = _shard(copy.deepcopy(base), fully_shard, reshard_after_forward=reshard, **kwargs)
+    theirs = _shard(copy.deepcopy(base), torch_fully_shard, reshard_after_forward=reshard, **kwargs)
     single = copy.deepcopy(base)
     opts = [torch.optim.AdamW(m.parameters(), lr=5e-3, weight_decay=0.1) for m in (ours, theirs, single)]
     out = {"loss_diff": 0.0, "grad_diff": 0.0}
@@ -141,12 +142,12 @@ def _state_dicts(ours, theirs):
     }
 
 
-def _accumulation(rank, world_size):
+def _accumulation(rank, world_size, **kwargs):
     """Two micro-batches, the first without gradient sync: equal to torch's, and no
     reduce-scatter recorded for the first backward."""
     base = _model(1)
-    ours = _shard(copy.deepcopy(base), fully_shard)
-    theirs = _shard(copy.deepcopy(base), torch_fully_shard)
+    ours = _shard(copy.deepcopy(base), fully_shard, **kwargs)
+    theirs = _shard(copy.deepcopy(base), torch_fully_shard, **kwargs)
     log = ledger().logs["world"]
     counts = []
     for model in (ours, theirs):
@@ -190,7 +191,6 @@ def _errors(rank, world_size):
     out["twice"] = error_of(fully_shard, twice)
     out["int_reshard"] = error_of(fully_shard, lin(), reshard_after_forward=2)
     out["placement"] = error_of(fully_shard, lin(), shard_placement_fn=lambda p: Shard(1))
-    out["mp"] = error_of(fully_shard, lin(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     out["offload"] = error_of(fully_shard, lin(), offload_policy=CPUOffloadPolicy())
     scalar = nn.Module()
     scalar.w = nn.Parameter(torch.tensor(1.0))
@@ -222,6 +222,8 @@ def _prefetch(rank, world_size):
 
 def _all_checks(rank, world_size):
     out = {name: _train(rank, world_size, reshard) for name, reshard in RESHARD.items()}
+    out["bf16"] = _train(rank, world_size, None, mp_policy=BF16)
+    out["bf16_accumulation"] = _accumulation(rank, world_size, mp_policy=BF16)
     out["accumulation"] = _accumulation(rank, world_size)
     out["by_hand"] = _by_hand(rank, world_size)
     out["errors"] = _errors(rank, world_size)
@@ -248,6 +250,24 @@ def test_equal_to_torch_and_to_one_process(ranks, case):
         assert res["vs_torch"] <= TOL, (case, rank, res["vs_torch"])
         assert res["vs_single"] <= TOL, (case, rank, res["vs_single"], res["torch_vs_single"])
         assert res["grad_diff"] <= TOL, (case, rank, res["grad_diff"])
+
+
+def test_mixed_precision_equal_to_torch(ranks):
+    """bf16 parameters, fp32 reduction: equal to torch's bit for bit at world 2. At world 3
+    the reduction's order differs by an fp32 rounding, which a bf16 cast of the next
+    all-gather can round to one bf16 step (2^-8 relative): the bound is a few such steps
+    of the parameters' size after 4 steps."""
+    world_size, results = ranks
+    for rank, out in enumerate(results):
+        res = out["bf16"]
+        assert res["moved"] > 1e-2, rank
+        if world_size == 2:
+            assert res["torch_equal"] and res["loss_diff"] == 0.0, (rank, res["vs_torch"])
+        else:
+            assert res["vs_torch"] <= 1e-3, (rank, res["vs_torch"])
+        acc = out["bf16_accumulation"]
+        assert acc["reduce_scatters"] == [0, 4], (rank, acc)
+        assert acc["grad_diff"] <= (0.0 if world_size == 2 else 1e-3), (rank, acc["grad_diff"])
 
 
 @pytest.mark.parametrize("case", list(RESHARD))
@@ -287,7 +307,7 @@ def test_bad_input(ranks):
                           "(FSDPLinear): each module can be sharded once")
     assert e["int_reshard"] == ("ValueError", "reshard_after_forward should be a bool or None, got 2: "
                                 "phalanx does not support resharding to a smaller world size (an int) yet")
-    for name, arg in (("placement", "shard_placement_fn"), ("mp", "mp_policy"), ("offload", "offload_policy")):
+    for name, arg in (("placement", "shard_placement_fn"), ("offload", "offload_policy")):
         assert e[name][0] == "ValueError", name
         assert e[name][1].startswith(f"phalanx.fully_shard does not support {arg}="), e[name]
     assert e["scalar"] == ("ValueError", "fully_shard doesn't support scalar parameters. "

@@ -46,7 +46,10 @@ def fully_shard(
             forward and gather them again for the backward. Default ``None``: ``True``, but
             ``False`` for the root (the unit whose forward runs first).
         shard_placement_fn: only ``None`` (dim-0 shards).
-        mp_policy (MixedPrecisionPolicy): only the default (no mixed precision).
+        mp_policy (MixedPrecisionPolicy): the unsharded parameters' dtype (``param_dtype``:
+            the shards are cast before the all-gather), the gradients' reduction dtype
+            (``reduce_dtype``), the casts of the forward's inputs and outputs, as torch's.
+            Default: none (the parameters' own dtype throughout).
         offload_policy (OffloadPolicy): only the default (no offload).
         ignored_params (set of nn.Parameter, optional): parameters left as they are: not
             sharded, their gradients not reduced.
@@ -67,22 +70,25 @@ def fully_shard(
         >>> phalanx.fully_shard(model)
         >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     """
-    _refuse_unsupported(module, reshard_after_forward, shard_placement_fn, mp_policy,
-                        offload_policy, dp_mesh_dims)
+    _refuse_unsupported(module, reshard_after_forward, shard_placement_fn, offload_policy,
+                        dp_mesh_dims)
     mesh = mesh or _default_mesh()
     if mesh.ndim != 1:
         raise ValueError(f"fully_shard expects a 1D DeviceMesh but got {mesh}: phalanx does not "
                          "support HSDP (a 2D mesh) yet")
     params, locations = _managed_params(module, ignored_params or set())
     _check_params(params, locations, mesh)
-    unit = Unit(module, Params(params, locations, mesh), reshard_after_forward)
+    # torch's clamping: no cast for a parameter already in param_dtype (or not floating)
+    floating = params and params[0].dtype.is_floating_point
+    param_dtype = mp_policy.param_dtype if floating and mp_policy.param_dtype != params[0].dtype else None
+    unit = Unit(module, Params(params, locations, mesh, param_dtype), reshard_after_forward, mp_policy)
     module.__dict__[UNIT_ATTRIBUTE] = unit
     module.__class__ = _fsdp_class(type(module))
     return module  # type: ignore[return-value]
 
 
 def _refuse_unsupported(module: Any, reshard_after_forward: Any, shard_placement_fn: Any,
-                        mp_policy: Any, offload_policy: Any, dp_mesh_dims: Any) -> None:
+                        offload_policy: Any, dp_mesh_dims: Any) -> None:
     if not isinstance(module, nn.Module):
         raise ValueError(f"fully_shard expects an nn.Module, got {type(module).__name__}: phalanx "
                          "does not support fully_shard on a list of modules yet")
@@ -96,14 +102,13 @@ def _refuse_unsupported(module: Any, reshard_after_forward: Any, shard_placement
                          "phalanx does not support resharding to a smaller world size (an int) yet")
     refusals = {
         "shard_placement_fn": shard_placement_fn is not None,
-        "mp_policy": mp_policy != MixedPrecisionPolicy(),
         "offload_policy": type(offload_policy) is not OffloadPolicy,
         "dp_mesh_dims": dp_mesh_dims is not None,
     }
     for name, refused in refusals.items():
         if refused:
-            value = {"shard_placement_fn": shard_placement_fn, "mp_policy": mp_policy,
-                     "offload_policy": offload_policy, "dp_mesh_dims": dp_mesh_dims}[name]
+            value = {"shard_placement_fn": shard_placement_fn, "offload_policy": offload_policy,
+                     "dp_mesh_dims": dp_mesh_dims}[name]
             raise ValueError(f"phalanx.fully_shard does not support {name}={value!r} yet: "
                              f"leave it at its default, or use torch's fully_shard")
 

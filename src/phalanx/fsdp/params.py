@@ -57,16 +57,20 @@ class Params:
         params: the parameters, in order (each once).
         locations: for each, every ``(module, name)`` that holds it (tied weights: several).
         mesh: the 1-D mesh the shards are placed on.
+        param_dtype: the dtype of the unsharded parameters (mixed precision: the shards
+            are cast before the all-gather); default ``None``: the parameters' own.
     """
 
     def __init__(self, params: Sequence[nn.Parameter],
-                 locations: Sequence[list[tuple[nn.Module, str]]], mesh: DeviceMesh) -> None:
+                 locations: Sequence[list[tuple[nn.Module, str]]], mesh: DeviceMesh,
+                 param_dtype: torch.dtype | None = None) -> None:
         self.mesh, self.world, self.rank = mesh, mesh.size(), mesh.get_local_rank()
         self.dtype = params[0].dtype if params else torch.get_default_dtype()
+        self.compute_dtype = param_dtype or self.dtype
         self.device = params[0].device if params else torch.device(mesh.device_type)
         total = sum(padded_rows(p.shape[0], self.world) * p.shape[1:].numel() for p in params)
         self.flat = torch.zeros(total, dtype=self.dtype, device=self.device)
-        self.unsharded_flat = torch.empty(total * self.world, dtype=self.dtype, device=self.device)
+        self.unsharded_flat = torch.empty(total * self.world, dtype=self.compute_dtype, device=self.device)
         self.slots: list[Slot] = []
         offset = 0
         for p, where in zip(params, locations):
@@ -93,6 +97,11 @@ class Params:
         return Slot(where, p.shape, rows, k, offset, sharded, unsharded)
 
     # ---- the unsharded buffer ---------------------------------------------------------------
+    def gather_input(self) -> torch.Tensor:
+        """What this rank sends in the all-gather: its flat shard, in the compute dtype."""
+        return self.flat.to(self.compute_dtype)
+
+
     def _free_unsharded(self) -> None:
         self.unsharded_flat.untyped_storage().resize_(0)
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .collectives import Pending, all_gather, chunk_cat, reduce_scatter
 from .iteration import Iteration, Reduction, Stage, division
@@ -48,8 +49,13 @@ def unit_of(module: nn.Module) -> Unit | None:
 class Unit:
     """The state of one ``fully_shard`` call (see the module notes)."""
 
-    def __init__(self, module: nn.Module, params: Params, reshard_after_forward: bool | None) -> None:
-        self.module, self.params = module, params
+    def __init__(self, module: nn.Module, params: Params, reshard_after_forward: bool | None,
+                 mp_policy: MixedPrecisionPolicy) -> None:
+        self.module, self.params, self.mp_policy = module, params, mp_policy
+        # torch's clamping (FSDPParam.init_dtype_attrs): no cast where none is needed
+        reduce_dtype = mp_policy.reduce_dtype
+        self.reduce_dtype = None if reduce_dtype == params.compute_dtype else reduce_dtype
+        self._grad_sums: dict[int, torch.Tensor] = {}  # slot: gradient summed in reduce_dtype
         self.group = params.mesh.get_group()
         self.auto_reshard = reshard_after_forward is None
         self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
@@ -104,8 +110,8 @@ class Unit:
         if not p.slots:
             p.register(sharded=False)  # nothing to gather
             return
-        output = torch.empty(p.flat.numel() * p.world, dtype=p.dtype, device=p.device)
-        self._gathering = (all_gather(output, p.flat, self.group, self.name), output)
+        output = torch.empty(p.flat.numel() * p.world, dtype=p.compute_dtype, device=p.device)
+        self._gathering = (all_gather(output, p.gather_input(), self.group, self.name), output)
 
     def wait_for_unshard(self) -> None:
         if self._gathering is None:
@@ -139,6 +145,8 @@ class Unit:
         following = self.iteration.forward_next(self)
         for unit in following if self.forward_prefetch is None else self.forward_prefetch:
             unit.unshard()  # travels while this unit computes
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            return _cast(args, self.mp_policy.param_dtype), _cast(kwargs, self.mp_policy.param_dtype)
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -153,6 +161,8 @@ class Unit:
             for t in _grad_tensors(output):
                 t.register_hook(self._pre_backward)
         self.stage = Stage.IDLE
+        if self.mp_policy.output_dtype is not None:
+            return _cast(output, self.mp_policy.output_dtype)
         return output
 
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
@@ -179,21 +189,38 @@ class Unit:
         if not self.reduce_grads:
             if self.reshard_after_backward:
                 self.reshard()
+            if self.reduce_dtype is not None:  # accumulate in reduce_dtype, as torch's
+                for i, s in enumerate(self.params.slots):
+                    self._accumulate(i, s)
             return
-        slots = [s for s in self.params.slots if s.unsharded.grad is not None]
-        grads = [s.unsharded.grad for s in slots]
-        for s in slots:
-            s.unsharded.grad = None
+        slots, grads = [], []
+        for i, s in enumerate(self.params.slots):
+            self._accumulate(i, s)
+            grad = self._grad_sums.pop(i, None)
+            if grad is not None:
+                slots.append(s)
+                grads.append(grad)
         if self.reshard_after_backward:
             self.reshard()
         if grads:
             assert self.iteration is not None
             self.iteration.reductions.append(self._reduce(slots, grads))
 
+    def _accumulate(self, i: int, s: Slot) -> None:
+        """Move slot ``i``'s unsharded gradient into the running sum (in ``reduce_dtype``)."""
+        grad, s.unsharded.grad = s.unsharded.grad, None
+        if grad is None:
+            return
+        if i in self._grad_sums:
+            self._grad_sums[i] += grad
+        else:
+            self._grad_sums[i] = grad.to(self.reduce_dtype) if self.reduce_dtype else grad
+
     def _reduce(self, slots: list[Slot], grads: list[torch.Tensor]) -> Reduction:
         p = self.params
         numel = sum(s.numel for s in slots)
-        flat = torch.empty(numel * p.world, dtype=grads[0].dtype, device=p.device)
+        dtype = self.reduce_dtype or grads[0].dtype
+        flat = torch.empty(numel * p.world, dtype=dtype, device=p.device)
         chunk_cat(grads, p.world, flat)
         grads.clear()  # the unsharded gradients are freed here
         op, pre_divide, post_divide = division(flat.dtype, p.world)
@@ -212,6 +239,17 @@ def _relaid(slots: list[Slot]) -> list[Slot]:
         out.append(Slot(s.locations, s.shape, s.rows, s.padded, offset, s.sharded, s.unsharded))
         offset += s.numel
     return out
+
+
+def _cast(obj: Any, dtype: torch.dtype) -> Any:
+    """``obj`` with its floating-point tensors cast to ``dtype`` (torch's _cast_fp_tensor)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_cast(item, dtype) for item in obj)
+    if isinstance(obj, dict):
+        return {k: _cast(v, dtype) for k, v in obj.items()}
+    return obj
 
 
 def _grad_tensors(obj: Any) -> list[torch.Tensor]:
