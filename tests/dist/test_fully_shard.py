@@ -12,10 +12,14 @@ module fixture); the tests assert on its results.
 from __future__ import annotations
 
 import copy
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -25,7 +29,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from phalanx.bench.engine import GPT
 from phalanx.diagnostics import ledger
-from phalanx.fsdp import FSDPModule, fully_shard
+from phalanx import comm
+from phalanx.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from tests.harness import error_of, run_ranks
 
 STEPS = 4
@@ -266,6 +271,53 @@ def _whole(p):
     return p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
 
 
+class _Generating(GPT):
+    def last_logits(self, idx):
+        """The next token's logits of the last position, not through forward."""
+        x = self.embed(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x[:, -1]))
+
+
+def _forward_method(rank, world_size):
+    """A method other than forward: refused by torch's DTensor until registered, then equal
+    to the plain model's."""
+    torch.manual_seed(5)
+    plain = _Generating(vocab=VOCAB, tokens=TOKENS, dim=18, depth=3, heads=3)
+    model = _shard(copy.deepcopy(plain), fully_shard)
+    x = _batch(0, world_size)[0][:2]
+    out = {"unregistered": error_of(model.last_logits, x) is not None}
+    register_fsdp_forward_method(model, "last_logits")
+    with torch.no_grad():
+        out["diff"] = (model.last_logits(x) - plain.last_logits(x)).abs().max().item()
+    out["resharded_after"] = all(isinstance(p, DTensor) for p in model.blocks.parameters())
+    out["missing"] = error_of(register_fsdp_forward_method, model, "generate")
+    return out
+
+
+def _checkpoint(rank, world_size):
+    """torch.distributed.checkpoint: phalanx's state dict saved, loaded into torch's sharded
+    model, and the other way round."""
+    path = comm.all_gather_object(tempfile.mkdtemp(prefix="phalanx-fsdp-") if rank == 0 else None)[0]
+    out = {}
+    try:
+        for name, (src, dst) in {"phalanx_to_torch": (fully_shard, torch_fully_shard),
+                                 "torch_to_phalanx": (torch_fully_shard, fully_shard)}.items():
+            saved, loaded = _shard(_model(6), src), _shard(_model(7), dst)
+            dcp.save(saved.state_dict(), checkpoint_id=os.path.join(path, name))
+            state = loaded.state_dict()
+            dcp.load(state, checkpoint_id=os.path.join(path, name))
+            loaded.load_state_dict(state)
+            out[name] = all(torch.equal(p.to_local(), q.to_local())
+                            for p, q in zip(saved.parameters(), loaded.parameters()))
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
 def _prefetch(rank, world_size):
     """The collectives of two iterations, and the last one issued when blocks.0's forward
     begins: the second iteration gathers one unit ahead in the forward and the backward."""
@@ -291,6 +343,8 @@ def _all_checks(rank, world_size):
     out["errors"] = _errors(rank, world_size)
     out["prefetch"] = _prefetch(rank, world_size)
     out["features"] = _features(rank, world_size)
+    out["forward_method"] = _forward_method(rank, world_size)
+    out["checkpoint"] = _checkpoint(rank, world_size)
     return out
 
 
@@ -405,6 +459,22 @@ def test_tied_frozen_ignored(ranks, kind):
     assert first["ignored"]["plain"] == ["ln.weight"]
     grads = [out["features"]["ignored"]["ignored_grads"] for out in results]
     assert all(g != grads[0] for g in grads[1:]), grads  # each rank's own
+
+
+def test_forward_method(ranks):
+    _, results = ranks
+    for out in results:
+        res = out["forward_method"]
+        assert res["unregistered"] and res["resharded_after"], res
+        assert res["diff"] <= TOL, res
+        assert res["missing"][0] == "ValueError" and res["missing"][1].endswith(
+            "does not have a method generate"), res
+
+
+def test_distributed_checkpoint_both_ways(ranks):
+    _, results = ranks
+    for out in results:
+        assert out["checkpoint"] == {"phalanx_to_torch": True, "torch_to_phalanx": True}
 
 
 def test_prefetch(ranks):

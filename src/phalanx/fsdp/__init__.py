@@ -20,7 +20,7 @@ The files, from the call down:
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from .api import fully_shard
-from .module import FSDPModule, UnshardHandle
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 
 __all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-           "UnshardHandle", "fully_shard"]
+           "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]

@@ -3,7 +3,10 @@ torch's methods to gather, free and stop synchronising its parameters by hand.""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
+
+from torch import nn
 
 from .unit import UNIT_ATTRIBUTE, Unit, unit_of
 
@@ -22,6 +25,25 @@ def _not_yet(name: str) -> Any:
     refuse.__name__ = name
     refuse.__doc__ = f"Not supported yet: raises ``ValueError`` (torch's ``FSDPModule.{name}``)."
     return refuse
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.method_name`` gather the unit's parameters before it runs and reshard
+    after, as ``forward`` does (a ``generate()`` that does not go through ``forward``).
+    A module that is not an :class:`FSDPModule` is left as it is (torch's)."""
+    if not isinstance(module, FSDPModule):
+        return
+    method = getattr(module, method_name, None)
+    if method is None:
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    unit = module._unit()
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = unit.pre_forward(module, args, kwargs)
+        return unit.post_forward(module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)
 
 
 def _units_of(modules: list[Any]) -> list[Unit]:

@@ -71,8 +71,8 @@ class Unit:
         # next ones (iteration.py)
         self.forward_prefetch: list[Unit] | None = None
         self.backward_prefetch: list[Unit] | None = None
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward)
+        module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self.post_forward)
         for s in params.slots:
             if s.sharded.requires_grad:
                 s.unsharded.register_post_accumulate_grad_hook(self._accumulated)
@@ -130,7 +130,7 @@ class Unit:
         self.reshard()
 
     # ---- hooks ----------------------------------------------------------------------------
-    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         self.lazy_init()
         assert self.iteration is not None
         if self.stage is Stage.PRE_BACKWARD:  # a recomputation (activation checkpointing)
@@ -149,7 +149,7 @@ class Unit:
             return _cast(args, self.mp_policy.param_dtype), _cast(kwargs, self.mp_policy.param_dtype)
         return args, kwargs
 
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.stage is Stage.PRE_BACKWARD:
             return output
         assert self.iteration is not None
