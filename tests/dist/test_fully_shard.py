@@ -31,6 +31,7 @@ from phalanx.bench.engine import GPT
 from phalanx.diagnostics import ledger
 from phalanx import comm
 from phalanx.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from phalanx.fsdp.unit import unit_of
 from tests.harness import error_of, run_ranks
 
 STEPS = 4
@@ -187,6 +188,28 @@ def _by_hand(rank, world_size):
     return out
 
 
+def _memory(rank, world_size):
+    """After a backward: every unit resharded (its unsharded buffer's storage empty, the
+    root's too), no unsharded gradient left, each .grad this rank's shard only; in the
+    forward of a block, that block's unsharded buffer allocated."""
+    model = _shard(_model(2), fully_shard)
+    units = [unit_of(m) for m in (model, *model.blocks)]
+    during = []
+    model.blocks[1].register_forward_pre_hook(  # (after fully_shard's, which comes first)
+        lambda *_: during.append([u.params.unsharded_flat.untyped_storage().nbytes() for u in units]))
+    F.cross_entropy(model(_mine(_batch(0, world_size), rank)[0]), _mine(_batch(0, world_size), rank)[1]).backward()
+    total = sum(p.numel() for p in _model(2).parameters())
+    return {
+        "during": during[0],  # (root, blocks 0, 1, 2) as blocks.1's forward begins
+        "unit_bytes": [u.params.unsharded_flat.numel() * 4 for u in units],
+        "after": [u.params.unsharded_flat.untyped_storage().nbytes() for u in units],
+        "unsharded_grads": sum(s.unsharded.grad is not None for u in units for s in u.params.slots),
+        "grad_numel": sum(p.grad.to_local().numel() for p in model.parameters()),
+        "shard_numel": sum(p.to_local().numel() for p in model.parameters()),
+        "total": total,
+    }
+
+
 def _errors(rank, world_size):
     out = {}
     lin = lambda: nn.Linear(4, 4)  # noqa: E731
@@ -340,6 +363,7 @@ def _all_checks(rank, world_size):
     out["bf16_accumulation"] = _accumulation(rank, world_size, mp_policy=BF16)
     out["accumulation"] = _accumulation(rank, world_size)
     out["by_hand"] = _by_hand(rank, world_size)
+    out["memory"] = _memory(rank, world_size)
     out["errors"] = _errors(rank, world_size)
     out["prefetch"] = _prefetch(rank, world_size)
     out["features"] = _features(rank, world_size)
@@ -411,6 +435,19 @@ def test_unshard_and_reshard_by_hand(ranks):
     for out in results:
         assert out["by_hand"] == {"plain": True, "equal": True, "sharded": True,
                                   "isinstance": (True, "FSDPBlock")}
+
+
+def test_memory_held(ranks):
+    world_size, results = ranks
+    for out in results:
+        m = out["memory"]
+        root, b0, b1, b2 = m["unit_bytes"]
+        # as blocks.1's forward begins: the root (kept) and blocks.1 unsharded, blocks.0
+        # freed, blocks.2's gather under way (its buffer is allocated when it lands)
+        assert m["during"] == [root, 0, b1, 0], m
+        assert m["after"] == [0, 0, 0, 0] and m["unsharded_grads"] == 0, m
+        assert m["grad_numel"] == m["shard_numel"], m
+        assert 0.9 <= m["shard_numel"] * world_size / m["total"] <= 1.1, m  # 1/N, but padding
 
 
 def test_bad_input(ranks):
