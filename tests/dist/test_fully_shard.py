@@ -171,9 +171,16 @@ def _accumulation(rank, world_size, **kwargs):
 
 
 def _by_hand(rank, world_size):
-    """unshard() puts whole plain parameters on the module, reshard() the shards back."""
+    """unshard() puts whole plain parameters on the module, reshard() the shards back; an
+    in-place change of the shards (an optimizer's) after .to() and .float() (no-ops, allowed)
+    is what the next all-gather sends; .double() is refused before it changes anything."""
     model = _shard(_model(2), fully_shard)
+    model.to("cpu").float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
     whole = [p.detach().full_tensor() for p in model.parameters()]
+    refused = error_of(model.double)
     handle = model.blocks[0].unshard(async_op=True)
     handle.wait()
     model.unshard()
@@ -185,6 +192,7 @@ def _by_hand(rank, world_size):
     model.blocks[0].reshard()
     out["sharded"] = all(isinstance(p, DTensor) for p in model.parameters())
     out["isinstance"] = isinstance(model.blocks[1], FSDPModule), type(model.blocks[1]).__name__
+    out["refused"] = refused, {p.dtype for p in model.parameters()}
     return out
 
 
@@ -436,7 +444,10 @@ def test_unshard_and_reshard_by_hand(ranks):
     _, results = ranks
     for out in results:
         assert out["by_hand"] == {"plain": True, "equal": True, "sharded": True,
-                                  "isinstance": (True, "FSDPBlock")}
+                                  "isinstance": (True, "FSDPBlock"), "refused": (
+            ("ValueError", "phalanx.fully_shard does not support converting a sharded module yet "
+             "(torch.float32 on cpu to torch.float64 on cpu): move or convert the module before "
+             "fully_shard"), {torch.float32})}
 
 
 def test_memory_held(ranks):

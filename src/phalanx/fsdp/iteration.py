@@ -122,6 +122,7 @@ class Iteration:
         for unit in reversed(self.units):
             if unit.stage is not Stage.POST_BACKWARD:
                 unit.post_backward()
+            unit.wait_for_unshard()  # a prefetch its backward did not use lands now, not stale later
             unit.stage = Stage.IDLE
         reductions, self.reductions = self.reductions, []
         for r in reductions:

@@ -158,6 +158,20 @@ class FSDPModule:
         backward, instead of the default (the unit whose forward ended before its own)."""
         self._unit().backward_prefetch = _units_of(modules)
 
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``nn.Module._apply`` (``.to()``, ``.float()``, ``.cuda()``...): allowed when it
+        leaves the shards' dtype and device as they are; a conversion is refused before
+        anything changes (the shards view one flat buffer per unit, which it would split)."""
+        for unit in self._units(recurse=True):
+            flat = unit.params.flat
+            probe = fn(flat[:0])
+            if probe.dtype != flat.dtype or probe.device != flat.device:
+                raise ValueError(
+                    f"phalanx.fully_shard does not support converting a sharded module yet "
+                    f"({flat.dtype} on {flat.device} to {probe.dtype} on {probe.device}): "
+                    "move or convert the module before fully_shard")
+        return super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
+
     for _name in NOT_YET:
         locals()[_name] = _not_yet(_name)
     del _name
