@@ -100,17 +100,13 @@ def _refuse_unsupported(module: Any, reshard_after_forward: Any, shard_placement
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward should be a bool or None, got {reshard_after_forward!r}: "
                          "phalanx does not support resharding to a smaller world size (an int) yet")
-    refusals = {
-        "shard_placement_fn": shard_placement_fn is not None,
-        "offload_policy": type(offload_policy) is not OffloadPolicy,
-        "dp_mesh_dims": dp_mesh_dims is not None,
-    }
-    for name, refused in refusals.items():
+    for name, value, refused in (
+            ("shard_placement_fn", shard_placement_fn, shard_placement_fn is not None),
+            ("offload_policy", offload_policy, type(offload_policy) is not OffloadPolicy),
+            ("dp_mesh_dims", dp_mesh_dims, dp_mesh_dims is not None)):
         if refused:
-            value = {"shard_placement_fn": shard_placement_fn, "offload_policy": offload_policy,
-                     "dp_mesh_dims": dp_mesh_dims}[name]
             raise ValueError(f"phalanx.fully_shard does not support {name}={value!r} yet: "
-                             f"leave it at its default, or use torch's fully_shard")
+                             "leave it at its default, or use torch's fully_shard")
 
 
 def _default_mesh() -> DeviceMesh:
@@ -169,4 +165,3 @@ def _fsdp_class(cls: type) -> type:
 
 def _no_deepcopy(*args: Any) -> Any:
     raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")
-

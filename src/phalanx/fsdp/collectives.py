@@ -22,16 +22,17 @@ from ..ledger import Collective
 
 
 class Pending:
-    """A collective in flight, recorded in the ledger; :meth:`wait` completes it."""
+    """A collective in flight, recorded in the ledger; :meth:`wait` completes it. Its work
+    handle stays with it: hold the last ones in a :class:`~phalanx.comm.LastWorks`."""
 
     def __init__(self, handle: Any, record: Collective) -> None:
-        self._handle, self._record = handle, record
+        self._handle, self._record, self._done = handle, record, False
 
     def wait(self) -> None:
-        if self._handle is None:
+        if self._done:
             return
-        handle, self._handle = self._handle, None
-        self._record.wait(handle)
+        self._done = True
+        self._record.wait(self._handle)
         self._record.end()
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from ..comm import LastWorks
 from .collectives import Pending
 from .params import Slot
 
@@ -80,6 +81,9 @@ class Iteration:
         self.previous: list[Unit] = []  # the last iteration's
         self.finished: list[Unit] = []  # this iteration's units, as their forwards ended
         self._backward: list[Unit] | None = None  # of those, the ones still to go backward
+        # the last collective waited for, dropped by this thread, not Gloo's (comm.LastWorks);
+        # one only: a finished work may keep its buffers, a unit's size
+        self.last = LastWorks()
 
     # ---- prefetch -------------------------------------------------------------------------
     def begin(self) -> None:
@@ -127,3 +131,4 @@ class Iteration:
         reductions, self.reductions = self.reductions, []
         for r in reductions:
             r.finish()
+        self.last.hold(*reductions[-1:])

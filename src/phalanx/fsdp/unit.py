@@ -118,6 +118,8 @@ class Unit:
             return
         (pending, output), self._gathering = self._gathering, None
         pending.wait()
+        if self.iteration is not None:
+            self.iteration.last.hold(pending)
         self.params.fill_unsharded(output)
         self.params.register(sharded=False)
 
