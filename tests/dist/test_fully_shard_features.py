@@ -355,3 +355,33 @@ def test_prefetch(ranks):
         assert out["prefetch"]["ops"] == [gather + backward] * 2, out["prefetch"]["ops"]
         assert out["prefetch"]["at_block0"] == ["fully_shard all-gather blocks.0",
                                                 "fully_shard all-gather blocks.1"]
+
+
+def _rank_exits(rank, world_size):
+    """Rank 1 leaves after one step: rank 0's next collective, the root's all-gather of the
+    next forward, fails with phalanx's report (the ledger's), which names the unit."""
+    import os
+    from datetime import timedelta
+
+    import phalanx
+
+    phalanx.init_process_group(backend="gloo", timeout=timedelta(seconds=10))
+    model = _shard(_model(8), fully_shard)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    _step(model, opt, *_mine(_batch(0, world_size), rank))
+    if rank == 1:
+        os._exit(0)
+    try:
+        _step(model, opt, *_mine(_batch(1, world_size), rank))
+    except phalanx.RankExitedError as e:
+        return type(e).__name__, str(e), e.culprits
+    finally:
+        phalanx.destroy_process_group()
+
+
+def test_a_rank_gone_is_reported_at_the_units_collective():
+    results = run_ranks(_rank_exits, 2, init=False, timeout=60, return_exceptions=True)
+    kind, message, culprits = results[0]
+    assert kind == "RankExitedError" and culprits == [1], message
+    assert "rank 0's peer closed its connection in #" in message
+    assert "fully_shard all-gather (root) float32[" in message and "Rank(s) 1 did not answer: gone" in message
