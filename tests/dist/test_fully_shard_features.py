@@ -1,6 +1,6 @@
 """``phalanx.fully_shard`` beyond the training loop: unshard/reshard by hand, the memory it
 holds, prefetch (the order of the ledger's collectives), tied, frozen and ignored parameters
-(against torch's ``fully_shard`` and one process), methods other than forward,
+and activation checkpointing (against torch's ``fully_shard`` and one process), methods other than forward,
 ``torch.distributed.checkpoint`` both ways, and every refusal. One group of ranks per world
 size runs every check (a module fixture); the tests assert on its results.
 """
@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils.checkpoint import checkpoint
 
 from phalanx import comm
 from phalanx.bench.engine import GPT
@@ -113,10 +114,26 @@ def _errors(rank, world_size):
     return out
 
 
+class _Checkpointed(GPT):
+    """Each block's activations recomputed in the backward (non-reentrant checkpointing)."""
+
+    def forward(self, idx):
+        x = self.embed(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(self.ln(x)).flatten(0, 1)
+
+
+FEATURES = ["tied", "frozen", "ignored", "checkpointed"]
+
+
 def _variant(kind):
-    """A model with tied weights, a frozen parameter or an ignored one, and the keyword
-    arguments of fully_shard for it."""
+    """A model with tied weights, a frozen parameter or an ignored one, or checkpointed
+    blocks, and the keyword arguments of fully_shard for it."""
     model = _model(4)
+    if kind == "checkpointed":
+        torch.manual_seed(4)
+        model = _Checkpointed(vocab=VOCAB, tokens=TOKENS, dim=18, depth=3, heads=3)
     if kind == "tied":  # the head reuses the embedding (one parameter, two modules)
         model.head.weight = model.embed.weight
     elif kind == "frozen":  # frozen and trainable parameters in one unit
@@ -130,7 +147,7 @@ def _features(rank, world_size):
     """Tied weights, frozen parameters, ignored parameters: phalanx against torch (and
     torch's clip_grad_norm_ over the sharded gradients against one process's)."""
     out = {}
-    for kind in ("tied", "frozen", "ignored"):
+    for kind in FEATURES:
         base, kwargs = _variant(kind)
         models = [copy.deepcopy(base) for _ in range(2)]
         models = [_shard(m, fs, **kwargs(m)) for m, fs in zip(models, (fully_shard, torch_fully_shard))]
@@ -302,8 +319,8 @@ def test_bad_input(ranks):
     assert e["prefetch_list"][1].startswith("Expects FSDPModule but got <class 'torch.nn.modules.linear.Linear'>")
 
 
-@pytest.mark.parametrize("kind", ["tied", "frozen", "ignored"])
-def test_tied_frozen_ignored(ranks, kind):
+@pytest.mark.parametrize("kind", FEATURES)
+def test_tied_frozen_ignored_checkpointed(ranks, kind):
     """As torch's; the single process is the oracle but for the ignored parameter, whose
     gradient each rank keeps unreduced (torch's meaning of ignored_params)."""
     world_size, results = ranks
