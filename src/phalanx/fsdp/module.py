@@ -15,7 +15,9 @@ NOT_YET = ("set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce
            "set_gradient_divide_factor", "set_reduce_scatter_divide_factor",
            "set_requires_all_reduce", "set_post_optim_event", "set_unshard_in_backward",
            "set_reduce_scatter_unused_params", "set_force_sum_reduction_for_comms",
-           "reset_iter_state")
+           "reset_iter_state", "set_is_last_backward", "set_reduce_scatter_max_input_buffers",
+           "set_separate_reduce_scatter_group", "set_allocate_memory_from_process_group_for_comm",
+           "set_symm_mem_for_comm")
 
 
 def _not_yet(name: str) -> Any:
