@@ -41,6 +41,7 @@ from tests.dist.test_fully_shard import (
     _step,
     _without_key_bias,
 )
+from tests.dist.test_ddp_errors import Branchy
 from tests.harness import error_of, run_ranks
 
 
@@ -241,6 +242,27 @@ def _checkpoint(rank, world_size):
     return out
 
 
+def _unused(rank, world_size):
+    """A branch used on some ranks only, set_reduce_scatter_unused_params(True): the ranks
+    reduce the same sizes, and the result is torch's with the same setting."""
+    torch.manual_seed(9)
+    base = Branchy()
+    models = [fully_shard(copy.deepcopy(base)), torch_fully_shard(copy.deepcopy(base))]
+    opts = [torch.optim.AdamW(m.parameters(), lr=5e-3) for m in models]
+    used = []
+    for step in range(3):
+        use = (step + rank) % 2 == 0
+        used.append(use)
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        for model, opt in zip(models, opts):
+            model.set_reduce_scatter_unused_params(True)
+            model(x, use_branch=use).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return {"used": used, "vs_torch": _max_diff((p.to_local(), q.to_local())
+                                                for p, q in zip(*(m.parameters() for m in models)))}
+
+
 def _prefetch(rank, world_size):
     """The collectives of two iterations, and the last one issued when blocks.0's forward
     begins: the second iteration gathers one unit ahead in the forward and the backward."""
@@ -262,7 +284,7 @@ def _all_checks(rank, world_size):
             "errors": _errors(rank, world_size), "prefetch": _prefetch(rank, world_size),
             "features": _features(rank, world_size),
             "forward_method": _forward_method(rank, world_size),
-            "checkpoint": _checkpoint(rank, world_size)}
+            "checkpoint": _checkpoint(rank, world_size), "unused": _unused(rank, world_size)}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
@@ -357,6 +379,13 @@ def test_distributed_checkpoint_both_ways(ranks):
     _, results = ranks
     for out in results:
         assert out["checkpoint"] == {"phalanx_to_torch": True, "torch_to_phalanx": True}
+
+
+def test_parameters_unused_on_some_ranks(ranks):
+    world_size, results = ranks
+    assert len({tuple(out["unused"]["used"]) for out in results}) == 2  # the ranks differ
+    for out in results:
+        assert out["unused"]["vs_torch"] <= (0.0 if world_size == 2 else TOL), out["unused"]
 
 
 def test_prefetch(ranks):

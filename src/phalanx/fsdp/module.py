@@ -14,7 +14,7 @@ from .unit import UNIT_ATTRIBUTE, Unit, unit_of
 NOT_YET = ("set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce_hook",
            "set_gradient_divide_factor", "set_reduce_scatter_divide_factor",
            "set_requires_all_reduce", "set_post_optim_event", "set_unshard_in_backward",
-           "set_reduce_scatter_unused_params", "set_force_sum_reduction_for_comms",
+           "set_force_sum_reduction_for_comms",
            "reset_iter_state", "set_is_last_backward", "set_reduce_scatter_max_input_buffers",
            "set_separate_reduce_scatter_group", "set_allocate_memory_from_process_group_for_comm",
            "set_symm_mem_for_comm")
@@ -149,6 +149,15 @@ class FSDPModule:
         saves the next forward's all-gather during accumulation, at their memory)."""
         for unit in self._units(recurse):
             unit.reshard_after_backward = reshard_after_backward
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
+        """Whether a trainable parameter without a gradient in a backward takes part in the
+        reduce-scatter with zeros, so that ranks using different parameters (a branch taken
+        on some ranks only) still send the same sizes. Default ``False`` (torch's): such a
+        parameter is left out, and its ``.grad`` stays ``None`` when no rank used it."""
+        for unit in self._units(recurse):
+            unit.reduce_unused = reduce_scatter_unused_params
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """The units whose all-gather this unit starts once it has its parameters in the

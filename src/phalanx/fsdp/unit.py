@@ -61,6 +61,7 @@ class Unit:
         self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
         self.reshard_after_backward = True
         self.reduce_grads = True
+        self.reduce_unused = False  # set_reduce_scatter_unused_params: zeros for missing gradients
         self.stage = Stage.IDLE
         self.is_root: bool | None = None
         self.name = type(module).__name__  # its path under the root, from lazy_init on
@@ -199,6 +200,8 @@ class Unit:
         for i, s in enumerate(self.params.slots):
             self._accumulate(i, s)
             grad = self._grad_sums.pop(i, None)
+            if grad is None and self.reduce_unused and s.sharded.requires_grad:
+                grad = torch.zeros(s.shape, dtype=self.params.compute_dtype, device=self.params.device)
             if grad is not None:
                 slots.append(s)
                 grads.append(grad)
