@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from phalanx import comm
 from phalanx.bench.engine import GPT
 from phalanx.diagnostics import ledger
-from phalanx.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from phalanx.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, initialize, register_fsdp_forward_method
 from phalanx.fsdp.unit import unit_of
 from tests.dist.test_fully_shard import (
     TOKENS,
@@ -263,6 +263,48 @@ def _unused(rank, world_size):
                                                 for p, q in zip(*(m.parameters() for m in models)))}
 
 
+def _reset(module):
+    if isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm)):
+        module.reset_parameters()
+
+
+def _meta_init(rank, world_size):
+    """Built on the meta device, sharded, then initialize(): every rank's shards are its rows
+    of the model one process initialises with the same seed, with at most one unit
+    unsharded at a time; to_empty() keeps the shards; then it trains as the same model
+    built whole and sharded."""
+    with torch.device("meta"):
+        model, plain = (GPT(vocab=VOCAB, tokens=TOKENS, dim=18, depth=3, heads=3) for _ in range(2))
+    _shard(model, fully_shard)
+    model.to_empty(device="cpu")  # (buffers; the shards stay)
+    plain.to_empty(device="cpu")
+    units = [unit_of(m) for m in (model, *model.blocks)]
+    most = []
+
+    def fn(module):
+        most.append(sum(u.params.unsharded_flat.untyped_storage().nbytes() > 0 for u in units))
+        _reset(module)
+
+    torch.manual_seed(11)
+    initialize(model, fn)
+    torch.manual_seed(11)
+    plain.apply(_reset)
+    equal = all(torch.equal(p.full_tensor(), q) for p, q in zip(model.parameters(), plain.parameters()))
+    out = {"equal": equal, "most_unsharded": max(most),
+           "sharded": all(isinstance(p, DTensor) for p in model.parameters())}
+    # and it trains as the same model built whole and then sharded does, bit for bit
+    other = _shard(copy.deepcopy(plain), fully_shard)
+    for m in (model, other):
+        opt = torch.optim.AdamW(m.parameters(), lr=5e-3)
+        for step in range(2):
+            _step(m, opt, *_mine(_batch(step, world_size), rank))
+    out["trained"] = all(torch.equal(p.to_local(), q.to_local())
+                         for p, q in zip(model.parameters(), other.parameters()))
+    mixed = _shard(_model(), fully_shard, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    out["mixed"] = error_of(initialize, mixed, _reset)
+    return out
+
+
 def _prefetch(rank, world_size):
     """The collectives of two iterations, and the last one issued when blocks.0's forward
     begins: the second iteration gathers one unit ahead in the forward and the backward."""
@@ -284,7 +326,8 @@ def _all_checks(rank, world_size):
             "errors": _errors(rank, world_size), "prefetch": _prefetch(rank, world_size),
             "features": _features(rank, world_size),
             "forward_method": _forward_method(rank, world_size),
-            "checkpoint": _checkpoint(rank, world_size), "unused": _unused(rank, world_size)}
+            "checkpoint": _checkpoint(rank, world_size), "unused": _unused(rank, world_size),
+            "meta": _meta_init(rank, world_size)}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
@@ -386,6 +429,15 @@ def test_parameters_unused_on_some_ranks(ranks):
     assert len({tuple(out["unused"]["used"]) for out in results}) == 2  # the ranks differ
     for out in results:
         assert out["unused"]["vs_torch"] <= (0.0 if world_size == 2 else TOL), out["unused"]
+
+
+def test_meta_device_model_initialised_as_one_process(ranks):
+    _, results = ranks
+    for out in results:
+        m = out["meta"]
+        assert m["equal"] and m["sharded"] and m["most_unsharded"] == 1, m
+        assert m["trained"], m
+        assert m["mixed"][0] == "ValueError" and "mp_policy.param_dtype" in m["mixed"][1], m
 
 
 def test_prefetch(ranks):

@@ -12,6 +12,8 @@ The files, from the call down:
 ``params.py``
     A unit's parameters: one flat shard buffer (each parameter a DTensor viewing it), one
     unsharded buffer allocated only while unsharded, the swap between the two.
+``init.py``
+    :func:`initialize`: ``model.apply(fn)`` on a sharded model, one unit gathered at a time.
 ``collectives.py``
     The all-gather and the reduce-scatter (an all-to-all on Gloo), issued through the
     ledger; torch's flat layout.
@@ -20,7 +22,8 @@ The files, from the call down:
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from .api import fully_shard
+from .init import initialize
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 
 __all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-           "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+           "UnshardHandle", "fully_shard", "initialize", "register_fsdp_forward_method"]

@@ -145,10 +145,7 @@ def _check_params(params: list[nn.Parameter], locations: list[list[tuple[nn.Modu
         if p.dim() == 0:
             raise ValueError("fully_shard doesn't support scalar parameters. "
                              f"Change {name} to a 1D tensor with numel equal to 1.")
-        if p.device.type == "meta":
-            raise ValueError(f"phalanx.fully_shard does not support parameters on the meta device "
-                             f"yet ({name}): materialise the module first")
-        if p.device.type != mesh.device_type:
+        if p.device.type not in ("meta", mesh.device_type):
             raise ValueError(f"fully_shard: parameter {name} is on {p.device}, the mesh on "
                              f"{mesh.device_type}: move the module to the mesh's device first")
     dtypes = sorted({str(p.dtype) for p in params})

@@ -169,11 +169,13 @@ class FSDPModule:
         backward, instead of the default (the unit whose forward ended before its own)."""
         self._unit().backward_prefetch = _units_of(modules)
 
-    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """``nn.Module._apply`` (``.to()``, ``.float()``, ``.cuda()``...): allowed when it
-        leaves the shards' dtype and device as they are; a conversion is refused before
-        anything changes (the shards view one flat buffer per unit, which it would split)."""
-        for unit in self._units(recurse=True):
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``nn.Module._apply`` (``.to()``, ``.float()``, ``.to_empty()``...): the shards stay
+        where they are (they view one flat buffer per unit) when ``fn`` keeps their dtype and
+        device; a conversion is refused before anything changes. Buffers and parameters
+        outside the units are ``fn``'s."""
+        units = self._units(recurse=True)
+        for unit in units:
             flat = unit.params.flat
             probe = fn(flat[:0])
             if probe.dtype != flat.dtype or probe.device != flat.device:
@@ -181,7 +183,8 @@ class FSDPModule:
                     f"phalanx.fully_shard does not support converting a sharded module yet "
                     f"({flat.dtype} on {flat.device} to {probe.dtype} on {probe.device}): "
                     "move or convert the module before fully_shard")
-        return super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
+        kept = {id(p) for u in units for s in u.params.slots for p in (s.sharded, s.unsharded)}
+        return super()._apply(lambda t: t if id(t) in kept else fn(t), recurse)  # type: ignore[misc]
 
     for _name in NOT_YET:
         locals()[_name] = _not_yet(_name)

@@ -67,7 +67,9 @@ class Params:
         self.mesh, self.world, self.rank = mesh, mesh.size(), mesh.get_local_rank()
         self.dtype = params[0].dtype if params else torch.get_default_dtype()
         self.compute_dtype = param_dtype or self.dtype
-        self.device = params[0].device if params else torch.device(mesh.device_type)
+        # (parameters on the meta device get shards on the mesh's: initialize() fills them)
+        on_meta = not params or params[0].is_meta
+        self.device = torch.device(mesh.device_type) if on_meta else params[0].device
         total = sum(padded_rows(p.shape[0], self.world) * p.shape[1:].numel() for p in params)
         self.flat = torch.zeros(total, dtype=self.dtype, device=self.device)
         self.unsharded_flat = torch.empty(total * self.world, dtype=self.compute_dtype, device=self.device)
@@ -86,8 +88,9 @@ class Params:
         rows = min(start + k, p.shape[0]) - start
         width = p.shape[1:].numel()
         local = self.flat[offset:offset + k * width].view(k, *p.shape[1:])[:rows]
-        with torch.no_grad():
-            local.copy_(p.detach()[start:start + rows])
+        if not p.is_meta:
+            with torch.no_grad():
+                local.copy_(p.detach()[start:start + rows])
         dtensor = DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False,
                                      shape=p.shape, stride=_contiguous_stride(p.shape))
         sharded = nn.Parameter(dtensor, requires_grad=p.requires_grad)
@@ -122,6 +125,14 @@ class Params:
                                         dim=1, out=outs)
         for s in self.slots:
             s.unsharded.requires_grad_(s.sharded.requires_grad)
+
+    def keep_own_rows(self) -> None:
+        """Copy this rank's rows of the unsharded parameters into the shards (after an
+        initialisation changed them alike on every rank)."""
+        with torch.no_grad():
+            for s in self.slots:
+                start = min(self.rank * s.padded, s.shape[0])
+                s.shard_of(self.flat).copy_(s.unsharded.detach()[start:start + s.rows])
 
     # ---- which form the modules hold --------------------------------------------------------
     def register(self, sharded: bool) -> None:
