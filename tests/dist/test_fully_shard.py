@@ -139,9 +139,10 @@ def _state_dicts(ours, theirs):
     }
 
 
-def _accumulation(rank, world_size, **kwargs):
+def _accumulation(rank, world_size, sync_first=False, **kwargs):
     """Two micro-batches, the first without gradient sync: equal to torch's, and no
-    reduce-scatter recorded for the first backward."""
+    reduce-scatter recorded for the first backward (``sync_first``: both synchronised, the
+    second reduce-scatter's shards added to the first's .grad)."""
     base = _model(1)
     ours = _shard(copy.deepcopy(base), fully_shard, **kwargs)
     theirs = _shard(copy.deepcopy(base), torch_fully_shard, **kwargs)
@@ -149,7 +150,7 @@ def _accumulation(rank, world_size, **kwargs):
     counts = []
     for model in (ours, theirs):
         for micro in range(2):
-            model.set_requires_gradient_sync(micro == 1)
+            model.set_requires_gradient_sync(sync_first or micro == 1)
             x, y = _mine(_batch(50 + micro, world_size), rank)
             before = log.next_seq
             F.cross_entropy(model(x), y).backward()
@@ -166,6 +167,7 @@ def _all_checks(rank, world_size):
     out["bf16"] = _train(rank, world_size, None, mp_policy=BF16)
     out["accumulation"] = _accumulation(rank, world_size)
     out["bf16_accumulation"] = _accumulation(rank, world_size, mp_policy=BF16)
+    out["synced_accumulation"] = _accumulation(rank, world_size, sync_first=True)
     return out
 
 
@@ -220,6 +222,9 @@ def test_state_dict_is_torchs(ranks, case):
 def test_accumulation_without_sync_sends_nothing(ranks):
     world_size, results = ranks
     for rank, out in enumerate(results):
+        synced = out["synced_accumulation"]
+        assert synced["reduce_scatters"] == [4, 4], (rank, synced)
+        assert synced["grad_diff"] <= (0.0 if world_size == 2 else TOL), (rank, synced)
         acc = out["accumulation"]
         assert acc["grad_diff"] <= (0.0 if world_size == 2 else TOL), (rank, acc["grad_diff"])
         assert acc["reduce_scatters"] == [0, 4], (rank, acc["reduce_scatters"])  # 3 blocks + root
