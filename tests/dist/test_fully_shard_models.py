@@ -32,6 +32,7 @@ from tests.dist.test_fully_shard import (
     TOL,
     VOCAB,
     _batch,
+    _chunk,
     _max_diff,
     _mine,
     _model,
@@ -170,24 +171,35 @@ def _checkpoint(rank, world_size):
 
 
 def _unused(rank, world_size):
-    """A branch used on some ranks only, set_reduce_scatter_unused_params(True): the ranks
-    reduce the same sizes, and the result is torch's with the same setting."""
+    """A branch used on some ranks only (on none at step 0). phalanx, with or without
+    set_reduce_scatter_unused_params, against torch's with it (torch's without it aborts in
+    Gloo: the ranks' reduce-scatters differ in size). SGD without weight decay, where a zero
+    gradient and none are the same step; phalanx without the setting leaves the branch's
+    .grad None when no rank used it."""
     torch.manual_seed(9)
     base = Branchy()
-    models = [fully_shard(copy.deepcopy(base)), torch_fully_shard(copy.deepcopy(base))]
-    opts = [torch.optim.AdamW(m.parameters(), lr=5e-3) for m in models]
-    used = []
-    for step in range(3):
-        use = (step + rank) % 2 == 0
+    models = [fully_shard(copy.deepcopy(base)), fully_shard(copy.deepcopy(base)),
+              torch_fully_shard(copy.deepcopy(base))]
+    models[1].set_reduce_scatter_unused_params(True)
+    models[2].set_reduce_scatter_unused_params(True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    used, branch_grads = [], []
+    for step in range(4):
+        use = step > 0 and (step + rank) % 2 == 0
         used.append(use)
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
         for model, opt in zip(models, opts):
-            model.set_reduce_scatter_unused_params(True)
             model(x, use_branch=use).pow(2).mean().backward()
+        branch_grads.append([m.branch.weight.grad is not None for m in models])
+        for opt in opts:
             opt.step()
             opt.zero_grad()
-    return {"used": used, "vs_torch": _max_diff((p.to_local(), q.to_local())
-                                                for p, q in zip(*(m.parameters() for m in models)))}
+    params = [list(m.parameters()) for m in models]
+    return {"used": used, "branch_grads": branch_grads,
+            "vs_torch": [_max_diff((p.to_local(), q.to_local()) for p, q in zip(mine, params[2]))
+                         for mine in params[:2]],
+            "moved": _max_diff((p.to_local(), _chunk(q.detach(), world_size, rank))
+                               for p, q in zip(params[0], base.parameters()))}
 
 
 def _reset(module):
@@ -289,7 +301,12 @@ def test_parameters_unused_on_some_ranks(ranks):
     world_size, results = ranks
     assert len({tuple(out["unused"]["used"]) for out in results}) == 2  # the ranks differ
     for out in results:
-        assert out["unused"]["vs_torch"] <= (0.0 if world_size == 2 else TOL), out["unused"]
+        res = out["unused"]
+        assert res["moved"] > 1e-3, res
+        assert max(res["vs_torch"]) <= (0.0 if world_size == 2 else TOL), res
+        # step 0, no rank used the branch: None without the setting, zeros with it (torch's)
+        assert res["branch_grads"][0] == [False, True, True], res
+        assert all(g == [True, True, True] for g in res["branch_grads"][1:]), res
 
 
 def test_meta_device_model_initialised_as_one_process(ranks):

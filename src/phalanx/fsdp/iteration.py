@@ -49,7 +49,8 @@ def division(dtype: torch.dtype, world: int) -> tuple[Any, float | None, float |
 
 class Reduction:
     """One unit's reduce-scatter in flight and where its result goes: ``output`` is laid out
-    like the shards of ``slots`` (their offsets count in it)."""
+    like the shards of ``slots`` (their offsets count in it), then one flag per slot (above
+    zero: some rank had its gradient)."""
 
     def __init__(self, pending: Pending, output: torch.Tensor, slots: list[Slot],
                  post_divide: float | None, mesh: Any) -> None:
@@ -61,7 +62,10 @@ class Reduction:
         with torch.no_grad():
             if self.post_divide not in (None, 1):
                 self.output.div_(self.post_divide)
-            for s in self.slots:
+            used = self.output[-len(self.slots):].tolist()
+            for s, flag in zip(self.slots, used):
+                if flag <= 0:
+                    continue  # no rank had a gradient for it: .grad stays as it is (torch's)
                 grad = s.shard_of(self.output).to(s.sharded.dtype)
                 if s.sharded.grad is None:
                     s.sharded.grad = DTensor.from_local(grad, self.mesh, [Shard(0)], run_check=False,

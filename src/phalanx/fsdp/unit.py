@@ -68,6 +68,7 @@ class Unit:
         self.iteration: Iteration | None = None
         self._gathering: tuple[Pending, torch.Tensor] | None = None
         self._remaining = 0
+        self._forward_since_reduce = False
         # set_modules_to_forward_prefetch / _backward_prefetch: these units instead of the
         # next ones (iteration.py)
         self.forward_prefetch: list[Unit] | None = None
@@ -161,6 +162,9 @@ class Unit:
             self.reshard()
         self._remaining = sum(s.sharded.requires_grad for s in self.params.slots)
         if torch.is_grad_enabled():
+            # the next synchronised backward reduces this unit on every rank (its forward ran
+            # on every rank: its all-gather did), whichever gradients each rank has
+            self._forward_since_reduce = True
             for t in _grad_tensors(output):
                 t.register_hook(self._pre_backward)
         self.stage = Stage.IDLE
@@ -196,20 +200,15 @@ class Unit:
                 for i, s in enumerate(self.params.slots):
                     self._accumulate(i, s)
             return
-        slots, grads = [], []
         for i, s in enumerate(self.params.slots):
             self._accumulate(i, s)
-            grad = self._grad_sums.pop(i, None)
-            if grad is None and self.reduce_unused and s.sharded.requires_grad:
-                grad = torch.zeros(s.shape, dtype=self.params.compute_dtype, device=self.params.device)
-            if grad is not None:
-                slots.append(s)
-                grads.append(grad)
         if self.reshard_after_backward:
             self.reshard()
-        if grads:
+        trainable = [(i, s) for i, s in enumerate(self.params.slots) if s.sharded.requires_grad]
+        if self._forward_since_reduce and trainable:
+            self._forward_since_reduce = False
             assert self.iteration is not None
-            self.iteration.reductions.append(self._reduce(slots, grads))
+            self.iteration.reductions.append(self._reduce(trainable))
 
     def _accumulate(self, i: int, s: Slot) -> None:
         """Move slot ``i``'s unsharded gradient into the running sum (in ``reduce_dtype``)."""
@@ -221,20 +220,30 @@ class Unit:
         else:
             self._grad_sums[i] = grad.to(self.reduce_dtype) if self.reduce_dtype else grad
 
-    def _reduce(self, slots: list[Slot], grads: list[torch.Tensor]) -> Reduction:
+    def _reduce(self, trainable: list[tuple[int, Slot]]) -> Reduction:
+        """One reduce-scatter of every trainable parameter's gradient, zeros where this rank
+        has none, and after each rank's chunk one flag per parameter (1: this rank has its
+        gradient): every rank sends the same sizes whichever parameters it used, and learns
+        which ones some rank used (a parameter no rank used keeps ``.grad`` as it is)."""
         p = self.params
-        numel = sum(s.numel for s in slots)
-        dtype = self.reduce_dtype or grads[0].dtype
+        dtype = self.reduce_dtype or p.compute_dtype
+        grads, used = [], []
+        for i, s in trainable:
+            grad = self._grad_sums.pop(i, None)
+            used.append(grad is not None or self.reduce_unused)
+            grads.append(torch.zeros(s.shape, dtype=dtype, device=p.device) if grad is None else grad)
+        flags = torch.tensor(used, dtype=dtype, device=p.device).expand(p.world, -1)
+        slots = _relaid([s for _, s in trainable])
+        numel = sum(s.numel for s in slots) + len(slots)
         flat = torch.empty(numel * p.world, dtype=dtype, device=p.device)
-        chunk_cat(grads, p.world, flat)
+        chunk_cat([*grads, flags], p.world, flat)
         grads.clear()  # the unsharded gradients are freed here
-        op, pre_divide, post_divide = division(flat.dtype, p.world)
+        op, pre_divide, post_divide = division(dtype, p.world)
         if pre_divide not in (None, 1):
             flat.div_(pre_divide)
-        output = torch.empty(numel, dtype=flat.dtype, device=p.device)
+        output = torch.empty(numel, dtype=dtype, device=p.device)
         pending = reduce_scatter(output, flat, op, self.group, self.name)
-        # the output is laid out like the shards of the parameters with gradients
-        return Reduction(pending, output, _relaid(slots), post_divide, p.mesh)
+        return Reduction(pending, output, slots, post_divide, p.mesh)
 
 
 def _relaid(slots: list[Slot]) -> list[Slot]:
