@@ -5,7 +5,8 @@ data. At world 3 Gloo's ring adds in another order than rank order: bit for bit 
 integer-valued data (exact in any order), within a few rounding steps on random data.
 
 fully_shard's layout (``chunk_cat``) is checked against torch's own copy-in,
-``torch._chunk_cat``, on uneven sizes; the ledger-issued form is checked to be recorded.
+``torch._chunk_cat``, on uneven sizes; the ledger-issued form is checked to be recorded; the
+bytes each rank writes are counted.
 """
 
 from __future__ import annotations
@@ -86,8 +87,31 @@ def _layout_and_ledger(rank, world_size):
     return out
 
 
+def _written() -> int:
+    """Bytes this process has written (sockets included: /proc/self/io's wchar)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
+
+
+def _bytes_sent(rank, world_size):
+    """Bytes each rank writes for one reduce-scatter of 4 MiB per rank, as a fraction of the
+    input: Gloo's (an all-reduce and a slice) and phalanx's (an all-to-all)."""
+    n = 1 << 20  # fp32 elements per rank's chunk
+    x, out = torch.randn(n * world_size), torch.empty(n)
+    sent = {}
+    for name, run in (("gloo", lambda: dist.reduce_scatter_single(out, x)),
+                      ("phalanx", lambda: comm.reduce_scatter_async(out, x).wait())):
+        dist.barrier()
+        before = _written()
+        run()
+        sent[name] = (_written() - before) / x.numel() / x.element_size()
+        dist.barrier()
+    return sent
+
+
 def _all_checks(rank, world_size):
-    return {"compare": _compare(rank, world_size), "layout": _layout_and_ledger(rank, world_size)}
+    return {"compare": _compare(rank, world_size), "layout": _layout_and_ledger(rank, world_size),
+            "sent": _bytes_sent(rank, world_size)}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
@@ -114,6 +138,17 @@ def test_uneven_layout_is_torchs_and_averages(ranks):
         # torch.chunk's rows: 5 rows on 2 ranks are 3 + 2, on 3 ranks 2 + 2 + 1; 1 row: 1 + 0...
         expected = {2: [[3, 2, 1, 4], [2, 1, 0, 4]], 3: [[2, 1, 1, 3], [2, 1, 0, 3], [1, 1, 0, 2]]}
         assert lay["rows"] == expected[world_size][rank], (rank, lay["rows"])
+
+
+def test_bytes_sent_per_rank(ranks):
+    """(N-1)/N of the input per rank, as a ring reduce-scatter; Gloo's sends twice that,
+    what an all-reduce sends. (Counted in bytes written, not timed; 1% for the few bytes
+    of everything else the process writes meanwhile.)"""
+    world_size, results = ranks
+    for out in results:
+        share = (world_size - 1) / world_size
+        assert abs(out["sent"]["phalanx"] - share) <= 0.01, out["sent"]
+        assert abs(out["sent"]["gloo"] - 2 * share) <= 0.01, out["sent"]
 
 
 def test_recorded_in_the_ledger(ranks):
