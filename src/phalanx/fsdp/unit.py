@@ -13,8 +13,10 @@ The life of a unit in one iteration (torch's FSDP2 order):
 * **pre-backward** (that tensor hook): all-gather again if resharded.
 * **post-backward**: when the last of its parameters has accumulated its gradient (a
   post-accumulate-grad hook on each unsharded parameter), the unsharded gradients go into
-  one flat buffer (torch's layout), are freed, and one reduce-scatter (averaging over the
-  ranks) starts; the parameters are resharded.
+  one flat buffer (torch's layout; zeros for a trainable parameter this rank has no
+  gradient for, and a flag per parameter, so that every rank sends the same sizes), are
+  freed, and one reduce-scatter (averaging over the ranks) starts; the parameters are
+  resharded.
 * **end of backward** (an autograd-engine callback, queued by the first pre-backward):
   units whose backward did not finish (parameters without gradients) finish now; every
   reduce-scatter is waited for and its slices become the sharded ``.grad`` DTensors
