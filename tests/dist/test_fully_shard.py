@@ -5,7 +5,8 @@ every rank, sharded by phalanx and by torch, and a plain copy trains on the glob
 (every rank's batch together) in one process. After several AdamW steps phalanx's shards
 must equal torch's bit for bit at world 2 (a sum of two rounds once, whatever the order) and
 within 1e-6 at world 3 (Gloo's ring adds in another order than phalanx's rank order), and
-the single-process run within 1e-6. One group of ranks per world size runs every check (a
+the single-process run within 1e-6 (less the key biases, whose exact gradient is zero: see
+``_without_key_bias``). One group of ranks per world size runs every check (a
 module fixture); the tests assert on its results.
 """
 
