@@ -14,6 +14,8 @@ The files, from the call down:
     unsharded buffer allocated only while unsharded, the swap between the two.
 ``init.py``
     :func:`initialize`: ``model.apply(fn)`` on a sharded model, one unit gathered at a time.
+``clip.py``
+    :func:`clip_grad_norm_` over sharded and plain gradients together.
 ``collectives.py``
     The all-gather and the reduce-scatter (an all-to-all on Gloo), issued through the
     ledger; torch's flat layout.
@@ -22,8 +24,9 @@ The files, from the call down:
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from .api import fully_shard
+from .clip import clip_grad_norm_
 from .init import initialize
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 
 __all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-           "UnshardHandle", "fully_shard", "initialize", "register_fsdp_forward_method"]
+           "UnshardHandle", "clip_grad_norm_", "fully_shard", "initialize", "register_fsdp_forward_method"]
