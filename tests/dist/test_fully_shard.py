@@ -140,26 +140,29 @@ def _state_dicts(ours, theirs):
     }
 
 
-def _accumulation(rank, world_size, sync_first=False, **kwargs):
+def _accumulation(rank, world_size, sync_first=False, keep=False, **kwargs):
     """Two micro-batches, the first without gradient sync: equal to torch's, and no
     reduce-scatter recorded for the first backward (``sync_first``: both synchronised, the
-    second reduce-scatter's shards added to the first's .grad)."""
+    second reduce-scatter's shards added to the first's .grad; ``keep``: the first backward
+    does not reshard either, so the second forward gathers nothing)."""
     base = _model(1)
     ours = _shard(copy.deepcopy(base), fully_shard, **kwargs)
     theirs = _shard(copy.deepcopy(base), torch_fully_shard, **kwargs)
     log = ledger().logs["world"]
-    counts = []
+    counts, gathers = [], []
     for model in (ours, theirs):
         for micro in range(2):
             model.set_requires_gradient_sync(sync_first or micro == 1)
+            model.set_reshard_after_backward(not keep or micro == 1)
             x, y = _mine(_batch(50 + micro, world_size), rank)
             before = log.next_seq
             F.cross_entropy(model(x), y).backward()
             if model is ours:  # (the log keeps the last 64 records: enough for one backward)
                 counts.append(sum("reduce-scatter" in r.op for r in log.records if r.seq >= before))
+                gathers.append(sum("all-gather" in r.op for r in log.records if r.seq >= before))
     return {"grad_diff": _max_diff((p.grad.to_local(), q.grad.to_local())
                                    for p, q in zip(ours.parameters(), theirs.parameters())),
-            "reduce_scatters": counts,
+            "reduce_scatters": counts, "all_gathers": gathers,
             "ops": sorted({r.op for r in log.records if r.op.startswith("fully_shard")})}
 
 
@@ -169,6 +172,7 @@ def _all_checks(rank, world_size):
     out["accumulation"] = _accumulation(rank, world_size)
     out["bf16_accumulation"] = _accumulation(rank, world_size, mp_policy=BF16)
     out["synced_accumulation"] = _accumulation(rank, world_size, sync_first=True)
+    out["kept_accumulation"] = _accumulation(rank, world_size, keep=True)
     return out
 
 
@@ -223,6 +227,11 @@ def test_state_dict_is_torchs(ranks, case):
 def test_accumulation_without_sync_sends_nothing(ranks):
     world_size, results = ranks
     for rank, out in enumerate(results):
+        kept = out["kept_accumulation"]
+        assert kept["reduce_scatters"] == [0, 4], (rank, kept)
+        # 4 units forward, 3 blocks again backward; kept: the second forward gathers nothing
+        assert kept["all_gathers"] == [7, 3] and out["accumulation"]["all_gathers"] == [7, 7], (rank, kept)
+        assert kept["grad_diff"] <= (0.0 if world_size == 2 else TOL), (rank, kept)
         synced = out["synced_accumulation"]
         assert synced["reduce_scatters"] == [4, 4], (rank, synced)
         assert synced["grad_diff"] <= (0.0 if world_size == 2 else TOL), (rank, synced)
