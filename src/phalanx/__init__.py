@@ -40,6 +40,9 @@ _LAZY = {
     "TrainingState": "checkpoint",
     "PreemptionHandler": "checkpoint",
     "DistributedDataParallel": "ddp",
+    # (fully_shard and FSDPModule: to join __all__ with their row in the README's API table)
+    "FSDPModule": "fsdp",
+    "fully_shard": "fsdp",
     "DiLoCo": "model_averaging",
     "LocalSGD": "model_averaging",
     "barrier": "process_group",
@@ -66,6 +69,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .batch import accumulation_steps
     from .checkpoint import Checkpointer, PreemptionHandler, TrainingState
     from .ddp import DistributedDataParallel
+    from .fsdp import FSDPModule, fully_shard
     from .diagnostics import straggler_report
     from .metrics import MetricSum
     from .model_averaging import DiLoCo, LocalSGD

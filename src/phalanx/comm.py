@@ -200,3 +200,86 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
 # torch 2.13 deprecates all_gather_into_tensor (a FutureWarning at every call) for
 # all_gather_single, which torch 2.10, the oldest phalanx supports, does not have.
 all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# ---- reduce-scatter ------------------------------------------------------------------------
+# Gloo's reduce_scatter_tensor is an all-reduce of the whole input followed by a slice
+# (pytorch/pytorch#118911): with a ring all-reduce each rank sends 2(N-1)/N of the input,
+# twice what a reduce-scatter needs. On Gloo, phalanx sends each rank its chunk with one
+# all_to_all_single ((N-1)/N of the input per rank, as a ring reduce-scatter) and reduces the
+# N received chunks locally. Every other backend (NCCL) keeps its own reduce_scatter_tensor.
+_LOCAL_REDUCE = {
+    "SUM": torch.Tensor.add_,
+    "AVG": torch.Tensor.add_,  # then divided by the group's size
+    "PRODUCT": torch.Tensor.mul_,
+    "MIN": lambda acc, t: torch.minimum(acc, t, out=acc),
+    "MAX": lambda acc, t: torch.maximum(acc, t, out=acc),
+}
+_REDUCE_OPS = {getattr(dist.ReduceOp, name): name for name in _LOCAL_REDUCE}
+
+
+class PendingReduceScatter:
+    """A reduce-scatter in flight (:func:`reduce_scatter_async`); :meth:`wait` completes it
+    and fills its output. Hold it in a :class:`LastWorks` after ``wait()`` when it may be a
+    script's last collective."""
+
+    def __init__(self, work: Any, received: torch.Tensor | None, output: torch.Tensor,
+                 op: str, world: int) -> None:
+        self._work, self._received, self._output = work, received, output
+        self._op, self._world = op, world
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+        if self._received is None:  # the backend's own reduce-scatter filled the output
+            return
+        rows = self._received.view(self._world, -1)
+        with torch.no_grad():
+            out = self._output.view(-1)
+            out.copy_(rows[0])
+            reduce = _LOCAL_REDUCE[self._op]
+            for row in rows[1:]:  # in rank order, each step rounded to the dtype, as Gloo's
+                reduce(out, row)
+            if self._op == "AVG":
+                out.div_(self._world)
+        self._received = None
+
+
+# torch 2.13 deprecates reduce_scatter_tensor (a FutureWarning at every call) for
+# reduce_scatter_single, which torch 2.10 does not have (as all_gather_tensor above).
+_native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,
+                         group: dist.ProcessGroup | None = None) -> PendingReduceScatter:
+    """Start ``torch.distributed.reduce_scatter_tensor(output, input, op, group)``: rank ``r``
+    of ``group`` gets chunk ``r`` of ``input`` (``world`` equal chunks of ``output``'s size)
+    reduced over the ranks. Call ``wait()`` on the result before reading ``output``.
+
+    On Gloo with CPU tensors it is one ``all_to_all_single`` and a local reduction in rank
+    order (see the notes above); elsewhere, the backend's own reduce-scatter.
+    ``op``: ``SUM``, ``AVG``, ``PRODUCT``, ``MIN`` or ``MAX``.
+    """
+    world = dist.get_world_size(group)
+    name = _REDUCE_OPS.get(op)
+    if name is None:
+        raise ValueError(f"reduce_scatter supports ReduceOp SUM, AVG, PRODUCT, MIN and MAX, got {op}")
+    if input.numel() != output.numel() * world or input.dtype != output.dtype:
+        raise ValueError(
+            "input tensor must be the same type as the output tensor and its size must be "
+            f"{world} (the group's size) times the output's: got input {input.dtype}"
+            f"[{input.numel()}], output {output.dtype}[{output.numel()}]")
+    if not (input.is_contiguous() and output.is_contiguous()):
+        raise ValueError("reduce_scatter needs contiguous input and output tensors")
+    if dist.get_backend(group) != "gloo" or input.device.type != "cpu":
+        work = _native_reduce_scatter(output, input, op=op, group=group, async_op=True)
+        return PendingReduceScatter(work, None, output, name, world)
+    received = torch.empty_like(input).view(-1)
+    work = dist.all_to_all_single(received, input.view(-1), group=group, async_op=True)
+    return PendingReduceScatter(work, received, output, name, world)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,
+                          group: dist.ProcessGroup | None = None) -> None:
+    """:func:`reduce_scatter_async`, waited for."""
+    reduce_scatter_async(output, input, op, group).wait()

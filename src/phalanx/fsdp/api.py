@@ -1,0 +1,164 @@
+"""``fully_shard``: torch 2.13's signature; what phalanx does not support yet is refused by
+name (a ``ValueError``), never ignored."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+from ..errors import NotInitializedError
+from .module import FSDPModule
+from .params import Params
+from .unit import UNIT_ATTRIBUTE, Unit
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
+) -> FSDPModule:
+    """Shard ``module``'s parameters across the ranks: one unit, gathered for its forward and
+    backward, its gradients reduce-scattered right after its backward.
+
+    Call it bottom-up: on each block, then on the root. A call makes one unit of the
+    parameters of ``module`` not already in a unit below it; each parameter becomes a
+    DTensor sharded on dim 0 (``Shard(0)`` on a 1-D mesh, as torch's ``fully_shard``, so
+    state dicts and ``torch.distributed.checkpoint`` interoperate), the unit's shards one
+    flat buffer. ``module``'s class becomes ``FSDP<Class>``, a :class:`FSDPModule`.
+
+    Args:
+        module (nn.Module): the module to shard (not a list of modules).
+        mesh (DeviceMesh, optional): a 1-D mesh. Default: the default group's ranks, on the
+            accelerator if there is one, else the CPU.
+        reshard_after_forward (bool, optional): free the unsharded parameters after the
+            forward and gather them again for the backward. Default ``None``: ``True``, but
+            ``False`` for the root (the unit whose forward runs first).
+        shard_placement_fn: only ``None`` (dim-0 shards).
+        mp_policy (MixedPrecisionPolicy): the unsharded parameters' dtype (``param_dtype``:
+            the shards are cast before the all-gather), the gradients' reduction dtype
+            (``reduce_dtype``), the casts of the forward's inputs and outputs, as torch's.
+            Default: none (the parameters' own dtype throughout).
+        offload_policy (OffloadPolicy): only the default (no offload).
+        ignored_params (set of nn.Parameter, optional): parameters left as they are: not
+            sharded, their gradients not reduced.
+        dp_mesh_dims: only ``None``.
+
+    Returns:
+        ``module``, now an :class:`FSDPModule`.
+
+    Raises:
+        ValueError: for what phalanx does not support yet, naming it, and for torch's own
+            refusals (containers without ``forward``, scalar parameters, a second call on one
+            module).
+
+    Example::
+
+        >>> for block in model.blocks:
+        ...     phalanx.fully_shard(block)
+        >>> phalanx.fully_shard(model)
+        >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    """
+    _refuse_unsupported(module, reshard_after_forward, shard_placement_fn, offload_policy,
+                        dp_mesh_dims)
+    mesh = mesh or _default_mesh()
+    if mesh.ndim != 1:
+        raise ValueError(f"fully_shard expects a 1D DeviceMesh but got {mesh}: phalanx does not "
+                         "support HSDP (a 2D mesh) yet")
+    params, locations = _managed_params(module, ignored_params or set())
+    _check_params(params, locations, mesh)
+    # torch's clamping: no cast for a parameter already in param_dtype (or not floating)
+    floating = params and params[0].dtype.is_floating_point
+    param_dtype = mp_policy.param_dtype if floating and mp_policy.param_dtype != params[0].dtype else None
+    unit = Unit(module, Params(params, locations, mesh, param_dtype), reshard_after_forward, mp_policy)
+    module.__dict__[UNIT_ATTRIBUTE] = unit
+    module.__class__ = _fsdp_class(type(module))
+    return module  # type: ignore[return-value]
+
+
+def _refuse_unsupported(module: Any, reshard_after_forward: Any, shard_placement_fn: Any,
+                        offload_policy: Any, dp_mesh_dims: Any) -> None:
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"fully_shard expects an nn.Module, got {type(module).__name__}: phalanx "
+                         "does not support fully_shard on a list of modules yet")
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+        raise ValueError(f"fully_shard does not support containers that do not implement forward: {module}")
+    if isinstance(module, FSDPModule):
+        raise ValueError("fully_shard has already been applied to this module "
+                         f"({type(module).__name__}): each module can be sharded once")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward should be a bool or None, got {reshard_after_forward!r}: "
+                         "phalanx does not support resharding to a smaller world size (an int) yet")
+    for name, value, refused in (
+            ("shard_placement_fn", shard_placement_fn, shard_placement_fn is not None),
+            ("offload_policy", offload_policy, type(offload_policy) is not OffloadPolicy),
+            ("dp_mesh_dims", dp_mesh_dims, dp_mesh_dims is not None)):
+        if refused:
+            raise ValueError(f"phalanx.fully_shard does not support {name}={value!r} yet: "
+                             "leave it at its default, or use torch's fully_shard")
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise NotInitializedError("fully_shard needs a process group: call "
+                                  "phalanx.init_process_group() first")
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return init_device_mesh(accelerator.type if accelerator else "cpu", (dist.get_world_size(),))
+
+
+def _managed_params(module: nn.Module, ignored: set[nn.Parameter]
+                    ) -> tuple[list[nn.Parameter], list[list[tuple[nn.Module, str]]]]:
+    """The parameters of ``module`` and of its submodules not in a unit already (each once,
+    with every place it is held), as torch's ``_get_managed_states``."""
+    where: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
+
+    def visit(m: nn.Module, seen: set[nn.Module]) -> None:
+        if m is not module and isinstance(m, FSDPModule):
+            return
+        seen.add(m)
+        for name, p in m.named_parameters(recurse=False, remove_duplicate=False):
+            if p not in ignored:
+                where.setdefault(p, []).append((m, name))
+        for child in m.children():
+            if child not in seen:
+                visit(child, seen)
+
+    visit(module, set())
+    return list(where), list(where.values())
+
+
+def _check_params(params: list[nn.Parameter], locations: list[list[tuple[nn.Module, str]]],
+                  mesh: DeviceMesh) -> None:
+    for p, where in zip(params, locations):
+        name = where[0][1]
+        if p.dim() == 0:
+            raise ValueError("fully_shard doesn't support scalar parameters. "
+                             f"Change {name} to a 1D tensor with numel equal to 1.")
+        if p.device.type not in ("meta", mesh.device_type):
+            raise ValueError(f"fully_shard: parameter {name} is on {p.device}, the mesh on "
+                             f"{mesh.device_type}: move the module to the mesh's device first")
+    dtypes = sorted({str(p.dtype) for p in params})
+    if len(dtypes) > 1:
+        raise ValueError(f"phalanx.fully_shard needs one dtype per unit, got {', '.join(dtypes)}: "
+                         "shard the modules of each dtype as units of their own")
+
+
+@functools.cache
+def _fsdp_class(cls: type) -> type:
+    """``FSDP<cls>``: :class:`FSDPModule` first in the method resolution order (torch's)."""
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy})
+
+
+def _no_deepcopy(*args: Any) -> Any:
+    raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")

@@ -1,0 +1,138 @@
+"""What the units under one root share through an iteration: the order they ran forward in
+(for prefetching), the end-of-backward callback, the reduce-scatters in flight.
+
+**Prefetch** (torch's FSDP2 defaults, and its explicit lists): a unit's all-gather is started
+one unit early, so that it travels while the current unit computes. In the forward, after a
+unit has its parameters, it starts the gather of the unit that began its forward next in the
+previous iteration; in the backward, after a unit has its parameters, it starts the gather
+of the unit whose forward finished before its own (the next one backward).
+``set_modules_to_forward_prefetch`` and ``set_modules_to_backward_prefetch`` replace these
+choices for one unit.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from ..comm import LastWorks
+from .collectives import Pending
+from .params import Slot
+
+if TYPE_CHECKING:
+    from .unit import Unit
+
+
+class Stage(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
+
+
+def division(dtype: torch.dtype, world: int) -> tuple[Any, float | None, float | None]:
+    """(reduce op, divisor before, divisor after), as torch's FSDP averages a gradient
+    (``_get_gradient_divide_factors``): ``AVG`` for fp32 and bf16; for other dtypes a sum of
+    gradients divided first by a power of two near sqrt(world), against overflow, then by
+    the rest."""
+    if dtype in (torch.float32, torch.bfloat16):
+        return dist.ReduceOp.AVG, None, None
+    pre = 1
+    while world % pre == 0 and world / pre > pre:
+        pre *= 2
+    return dist.ReduceOp.SUM, pre, world / pre
+
+
+class Reduction:
+    """One unit's reduce-scatter in flight and where its result goes: ``output`` is laid out
+    like the shards of ``slots`` (their offsets count in it), then one flag per slot (above
+    zero: some rank had its gradient)."""
+
+    def __init__(self, pending: Pending, output: torch.Tensor, slots: list[Slot],
+                 post_divide: float | None, mesh: Any) -> None:
+        self.pending, self.output, self.slots = pending, output, slots
+        self.post_divide, self.mesh = post_divide, mesh
+
+    def finish(self) -> None:
+        self.pending.wait()
+        with torch.no_grad():
+            if self.post_divide not in (None, 1):
+                self.output.div_(self.post_divide)
+            used = self.output[-len(self.slots):].tolist()
+            for s, flag in zip(self.slots, used):
+                if flag <= 0:
+                    continue  # no rank had a gradient for it: .grad stays as it is (torch's)
+                grad = s.shard_of(self.output).to(s.sharded.dtype)
+                if s.sharded.grad is None:
+                    s.sharded.grad = DTensor.from_local(grad, self.mesh, [Shard(0)], run_check=False,
+                                                        shape=s.shape, stride=s.sharded.stride())
+                else:
+                    s.sharded.grad.to_local().add_(grad)
+
+
+class Iteration:
+    """The shared state of the units under one root (see the module notes)."""
+
+    def __init__(self, units: list[Unit]) -> None:
+        self.units = units
+        self.reductions: list[Reduction] = []
+        self.callback_queued = False
+        self.started: list[Unit] = []  # this iteration's units, as their forwards began
+        self.previous: list[Unit] = []  # the last iteration's
+        self.finished: list[Unit] = []  # this iteration's units, as their forwards ended
+        self._backward: list[Unit] | None = None  # of those, the ones still to go backward
+        # the last collective waited for, dropped by this thread, not Gloo's (comm.LastWorks);
+        # one only: a finished work may keep its buffers, a unit's size
+        self.last = LastWorks()
+
+    # ---- prefetch -------------------------------------------------------------------------
+    def begin(self) -> None:
+        """The root's forward begins: a new iteration."""
+        if self.started:
+            self.previous = self.started
+        self.started, self.finished = [], []
+
+    def forward_next(self, unit: Unit) -> list[Unit]:
+        """``unit`` began its forward: the unit to prefetch (the one that began after it in
+        the previous iteration, if it is the one at this place in it)."""
+        self.started.append(unit)
+        at = len(self.started) - 1
+        if at + 1 < len(self.previous) and self.previous[at] is unit:
+            return [self.previous[at + 1]]
+        return []
+
+    def backward_next(self, unit: Unit) -> list[Unit]:
+        """``unit`` begins its backward: the unit to prefetch (the one whose forward ended
+        before ``unit``'s, last use first)."""
+        if self._backward is None:
+            self._backward = list(self.finished)
+        for i in range(len(self._backward) - 1, -1, -1):
+            if self._backward[i] is unit:
+                del self._backward[i]
+                return self._backward[i - 1:i] if i else []
+        return []
+
+    # ---- the end of the backward ----------------------------------------------------------
+    def queue_end_of_backward(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+
+    def end_of_backward(self) -> None:
+        """Units whose backward did not finish (parameters without gradients; the root,
+        whose inputs need none) finish; every reduce-scatter lands in ``.grad``."""
+        self.callback_queued = False
+        self._backward = None
+        for unit in reversed(self.units):
+            if unit.stage is not Stage.POST_BACKWARD:
+                unit.post_backward()
+            unit.wait_for_unshard()  # a prefetch its backward did not use lands now, not stale later
+            unit.stage = Stage.IDLE
+        reductions, self.reductions = self.reductions, []
+        for r in reductions:
+            r.finish()
+        self.last.hold(*reductions[-1:])

@@ -1,0 +1,147 @@
+"""A unit's parameters: their shards (one flat buffer, each parameter a DTensor viewing its
+part), their unsharded form (one flat buffer, allocated only while unsharded), and the swap
+between the two on the modules that hold them.
+
+Each parameter of ``rows`` rows is split as ``torch.chunk`` splits it, which is how DTensor's
+``Shard(0)`` places it: rank ``r`` holds rows ``[r * k, min((r + 1) * k, rows))`` with
+``k = ceil(rows / world)``, stored padded to ``k`` rows (zeros) so that every rank's flat
+shard has the same size and one all-gather moves them all. The unsharded parameters are
+plain ``nn.Parameter`` s viewing the unsharded buffer; the same objects serve every
+iteration (autograd saves them in the forward and finds them refilled in the backward), so
+freeing the buffer resizes its storage to nothing rather than dropping it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from .collectives import padded_rows
+
+
+@dataclass
+class Slot:
+    """Where one parameter lives: its modules, its shape, its part of the flat buffers."""
+
+    locations: list[tuple[nn.Module, str]]  # every (module, attribute name) holding it
+    shape: torch.Size
+    rows: int  # rows of this rank's shard (torch.chunk's; 0 past the last chunk)
+    padded: int  # rows of every rank's padded shard
+    offset: int  # start of its padded shard in the flat shard buffer
+    sharded: nn.Parameter  # a DTensor, Shard(0)
+    unsharded: nn.Parameter
+
+    @property
+    def numel(self) -> int:
+        """Elements of its padded shard."""
+        return self.padded * (self.shape[1:].numel())
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the parameter in a flat buffer laid out like the shards."""
+        return flat[self.offset:self.offset + self.numel].view(self.padded, *self.shape[1:])[:self.rows]
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
+
+
+class Params:
+    """The parameters of one unit (see the module notes).
+
+    Args:
+        params: the parameters, in order (each once).
+        locations: for each, every ``(module, name)`` that holds it (tied weights: several).
+        mesh: the 1-D mesh the shards are placed on.
+        param_dtype: the dtype of the unsharded parameters (mixed precision: the shards
+            are cast before the all-gather); default ``None``: the parameters' own.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter],
+                 locations: Sequence[list[tuple[nn.Module, str]]], mesh: DeviceMesh,
+                 param_dtype: torch.dtype | None = None) -> None:
+        self.mesh, self.world, self.rank = mesh, mesh.size(), mesh.get_local_rank()
+        self.dtype = params[0].dtype if params else torch.get_default_dtype()
+        self.compute_dtype = param_dtype or self.dtype
+        # (parameters on the meta device get shards on the mesh's: initialize() fills them)
+        on_meta = not params or params[0].is_meta
+        self.device = torch.device(mesh.device_type) if on_meta else params[0].device
+        total = sum(padded_rows(p.shape[0], self.world) * p.shape[1:].numel() for p in params)
+        self.flat = torch.zeros(total, dtype=self.dtype, device=self.device)
+        self.unsharded_flat = torch.empty(total * self.world, dtype=self.compute_dtype, device=self.device)
+        self.slots: list[Slot] = []
+        offset = 0
+        for p, where in zip(params, locations):
+            self.slots.append(self._slot(p, where, offset))
+            offset += self.slots[-1].numel
+        self._free_unsharded()  # (its views are made: the parameters' storage comes and goes)
+        self.unsharded = False
+        self.register(sharded=True)
+
+    def _slot(self, p: nn.Parameter, where: list[tuple[nn.Module, str]], offset: int) -> Slot:
+        k = padded_rows(p.shape[0], self.world)
+        start = min(self.rank * k, p.shape[0])
+        rows = min(start + k, p.shape[0]) - start
+        width = p.shape[1:].numel()
+        local = self.flat[offset:offset + k * width].view(k, *p.shape[1:])[:rows]
+        if not p.is_meta:
+            with torch.no_grad():
+                local.copy_(p.detach()[start:start + rows])
+        dtensor = DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False,
+                                     shape=p.shape, stride=_contiguous_stride(p.shape))
+        sharded = nn.Parameter(dtensor, requires_grad=p.requires_grad)
+        base = offset * self.world  # the unsharded buffer keeps the parameters in order
+        view = self.unsharded_flat[base:base + p.numel()].view(p.shape)
+        unsharded = nn.Parameter(view, requires_grad=p.requires_grad)
+        return Slot(where, p.shape, rows, k, offset, sharded, unsharded)
+
+    # ---- the unsharded buffer ---------------------------------------------------------------
+    def gather_input(self) -> torch.Tensor:
+        """What this rank sends in the all-gather: its flat shard, in the compute dtype."""
+        return self.flat.to(self.compute_dtype)
+
+
+    def _free_unsharded(self) -> None:
+        self.unsharded_flat.untyped_storage().resize_(0)
+
+    def fill_unsharded(self, gathered: torch.Tensor) -> None:
+        """Allocate the unsharded buffer and copy an all-gather's output (rank-major) into it.
+
+        The copy goes through ``.data`` views: the unsharded parameters keep their version
+        counters, so autograd accepts the tensors it saved in the forward (torch's FSDP does
+        the same under ``_unsafe_preserve_version_counter``).
+        """
+        self.unsharded_flat.untyped_storage().resize_(
+            self.unsharded_flat.numel() * self.unsharded_flat.element_size())
+        data = self.unsharded_flat.data
+        outs = [data[s.offset * self.world:(s.offset + s.numel) * self.world].view(self.world, s.numel)
+                for s in self.slots]
+        with torch.no_grad():
+            torch.split_with_sizes_copy(gathered.view(self.world, -1), [s.numel for s in self.slots],
+                                        dim=1, out=outs)
+        for s in self.slots:
+            s.unsharded.requires_grad_(s.sharded.requires_grad)
+
+    def keep_own_rows(self) -> None:
+        """Copy this rank's rows of the unsharded parameters into the shards (after an
+        initialisation changed them alike on every rank)."""
+        with torch.no_grad():
+            for s in self.slots:
+                start = min(self.rank * s.padded, s.shape[0])
+                s.shard_of(self.flat).copy_(s.unsharded.detach()[start:start + s.rows])
+
+    # ---- which form the modules hold --------------------------------------------------------
+    def register(self, sharded: bool) -> None:
+        """Put the sharded (DTensor) or the unsharded parameters on their modules; leaving
+        the unsharded form frees its buffer."""
+        for s in self.slots:
+            param = s.sharded if sharded else s.unsharded
+            for module, name in s.locations:
+                setattr(module, name, param)
+        if sharded and self.unsharded:
+            self._free_unsharded()
+        self.unsharded = not sharded

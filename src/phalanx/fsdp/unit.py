@@ -1,0 +1,279 @@
+"""One ``fully_shard`` unit: its parameters' all-gather before the forward (and the
+backward), the reshard after them, and the reduce-scatter of its gradients.
+
+The life of a unit in one iteration (torch's FSDP2 order):
+
+* **pre-forward** (a forward pre-hook): all-gather the shards into the unsharded buffer and
+  put the unsharded parameters on the modules. The first unit to run forward is the root
+  (:meth:`Unit.lazy_init`): it finds the units below it and shares an :class:`Iteration`
+  with them.
+* **post-forward** (a forward hook): reshard (``reshard_after_forward``; the root keeps its
+  parameters by default) and hook the outputs: the gradient reaching them starts this
+  unit's backward.
+* **pre-backward** (that tensor hook): all-gather again if resharded.
+* **post-backward**: when the last of its parameters has accumulated its gradient (a
+  post-accumulate-grad hook on each unsharded parameter), the unsharded gradients go into
+  one flat buffer (torch's layout; zeros for a trainable parameter this rank has no
+  gradient for, and a flag per parameter, so that every rank sends the same sizes), are
+  freed, and one reduce-scatter (averaging over the ranks) starts; the parameters are
+  resharded.
+* **end of backward** (an autograd-engine callback, queued by the first pre-backward):
+  units whose backward did not finish (parameters without gradients) finish now; every
+  reduce-scatter is waited for and its slices become the sharded ``.grad`` DTensors
+  (accumulated into existing ones).
+
+``set_requires_gradient_sync(False)`` keeps the unsharded gradients (on every rank, the
+whole unit's) instead of reducing them; the next synchronised backward reduces their sum.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from .collectives import Pending, all_gather, chunk_cat, reduce_scatter
+from .iteration import Iteration, Reduction, Stage, division
+from .params import Params, Slot
+
+
+# Where a module keeps its unit (in its __dict__: not a parameter, buffer or submodule).
+UNIT_ATTRIBUTE = "_phalanx_fsdp_unit"
+
+
+def unit_of(module: nn.Module) -> Unit | None:
+    """The unit ``fully_shard`` made of ``module``, if any."""
+    return module.__dict__.get(UNIT_ATTRIBUTE)
+
+
+class Unit:
+    """The state of one ``fully_shard`` call (see the module notes)."""
+
+    def __init__(self, module: nn.Module, params: Params, reshard_after_forward: bool | None,
+                 mp_policy: MixedPrecisionPolicy) -> None:
+        self.module, self.params, self.mp_policy = module, params, mp_policy
+        # torch's clamping (FSDPParam.init_dtype_attrs): no cast where none is needed
+        reduce_dtype = mp_policy.reduce_dtype
+        self.reduce_dtype = None if reduce_dtype == params.compute_dtype else reduce_dtype
+        self._grad_sums: dict[int, torch.Tensor] = {}  # slot: gradient summed in reduce_dtype
+        self.group = params.mesh.get_group()
+        self.auto_reshard = reshard_after_forward is None
+        self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
+        self.reshard_after_backward = True
+        self.reduce_grads = True
+        self.reduce_unused = False  # set_reduce_scatter_unused_params: zeros for missing gradients
+        self.stage = Stage.IDLE
+        self.is_root: bool | None = None
+        self.name = type(module).__name__  # its path under the root, from lazy_init on
+        self.iteration: Iteration | None = None
+        self._gathering: tuple[Pending, torch.Tensor] | None = None
+        self._remaining = 0
+        self._forward_since_reduce = False
+        # set_modules_to_forward_prefetch / _backward_prefetch: these units instead of the
+        # next ones (iteration.py)
+        self.forward_prefetch: list[Unit] | None = None
+        self.backward_prefetch: list[Unit] | None = None
+        module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self.post_forward)
+        for s in params.slots:
+            if s.sharded.requires_grad:
+                s.unsharded.register_post_accumulate_grad_hook(self._accumulated)
+        for module_with_params in {m for s in params.slots for m, _ in s.locations}:
+            module_with_params.register_state_dict_pre_hook(self._reshard_hook)
+            module_with_params.register_load_state_dict_pre_hook(self._reshard_hook)
+
+    # ---- the root -------------------------------------------------------------------------
+    def lazy_init(self) -> None:
+        """The first unit to run forward becomes the root of the units below it."""
+        if self.is_root is not None:
+            return
+        units: list[Unit] = []
+        for name, module in self.module.named_modules():
+            unit = unit_of(module)
+            if unit is None or unit in units:
+                continue
+            if unit is not self and unit.is_root is not None:
+                raise RuntimeError(f"FSDP state has already been lazily initialized for {name}\n"
+                                   "FSDP requires running forward through the root module first")
+            unit.is_root, unit.name = unit is self, name or "(root)"
+            units.append(unit)
+        if self.auto_reshard:  # the root's parameters are needed again at once by the backward
+            self.reshard_after_forward = False
+        iteration = Iteration(units)
+        for unit in units:
+            unit.iteration = iteration
+
+    # ---- all-gather and reshard -----------------------------------------------------------
+    def unshard(self) -> None:
+        """Start the all-gather (no-op if unsharded or under way)."""
+        p = self.params
+        if p.unsharded or self._gathering is not None:
+            return
+        if not p.slots:
+            p.register(sharded=False)  # nothing to gather
+            return
+        output = torch.empty(p.flat.numel() * p.world, dtype=p.compute_dtype, device=p.device)
+        self._gathering = (all_gather(output, p.gather_input(), self.group, self.name), output)
+
+    def wait_for_unshard(self) -> None:
+        if self._gathering is None:
+            return
+        (pending, output), self._gathering = self._gathering, None
+        pending.wait()
+        if self.iteration is not None:
+            self.iteration.last.hold(pending)
+        self.params.fill_unsharded(output)
+        self.params.register(sharded=False)
+
+    def reshard(self) -> None:
+        self.wait_for_unshard()  # an unshard under way lands first (its buffer is in use)
+        if self.params.unsharded:
+            self.params.register(sharded=True)
+
+    def _reshard_hook(self, *args: Any) -> None:
+        self.reshard()
+
+    # ---- hooks ----------------------------------------------------------------------------
+    def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        self.lazy_init()
+        assert self.iteration is not None
+        if self.stage is Stage.PRE_BACKWARD:  # a recomputation (activation checkpointing)
+            self.unshard()
+            self.wait_for_unshard()
+            return args, kwargs
+        self.stage = Stage.FORWARD
+        if self.is_root:
+            self.iteration.begin()
+        self.unshard()
+        self.wait_for_unshard()
+        following = self.iteration.forward_next(self)
+        for unit in following if self.forward_prefetch is None else self.forward_prefetch:
+            unit.unshard()  # travels while this unit computes
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            return _cast(args, self.mp_policy.param_dtype), _cast(kwargs, self.mp_policy.param_dtype)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.stage is Stage.PRE_BACKWARD:
+            return output
+        assert self.iteration is not None
+        self.iteration.finished.append(self)
+        if self.reshard_after_forward:
+            self.reshard()
+        self._remaining = sum(s.sharded.requires_grad for s in self.params.slots)
+        if torch.is_grad_enabled():
+            # the next synchronised backward reduces this unit on every rank (its forward ran
+            # on every rank: its all-gather did), whichever gradients each rank has
+            self._forward_since_reduce = True
+            for t in _grad_tensors(output):
+                t.register_hook(self._pre_backward)
+        self.stage = Stage.IDLE
+        if self.mp_policy.output_dtype is not None:
+            return _cast(output, self.mp_policy.output_dtype)
+        return output
+
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        assert self.iteration is not None  # set by the root's first forward
+        self.iteration.queue_end_of_backward()
+        if self.stage is not Stage.PRE_BACKWARD:
+            self.stage = Stage.PRE_BACKWARD
+            self.unshard()
+            self.wait_for_unshard()
+            following = self.iteration.backward_next(self)
+            for unit in following if self.backward_prefetch is None else self.backward_prefetch:
+                unit.unshard()  # travels while this unit computes its gradients
+        return grad
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        self._remaining -= 1
+        if self._remaining == 0 and self.stage is Stage.PRE_BACKWARD:
+            self.post_backward()
+
+    # ---- gradients ------------------------------------------------------------------------
+    def post_backward(self) -> None:
+        """Reduce-scatter the unit's unsharded gradients (or keep them, without sync)."""
+        self.stage = Stage.POST_BACKWARD
+        if not self.reduce_grads:
+            if self.reshard_after_backward:
+                self.reshard()
+            if self.reduce_dtype is not None:  # accumulate in reduce_dtype, as torch's
+                for i, s in enumerate(self.params.slots):
+                    self._accumulate(i, s)
+            return
+        for i, s in enumerate(self.params.slots):
+            self._accumulate(i, s)
+        if self.reshard_after_backward:
+            self.reshard()
+        trainable = [(i, s) for i, s in enumerate(self.params.slots) if s.sharded.requires_grad]
+        if self._forward_since_reduce and trainable:
+            self._forward_since_reduce = False
+            assert self.iteration is not None
+            self.iteration.reductions.append(self._reduce(trainable))
+
+    def _accumulate(self, i: int, s: Slot) -> None:
+        """Move slot ``i``'s unsharded gradient into the running sum (in ``reduce_dtype``)."""
+        grad, s.unsharded.grad = s.unsharded.grad, None
+        if grad is None:
+            return
+        if i in self._grad_sums:
+            self._grad_sums[i] += grad
+        else:
+            self._grad_sums[i] = grad.to(self.reduce_dtype) if self.reduce_dtype else grad
+
+    def _reduce(self, trainable: list[tuple[int, Slot]]) -> Reduction:
+        """One reduce-scatter of every trainable parameter's gradient, zeros where this rank
+        has none, and after each rank's chunk one flag per parameter (1: this rank has its
+        gradient): every rank sends the same sizes whichever parameters it used, and learns
+        which ones some rank used (a parameter no rank used keeps ``.grad`` as it is)."""
+        p = self.params
+        dtype = self.reduce_dtype or p.compute_dtype
+        grads, used = [], []
+        for i, s in trainable:
+            grad = self._grad_sums.pop(i, None)
+            used.append(grad is not None or self.reduce_unused)
+            grads.append(torch.zeros(s.shape, dtype=dtype, device=p.device) if grad is None else grad)
+        flags = torch.tensor(used, dtype=dtype, device=p.device).expand(p.world, -1)
+        slots = _relaid([s for _, s in trainable])
+        numel = sum(s.numel for s in slots) + len(slots)
+        flat = torch.empty(numel * p.world, dtype=dtype, device=p.device)
+        chunk_cat([*grads, flags], p.world, flat)
+        grads.clear()  # the unsharded gradients are freed here
+        op, pre_divide, post_divide = division(dtype, p.world)
+        if pre_divide not in (None, 1):
+            flat.div_(pre_divide)
+        output = torch.empty(numel, dtype=dtype, device=p.device)
+        pending = reduce_scatter(output, flat, op, self.group, self.name)
+        return Reduction(pending, output, slots, post_divide, p.mesh)
+
+
+def _relaid(slots: list[Slot]) -> list[Slot]:
+    """``slots`` with offsets into a buffer holding only their shards, in order."""
+    out, offset = [], 0
+    for s in slots:
+        out.append(Slot(s.locations, s.shape, s.rows, s.padded, offset, s.sharded, s.unsharded))
+        offset += s.numel
+    return out
+
+
+def _cast(obj: Any, dtype: torch.dtype) -> Any:
+    """``obj`` with its floating-point tensors cast to ``dtype`` (torch's _cast_fp_tensor)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_cast(item, dtype) for item in obj)
+    if isinstance(obj, dict):
+        return {k: _cast(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def _grad_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors requiring grad in a forward's output (tensors, tuples, lists, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.requires_grad else []
+    if isinstance(obj, (tuple, list)):
+        return [t for item in obj for t in _grad_tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _grad_tensors(item)]
+    return []

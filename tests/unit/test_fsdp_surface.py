@@ -1,0 +1,49 @@
+"""phalanx.fully_shard against torch's surface: the same arguments, and every public method
+of torch's FSDPModule either offered or refused by name; a name torch adds fails here. And
+what needs no process group: fully_shard without one is refused."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+import phalanx
+from phalanx.errors import NotInitializedError
+from phalanx.fsdp import FSDPModule, fully_shard
+from phalanx.fsdp.module import NOT_YET
+
+
+def _public(cls) -> set[str]:
+    return {n for n in vars(cls) if not n.startswith("_")}
+
+
+def test_same_arguments_as_torchs_fully_shard():
+    ours = inspect.signature(fully_shard).parameters
+    theirs = inspect.signature(inspect.unwrap(torch_fully_shard)).parameters
+    assert list(ours) == list(theirs)
+    assert [p.kind for p in ours.values()] == [p.kind for p in theirs.values()]
+    assert [p.default for n, p in ours.items() if n != "module"] == [
+        p.default for n, p in theirs.items() if n != "module"]
+
+
+def test_every_method_of_torchs_fsdp_module_is_offered_or_refused():
+    offered = _public(FSDPModule) - set(NOT_YET)
+    assert _public(TorchFSDPModule) == offered | set(NOT_YET), (
+        _public(TorchFSDPModule) ^ (offered | set(NOT_YET)))
+    assert "unshard" in offered and "set_requires_gradient_sync" in offered
+
+
+def test_reachable_as_phalanx_names():
+    assert phalanx.fully_shard is fully_shard and phalanx.FSDPModule is FSDPModule
+
+
+def test_without_a_process_group_it_is_refused():
+    with pytest.raises(NotInitializedError, match="fully_shard needs a process group: call "
+                       r"phalanx.init_process_group\(\) first"):
+        fully_shard(nn.Linear(2, 2))
+    assert not isinstance(torch.nn.Linear(2, 2), FSDPModule)
