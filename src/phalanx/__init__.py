@@ -40,7 +40,6 @@ _LAZY = {
     "TrainingState": "checkpoint",
     "PreemptionHandler": "checkpoint",
     "DistributedDataParallel": "ddp",
-    # (fully_shard and FSDPModule: to join __all__ with their row in the README's API table)
     "FSDPModule": "fsdp",
     "fully_shard": "fsdp",
     "DiLoCo": "model_averaging",
@@ -136,6 +135,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "DiLoCo",
     "DistEnv",
+    "FSDPModule",
     "Join",
     "MetricSum",
     "DistributedDataParallel",
@@ -159,6 +159,7 @@ __all__ = [
     "barrier",
     "comm_hooks",
     "destroy_process_group",
+    "fully_shard",
     "get_device",
     "get_local_rank",
     "get_local_world_size",

@@ -38,17 +38,17 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def refuse_sharded(module: torch.nn.Module) -> None:
-    """Raise if ``module`` has parameters sharded across the ranks (DTensors: torch's
-    ``fully_shard``): a checkpoint written by one rank would hold that rank's shards only."""
+    """Raise if ``module`` has parameters sharded across the ranks (DTensors: ``fully_shard``,
+    torch's or phalanx's): a checkpoint written by one rank would hold that rank's shards only."""
     from torch.distributed.tensor import DTensor
 
     for name, param in module.named_parameters():
         if isinstance(param, DTensor):
             raise TypeError(
                 f"Checkpointer saves a model every rank holds whole, from one rank, but parameter "
-                f"{name!r} is a DTensor sharded across the ranks ({param.placements}, torch's "
-                "fully_shard): one rank's file would hold its own shards only. Save a sharded model "
-                "with torch.distributed.checkpoint (docs/sharding.md).")
+                f"{name!r} is a DTensor sharded across the ranks ({param.placements}: "
+                "fully_shard, torch's or phalanx's): one rank's file would hold its own shards only. "
+                "Save a sharded model with torch.distributed.checkpoint (docs/fully_shard.md).")
 
 
 def capture_rng_state() -> dict[str, Any]:
