@@ -16,9 +16,9 @@ How one synchronising backward runs:
    in the first backward) ready at once; their contribution is the current ``.grad``, or 0.
 3. A bucket whose parameters are all ready is filled and launched, asynchronously, but strictly
    in bucket order: bucket k waits for buckets 0..k-1, so every rank issues the same collectives
-   in the same order. Filling is one batched copy of the gradients that are not in their slot
-   already (``torch._foreach_copy_``) and one division of the whole buffer by the world size:
-   per bucket, not per gradient, as torch's newest reducer does (``batched_grad_copy_``). With
+   in the same order. Filling (:mod:`phalanx.ddp.slots`) is one batched copy of the gradients
+   that are not in their slot already (``torch._foreach_copy_``) and one division of the whole
+   buffer by the world size: per bucket, not per gradient, as torch's newest reducer does (``batched_grad_copy_``). With
    ``gradient_as_bucket_view`` (phalanx's default) ``.grad`` then *is* the slot, so a gradient
    accumulated into an existing ``.grad`` (``zero_grad(set_to_none=False)``, ``no_sync()``
    accumulation) lands in its slot directly and is not copied at all. Copy-then-divide gives
@@ -86,8 +86,9 @@ from .checkin import DDPAction
 from .compiled_autograd import EAGER_REDUCER_TRACED, CompiledAutogradReduction, compiled_autograd_tracing
 from .graph_walk import reachable_params
 from .problems import problem_message
+from .slots import fill, grad_dtype, write_back
 from .sparse import SparseGradients
-from .unusual import averaged_with_graph, copy_unusual, is_unusual
+from .unusual import averaged_with_graph
 
 
 class Reducer:
@@ -142,7 +143,7 @@ class Reducer:
         # Whether parameter k's slot can be its .grad: a view (gradient_as_bucket_view) into a
         # bucket this rank keeps, of the dtype .grad must have (mixed precision: the bucket's
         # reduce_dtype may differ from it; phalanx.ddp.mixed_precision).
-        self._seats = [gradient_as_bucket_view and self._buckets[b].keep and plan[b].dtype == _grad_dtype(p)
+        self._seats = [gradient_as_bucket_view and self._buckets[b].keep and plan[b].dtype == grad_dtype(p)
                        for p, b in zip(self.params, self._bucket_of)]
         # The hooks hold the reducer weakly: a discarded DDP leaves nothing acting on the model.
         me = weakref.ref(self)
@@ -278,55 +279,6 @@ class Reducer:
         self._ready[k] = True
         self._buckets[self._bucket_of[k]].pending -= 1
 
-    def _fill(self, bucket: Bucket) -> None:
-        """Put the bucket's contributions, divided for the average, into its buffer: one
-        batched copy of the gradients not already in their slot, one division of the buffer.
-
-        With ``gradient_as_bucket_view`` ``.grad`` becomes the slot; in a bucket this rank
-        does not keep, the gradients are released once copied.
-        """
-        if bucket.buffer is None:
-            bucket.allocate()
-        params = self.params
-        seats = self._seats
-        # Gradient mode is on inside a backward only with create_graph=True: gradients may
-        # then have graphs, and take the unusual path (so may sparse ones: the except below).
-        graphs = torch.is_grad_enabled()
-        sources: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        for k, view in zip(bucket.positions, bucket.views):
-            param = params[k]
-            grad = param.grad
-            if grad is view:
-                continue
-            if grad is None:
-                self._had_grad[k] = False
-                view.zero_()
-            elif graphs and is_unusual(grad):
-                self._copy_unusual(k, grad, view)
-            else:
-                sources.append(grad)
-                slots.append(view)
-                if seats[k]:
-                    param.grad = view
-        if sources:
-            try:
-                torch._foreach_copy_(slots, sources)
-            except RuntimeError:  # a sparse gradient for a parameter bucketed as dense
-                for slot, grad in zip(slots, sources):
-                    slot.copy_(grad.to_dense() if grad.layout != torch.strided else grad)
-        if self.bucket_comm.divisor != 1:
-            bucket.grads.div_(self.bucket_comm.divisor)
-        if not bucket.keep:
-            for k in bucket.positions:
-                params[k].grad = None
-
-    def _copy_unusual(self, k: int, grad: torch.Tensor, view: torch.Tensor) -> None:
-        graph = copy_unusual(grad, view)
-        if graph is not None:  # kept out of .grad, which the write-back copies into
-            self._graphs[k] = graph
-            self.params[k].grad = None
-
     def _launch_ready(self, final: bool = False) -> None:
         """Launch every complete bucket at the head of the queue, in bucket order.
 
@@ -338,7 +290,7 @@ class Reducer:
             bucket = self._buckets[self._next]
             if self._next == last and not final:
                 return
-            self._fill(bucket)
+            fill(bucket, self.params, self._seats, self.bucket_comm.divisor, self._had_grad, self._graphs)
             if self._next == last:
                 self._write_tail(bucket.tail)
             op = f"DDP bucket {self._next}{self.bucket_comm.label}"
@@ -431,32 +383,7 @@ class Reducer:
             self._reset()
 
     def _write_back(self, b: int, used: list[bool] | None) -> None:
-        """Bucket ``b``'s averages into ``.grad``, if this rank keeps them (else .grad is None).
-
-        A slot that can be ``.grad`` (``gradient_as_bucket_view``, same dtype) becomes it, if
-        ``_fill`` did not make it so already; else the averages are copied into the ``.grad``
-        tensors, in one batched copy (which casts: mixed precision's reduce_dtype), or
-        into new ones of ``.grad``'s dtype.
-        """
-        bucket = self._buckets[b]
-        if not bucket.keep:
-            return  # _fill released the gradients; _reset releases the buffer
-        grads: list[torch.Tensor] = []
-        averages: list[torch.Tensor] = []
-        for k, view in zip(bucket.positions, bucket.views):
-            param = self.params[k]
-            grad = param.grad
-            if grad is view or used is not None and not used[k]:
-                continue  # seated already, or no rank has a gradient: leave .grad, as torch does
-            if self._seats[k]:
-                param.grad = view
-            elif grad is None:
-                param.grad = view.to(_grad_dtype(param), copy=True)
-            else:
-                grads.append(grad)
-                averages.append(view)
-        if grads:
-            torch._foreach_copy_(grads, averages)
+        write_back(self._buckets[b], self.params, self._seats, used)
 
     def _attach_graphs(self, used: list[bool] | None) -> None:
         """create_graph: give each averaged ``.grad`` a graph back to this rank's gradient."""
@@ -510,13 +437,6 @@ class Reducer:
     def _raise_problems(self) -> None:
         everyone = comm.all_gather_object(self._describe(), self.bucket_comm.group)
         raise UnusedParametersError(problem_message(dict(enumerate(everyone)), self.static_graph))
-
-
-def _grad_dtype(param: torch.Tensor) -> torch.dtype:
-    """The dtype ``param.grad`` has: its ``grad_dtype`` (mixed precision pins the master's),
-    or, where any is allowed (``None``), its own."""
-    pinned = getattr(param, "grad_dtype", None)  # an attribute of torch 2.10 and later
-    return param.dtype if pinned is None else pinned
 
 
 def _hook(reducer: weakref.ref, k: int, param: torch.Tensor) -> None:
