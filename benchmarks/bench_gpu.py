@@ -9,7 +9,7 @@ noisy neighbour slows both alike):
     all-reduce goes through host memory and loopback TCP.
 ``nccl1``
     One rank on NCCL. torch's DDP runs its reducer at world size 1 (bucket copies and a
-    one-rank all-reduce); phalanx's builds none (``ddp/wrapper.py``, ``_set_up``), so this
+    one-rank all-reduce); phalanx's builds none (``ddp/runtime.py``, ``Runtime``), so this
     setup measures what torch's reducer costs at world size 1 against no reducer at all.
 
 ``eager`` wraps the model as it is; ``compiled`` wraps ``torch.compile(model)`` in each DDP

@@ -58,7 +58,7 @@ def _world1_note(directory: Path) -> str | None:
     for path in sorted(directory.glob("nccl1-*.json")) if directory.is_dir() else []:
         result = json.loads(path.read_text())
         if result["phalanx_buckets"] == 0 and result["torch_reducer"]:
-            return ("note: at world size 1 phalanx's DDP builds no reducer (ddp/wrapper.py, _set_up) and "
+            return ("note: at world size 1 phalanx's DDP builds no reducer (ddp/runtime.py, Runtime) and "
                     "torch's runs its own: nccl1 measures torch's reducer against none")
     return None
 

@@ -252,39 +252,26 @@ def test_compiled_autograd_without_python_reducer_is_refused_in_torchs_words(ref
     _assert_refused(refusals, "mode, traced", "torch._dynamo.config.optimize_ddp = 'ddp_optimizer'")
 
 
-def test_find_unused_parameters_is_refused(refusals):
-    _assert_refused(refusals, "find_unused_parameters", "find_unused_parameters=True is not supported under "
-                    "compiled autograd", "Use find_unused_parameters=False", "or train without compiled autograd")
+# each refused setting: its key in _refusals' results, and phrases its message must hold
+REFUSED = {
+    "find_unused_parameters": ("find_unused_parameters=True is not supported under compiled autograd",
+                               "Use find_unused_parameters=False", "or train without compiled autograd"),
+    "static_graph": ("static_graph=True is not supported under compiled autograd", "Use static_graph=False",
+                     "torch's python_reducer ignores static_graph"),
+    "mixed_precision": ("mixed_precision= is not supported under compiled autograd", "Use torch.autocast"),
+    "comm hook": ("register_comm_hook() is not supported under compiled autograd",
+                  "Construct the model without the hook"),
+    "shard_gradients": ("shard_gradients() (ZeRO stage 2) is not supported",
+                        "without shard_gradients() (ZeRO stage 1)"),
+    "sparse": ("sparse gradients (weight) are not supported", "nn.Embedding(sparse=False)"),
+    "join": ("uneven inputs (DistributedDataParallel.join(), phalanx.join()) are not supported under "
+             "compiled autograd", "DistributedSampler(drop_last=True)"),
+}
 
 
-def test_static_graph_is_refused(refusals):
-    _assert_refused(refusals, "static_graph", "static_graph=True is not supported under compiled autograd",
-                    "Use static_graph=False", "torch's python_reducer ignores static_graph")
-
-
-def test_mixed_precision_is_refused(refusals):
-    _assert_refused(refusals, "mixed_precision", "mixed_precision= is not supported under compiled autograd",
-                    "Use torch.autocast")
-
-
-def test_comm_hooks_are_refused(refusals):
-    _assert_refused(refusals, "comm hook", "register_comm_hook() is not supported under compiled autograd",
-                    "Construct the model without the hook")
-
-
-def test_zero_stage_2_is_refused(refusals):
-    _assert_refused(refusals, "shard_gradients", "shard_gradients() (ZeRO stage 2) is not supported",
-                    "without shard_gradients() (ZeRO stage 1)")
-
-
-def test_sparse_gradients_are_refused_by_name(refusals):
-    _assert_refused(refusals, "sparse", "sparse gradients (weight) are not supported",
-                    "nn.Embedding(sparse=False)")
-
-
-def test_join_is_refused(refusals):
-    _assert_refused(refusals, "join", "uneven inputs (DistributedDataParallel.join(), phalanx.join()) are not "
-                    "supported under compiled autograd", "DistributedSampler(drop_last=True)")
+@pytest.mark.parametrize("key", REFUSED)
+def test_what_the_traced_path_cannot_do_is_refused_by_name(refusals, key):
+    _assert_refused(refusals, key, *REFUSED[key])
 
 
 def test_an_eager_forward_then_a_compiled_autograd_backward_is_refused(refusals):

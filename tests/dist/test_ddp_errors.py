@@ -208,7 +208,7 @@ def _failed_backward(rank):
     ddp = phalanx.DistributedDataParallel(Midway(), bucket_cap_mb=1e-5)  # a bucket per tensor
     torch.manual_seed(rank)
     naive = NaiveDDP(Midway())
-    strategy, launched = ddp._reducer.bucket_comm, []
+    strategy, launched = ddp._runtime.reducer.bucket_comm, []
     real_launch = strategy.launch
 
     def watched_launch(b, flat):

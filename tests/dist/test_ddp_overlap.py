@@ -50,7 +50,7 @@ def _record(model: nn.Module, bucket_cap_mb: float, rank: int, steps: int = 2, *
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda _p, name=name: events.append(("grad", name)))
     ddp = phalanx.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **ddp_args)
-    buffers = [bucket.buffer.data_ptr() for bucket in ddp._reducer._buckets]  # kept for good
+    buffers = [bucket.buffer.data_ptr() for bucket in ddp._runtime.reducer._buckets]  # kept for good
     original = dist.all_reduce
 
     def recording_all_reduce(tensor, *args, **kwargs):

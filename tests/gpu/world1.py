@@ -38,6 +38,6 @@ def parity() -> dict[str, Any]:
         "pinned to cuda:0": (float(seen["current device"] != 0), 0),
         "all_reduce on cuda": (float(total.item() != seen["world size"]), 0),
     })
-    # phalanx's DDP builds no reducer for a group of one (ddp/wrapper.py: _set_up), torch's does
+    # phalanx's DDP builds no reducer for a group of one (ddp/runtime.py: Runtime), torch's does
     out["info"].update(seen, **{"phalanx buckets at world 1": len(ddp.bucket_plan)})
     return out

@@ -14,8 +14,11 @@ The files, in the order data flows through them:
 ``devices.py``
     Each forward's inputs moved to ``device_ids[0]``.
 ``wrapper.py``
-    :class:`DistributedDataParallel` itself: broadcasts rank 0's parameters and buffers,
-    plans the buckets, installs the reducer; each forward runs before / the module / after.
+    :class:`DistributedDataParallel` itself: the public surface and the settings.
+``runtime.py``
+    Its machinery on each process, rebuilt after unpickling: broadcasts rank 0's parameters
+    and buffers, plans the buckets, installs the reducer; each forward runs before / the
+    module / after (or the traceable forward under compiled autograd).
 ``pickling.py``
     What ``torch.save``/``pickle``/``deepcopy`` keep of a DDP, and what is rebuilt on load.
 ``checkin.py``

@@ -20,10 +20,9 @@ from typing import Any
 from ..errors import UsageError
 from .options import is_default_group
 
-# Rebuilt after loading (see the module notes); stored as these values.
-_REBUILT = {"_reducer": None, "_buffer_sync": None, "bucket_plan": [], "_check": None, "_join": None,
-            "_comm_hook": None, "_precision": None,
-            "_forwarded": False}
+# Rebuilt after loading (see the module notes; the runtime, phalanx.ddp.runtime, holds all but
+# the bucket plan); stored as these values.
+_REBUILT = {"_runtime": None, "bucket_plan": []}
 
 
 class _ProcessLocal:

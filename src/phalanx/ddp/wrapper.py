@@ -1,17 +1,18 @@
 """DistributedDataParallel: one replica per process, gradients averaged during backward.
 
-The wrapper is thin: :func:`~phalanx.ddp.bucketing.plan_buckets` plans the buckets, a
-:class:`~phalanx.ddp.reducer.Reducer` fills and reduces them during the backward (all-reduce,
-or after :meth:`DistributedDataParallel.shard_gradients` a reduce to each bucket's owner), a
-:class:`~phalanx.ddp.buffer_sync.BufferSync` broadcasts rank 0's buffers before a forward.
-Arguments are checked and resolved by :mod:`phalanx.ddp.options`, pickling by
-:mod:`phalanx.ddp.pickling`. A forward runs in three phases: before (inputs to
-``device_ids[0]``, buffers broadcast), the module's own, after (arm the reducer).
+The wrapper is thin: it holds the public surface and the settings; arguments are checked and
+resolved by :mod:`phalanx.ddp.options`, pickling by :mod:`phalanx.ddp.pickling`, and the
+per-process machinery is a :class:`~phalanx.ddp.runtime.Runtime`: the buckets
+(:func:`~phalanx.ddp.bucketing.plan_buckets`), the :class:`~phalanx.ddp.reducer.Reducer` that
+fills and reduces them during the backward (all-reduce, or after
+:meth:`DistributedDataParallel.shard_gradients` a reduce to each bucket's owner), the
+:class:`~phalanx.ddp.buffer_sync.BufferSync` that broadcasts rank 0's buffers before a forward.
+A forward runs in three phases: before (inputs to ``device_ids[0]``, buffers broadcast), the
+module's own, after (arm the reducer).
 """
 
 from __future__ import annotations
 
-import logging
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -20,30 +21,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
 
-from .. import comm
-from .._logging import get_logger
-from ..diagnostics import ledger
-from ..errors import UsageError
 from ..hooks import GradBucket
 from ..uneven import Join, Joinable
-from .bucket_comm import AllReduceMean, ReduceToOwner
-from .bucketing import FIRST_BUCKET_BYTES, BucketSpec, describe, plan_buckets
-from .buffer_sync import BufferSync
-from .checkin import StepCheck
-from .checks import GradientOwners, agree_on_owners, refuse_distributed_autograd
-from .compiled_autograd import (PYTHON_REDUCER, compiled_autograd_enabled, enable_inductor_bucketing,
-                                optimize_ddp_mode, refusal)
-from .devices import to_device
-from .hook_comm import HookComm
-from .hook_registration import SHARDED_WITH_HOOK, builtin_hook, check_registration
-from .joining import JoinPart
-from .mixed_precision import precision_for
+from .bucketing import FIRST_BUCKET_BYTES
+from .checks import GradientOwners
+from .compiled_autograd import compiled_autograd_enabled
+from .hook_registration import builtin_hook
 from .options import NOTHING_IGNORED, TORCH_ONLY_ATTRIBUTES, check_group, resolve_arguments
 from .pickling import picklable_state, unpickled_state
-from .reducer import Reducer, tensor_bytes
-from .sparse import sparse_positions
-
-_log0 = get_logger(__package__, rank_zero_only=True)
+from .runtime import Runtime
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -247,64 +233,17 @@ class DistributedDataParallel(nn.Module, Joinable):
         for name, value in flags.items():
             setattr(self, name, value)
         self.require_backward_grad_sync = True
-        self._comm_hook: tuple[Any, Any] | None = None  # (state, hook) of register_comm_hook
-        self._forwarded = False  # a forward ran: too late to register a comm hook
         self._set_up()
-        if self._reducer is not None and init_sync:
-            self._broadcast_state(args.init_sync_buffers)
+        if self._runtime.reducer is not None and init_sync:
+            self._runtime.broadcast_state(args.init_sync_buffers)
 
     def _set_up(self) -> None:
-        """Hooks, buckets and buffer sync (none with one process); no collective."""
-        self._sync_buffers_next = True  # torch's schedule: the first forward broadcasts
-        self._reducer: Reducer | None = None
-        self._buffer_sync: BufferSync | None = None
-        self.bucket_plan: list[BucketSpec] = []
-        group = self.process_group
-        self._check = StepCheck(group)
-        self._join = JoinPart(group)  # its place in a running phalanx.join
-        self._precision = precision_for(self.module, self.mixed_precision)
-        if dist.get_world_size(group) == 1:
-            return
-        self._build_reducer(None)
-        if optimize_ddp_mode() == PYTHON_REDUCER:  # as torch's DDP, at construction
-            enable_inductor_bucketing(self.bucket_cap_mb)
-        if any(b.numel() for b in self.module.buffers()):
-            self._buffer_sync = BufferSync(self.module, group, _rank_zero(group))
-
-    def _broadcast_state(self, with_buffers: bool) -> None:
-        tensors = list(self.module.parameters()) + (list(self.module.buffers()) if with_buffers else [])
-        with torch.no_grad(), ledger().collective("DDP initial broadcast", tensors, self.process_group):
-            comm.broadcast_tensors(tensors, src=_rank_zero(self.process_group), group=self.process_group)
-
-    def _build_reducer(self, owners: list[int | None] | None) -> None:
-        """Plan the buckets (per owner, with ``owners``) and install a reducer for them."""
-        named = list(self.module.named_parameters())
-        sparse = sparse_positions(self.module, named)
-        self.bucket_plan = plan_buckets(named, owners=owners, caps=self._caps, skip=sparse,
-                                        reduce_dtype=self._precision.reduce_dtype)
-        if not self.bucket_plan:  # only sparse parameters: a bucket for the control tail alone
-            self.bucket_plan = [BucketSpec(named[sparse[0]][1].device, torch.float32, ())]
-        if _log0.isEnabledFor(logging.DEBUG):
-            _log0.debug("bucket plan, in launch order:\n%s", describe(self.bucket_plan))
-        group = self.process_group
-        if self._comm_hook is not None:
-            strategy = HookComm(self.bucket_plan, named, *self._comm_hook, group)
-        else:
-            strategy = AllReduceMean(group) if owners is None else ReduceToOwner(self.bucket_plan, group)
-        if self._reducer is not None:
-            self._reducer.close()  # its hooks must not act on the next backward
-        self._reducer = Reducer(
-            named,
-            self.bucket_plan,
-            strategy,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
-            find_unused_parameters=self.find_unused_parameters,
-            static_graph=self.static_graph,
-            sparse_params=[named[i] for i in sparse],
-        )
-        self._reducer.on_backward_done = self._backward_done
-        self._reducer.join_index = self._join.index  # rebuilt inside a join: still in it
-        self._sparse_names = [named[i][0] for i in sparse]
+        """The runtime: hooks, buckets and buffer sync (none with one process); no collective."""
+        self._runtime = Runtime(self.module, self.process_group, self._device, self._caps,
+                                bucket_cap_mb=self.bucket_cap_mb, mixed_precision=self.mixed_precision,
+                                find_unused_parameters=self.find_unused_parameters,
+                                gradient_as_bucket_view=self.gradient_as_bucket_view, static_graph=self.static_graph)
+        self.bucket_plan = self._runtime.bucket_plan
 
     @property
     def forward(self) -> Callable[..., Any]:
@@ -313,7 +252,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         attribute lookup, before Dynamo picks up a frame: under ``torch.compile(ddp)`` the eager
         one is skipped as a whole (no graph break), and a compiled training step inlines the
         traceable one (no graph break either)."""
-        if self._reducer is not None and compiled_autograd_enabled():
+        if self._runtime.reducer is not None and compiled_autograd_enabled():
             return self._compiled_autograd_forward
         return self._eager_forward
 
@@ -322,71 +261,22 @@ class DistributedDataParallel(nn.Module, Joinable):
     # module's frames underneath, as it does with torch's DDP.forward.
     @torch.compiler.disable(recursive=False)
     def _eager_forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        inputs, kwargs, sync = self._pre_forward(inputs, kwargs)
-        if self._reducer is None:
-            return self._precision.after_forward(self.module(*inputs, **kwargs))
+        runtime = self._runtime
+        inputs, kwargs, sync = runtime.before_forward(inputs, kwargs, self.require_backward_grad_sync,
+                                                      self.forward_sync_buffers)
+        if runtime.reducer is None:
+            return runtime.precision.after_forward(self.module(*inputs, **kwargs))
         previous = _activate_for_dynamo(self)
         try:
             output = self.module(*inputs, **kwargs)
         finally:
             _activate_for_dynamo(previous)
-        return self._post_forward(output, sync)
+        return runtime.after_forward(output, sync)
 
     def _compiled_autograd_forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """The forward under compiled autograd (:mod:`phalanx.ddp.compiled_autograd`): traceable,
-        it arms the per-parameter functional all-reduces instead of the reducer."""
-        settings = dict(find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,
-                        mixed_precision=self.mixed_precision is not None, comm_hook=self._comm_hook is not None,
-                        shard_gradients=isinstance(self._reducer.bucket_comm, ReduceToOwner))
-        why = refusal(optimize_ddp_mode(), settings, self._sparse_names, self._join.index is not None)
-        if why is not None:
-            raise UsageError(why)
-        if torch.compiler.is_compiling():  # the ledger steps aside: no sync point, no record
-            self._forwarded = True
-            sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-            if self._device is not None:
-                inputs, kwargs = to_device(inputs, self._device), to_device(kwargs, self._device)
-            if self._sync_buffers_next and self.forward_sync_buffers and self._buffer_sync is not None:
-                with torch.no_grad():
-                    self._reducer.traced.broadcast_buffers(list(self.module.buffers()))
-        else:  # compiled autograd around an eager forward: the eager checks and broadcast
-            inputs, kwargs, sync = self._pre_forward(inputs, kwargs)
-        output = self.module(*inputs, **kwargs)
-        self._sync_buffers_next = sync
-        self._reducer.traced.armed = sync
-        return output
-
-    @torch.compiler.disable
-    def _pre_forward(self, inputs: Any, kwargs: Any) -> tuple[Any, Any, bool]:
-        """Inputs to the device; with a reducer: the step's sync point, the buffer broadcast;
-        returns whether this forward's backward averages."""
-        if self._device is not None:
-            inputs, kwargs = to_device(inputs, self._device), to_device(kwargs, self._device)
-        inputs, kwargs = self._precision.before_forward(inputs, kwargs)
-        self._forwarded = True
-        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-        if self._reducer is None:
-            return inputs, kwargs, sync
-        refuse_distributed_autograd()
-        broadcasts = self._sync_buffers_next and self.forward_sync_buffers and self._buffer_sync is not None
-        verdict = self._check.forward(sync, broadcasts, self._join.index)
-        src = self._join.step_settings(verdict, self._reducer)  # while ranks have joined
-        if broadcasts:
-            self._buffer_sync.sync(fresh=self._reducer.awaiting_backward, src=src,
-                                   shadow=self._join.buffers_shadow(src))
-        return inputs, kwargs, sync
-
-    @torch.compiler.disable
-    def _post_forward(self, output: Any, sync: bool) -> Any:
-        self._sync_buffers_next = sync
-        self._reducer.traced.armed = False  # this backward is the reducer's
-        self._reducer.prepare(sync, output)
-        return self._precision.after_forward(output)
-
-    def _backward_done(self) -> None:
-        """The reducer's end of a synchronising backward: the step clock, the masters back."""
-        self._check.backward_done()
-        self._precision.restore()
+        """The forward under compiled autograd: :meth:`Runtime.compiled_autograd_forward`."""
+        return self._runtime.compiled_autograd_forward(inputs, kwargs, self.require_backward_grad_sync,
+                                                       self.forward_sync_buffers)
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
@@ -410,18 +300,18 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # phalanx.join (ddp/joining.py)
     def join_begin(self, join: Join) -> None:
-        self._join.begin(join.joinables.index(self), join.divide_by_initial_world_size,
-                         any(j.join_steps_with_gradients for j in join.joinables), self._reducer)
+        self._runtime.join.begin(join.joinables.index(self), join.divide_by_initial_world_size,
+                                 any(j.join_steps_with_gradients for j in join.joinables), self._runtime.reducer)
 
     def join_shadow(self, action: int, verdict: Any) -> None:
-        self._join.shadow(action, verdict, self._reducer, self._buffer_sync)
+        self._runtime.join.shadow(action, verdict, self._runtime.reducer, self._runtime.buffer_sync)
 
     def join_end(self, join: Join, last: int) -> None:
-        self._join.end(self.module, self.forward_sync_buffers, last)
+        self._runtime.join.end(self.module, self.forward_sync_buffers, last)
 
     def join_leave(self) -> None:
-        self._join.leave(self._reducer)
-        self._check.restart()  # the ranks stepped different numbers of times
+        self._runtime.join.leave(self._runtime.reducer)
+        self._runtime.check.restart()  # the ranks stepped different numbers of times
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -498,12 +388,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             >>> opt.clip_grad_norm_(1.0)         # the norm of the whole averaged gradient
             >>> opt.step()                       # owners step and broadcast the parameters
         """
-        if self._comm_hook is not None:
-            raise UsageError(f"shard_gradients() after register_comm_hook(): {SHARDED_WITH_HOOK}")
-        mid_iteration = self._reducer is not None and self._reducer.awaiting_backward
-        owners = agree_on_owners(self.module, self.process_group, mid_iteration, optimizer)
-        if self._reducer is not None:
-            self._build_reducer(owners)
+        self._runtime.shard_gradients(optimizer)
+        self.bucket_plan = self._runtime.bucket_plan
 
     def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], torch.futures.Future]) -> None:
         """Reduce each bucket with ``hook(state, bucket)`` (torch's contract) instead of the all-reduce.
@@ -535,19 +421,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._register(self.process_group, builtin_hook(comm_hook_type), builtin=True)
 
     def _register(self, state: Any, hook: Any, builtin: bool) -> None:
-        sharded = self._reducer is not None and isinstance(self._reducer.bucket_comm, ReduceToOwner)
-        check_registration(hook, self._comm_hook, self._forwarded, sharded, builtin)
-        self._comm_hook = (state, hook)
-        if self._reducer is not None:
-            self._build_reducer(None)
+        self._runtime.register_comm_hook(state, hook, builtin)
+        self.bucket_plan = self._runtime.bucket_plan
 
     def gradient_bytes(self) -> int:
         """Bytes this rank holds for gradients now: ``.grad`` tensors and kept bucket buffers.
 
         Memory shared between them (``gradient_as_bucket_view=True``) is counted once.
         """
-        tensors = [p.grad for p in self.module.parameters() if p.grad is not None]
-        return tensor_bytes(tensors + (self._reducer.buffers() if self._reducer is not None else []))
+        return self._runtime.gradient_bytes()
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
@@ -571,11 +453,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             yield
         finally:
             self.require_backward_grad_sync = previous
-
-
-def _rank_zero(group: dist.ProcessGroup | None) -> int:
-    """The global rank of ``group``'s rank 0, whose parameters and buffers everyone takes."""
-    return 0 if group is None else dist.get_global_rank(group, 0)
 
 
 @torch.compiler.disable
