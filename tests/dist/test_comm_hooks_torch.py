@@ -236,8 +236,8 @@ def _bench_engine_hooks():
         models = {impl: build("cnn", impl, comm_hook=name) for impl in ("phalanx", "torch")}
         for model in models.values():
             Trainer(model, batch).step()
-        hooked = {impl: getattr(m, "_comm_hook", None) is not None or bool(getattr(m, "_comm_hooks", []))
-                  for impl, m in models.items()}
+        hooked = {"phalanx": models["phalanx"]._runtime.comm_hook is not None,
+                  "torch": bool(models["torch"]._comm_hooks)}
         out[name] = (hooked, models["torch"].bucket_bytes_cap)
     return out
 
