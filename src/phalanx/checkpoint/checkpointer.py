@@ -10,6 +10,12 @@ gathered there; rank 0 alone writes one file, atomically and checksummed (see
 dead writers; the other ranks wait for rank 0's outcome, so an error on rank 0 (disk full,
 an extra that cannot be saved) is raised on every rank instead of leaving them in a barrier.
 
+**Sharded models** (``fully_shard``, phalanx's or torch's: DTensor parameters and optimizer
+state) are saved into the same one file, whole: the writer receives each sharded tensor from
+every rank and writes it before receiving the next, so no rank holds more than its shards
+and one tensor (see :mod:`phalanx.checkpoint.sharded`). Every rank loads its own rows at the
+world size it runs at; a model that is not sharded loads the whole tensors.
+
 **What a checkpoint holds**: ``epoch`` and ``step``; the model's ``state_dict`` unwrapped
 (no ``module.`` prefix, whether the model is phalanx's or torch's DDP or a plain module); the
 optimizer's (consolidated when sharded), the scheduler's, the GradScaler's and the sampler's
@@ -134,9 +140,11 @@ class Checkpointer(Joinable):
 
     Args:
         directory (str or PathLike): where checkpoints live; created on the first save.
-        model (nn.Module): the model, plain or wrapped in phalanx's or torch's DDP.
-        optimizer (Optimizer, optional): plain, or sharded (``consolidate_state_dict``, as
-            phalanx's and torch's ``ZeroRedundancyOptimizer``). Default ``None``.
+        model (nn.Module): the model, plain, wrapped in phalanx's or torch's DDP, or sharded
+            by ``fully_shard`` (phalanx's or torch's).
+        optimizer (Optimizer, optional): plain (its state DTensors with a sharded model), or
+            sharded (``consolidate_state_dict``, as phalanx's and torch's
+            ``ZeroRedundancyOptimizer``). Default ``None``.
         scheduler (optional): an lr scheduler. Default ``None``.
         scaler (optional): a ``torch.amp.GradScaler``. Default ``None``.
         sampler (optional): a sampler with ``state_dict``/``load_state_dict``, such as
