@@ -115,7 +115,38 @@ def _resume(directory, fs, world_size, name):
     }
 
 
+def _tiny(shard, seed=3):
+    """Tensors of 4 and 2 rows: at world 3 the last rank holds none of their rows (torch.chunk
+    splits them 2, 2, 0 and 1, 1, 0)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
+    if shard:
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if seed == 3:  # one step, the same batch on every rank (so the same gradient as one process)
+        model(torch.ones(3, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _tiny_save(directory, name):
+    Checkpointer(Path(directory) / name, *_tiny(True)).save(0, 1)
+
+
+def _tiny_load(directory, name):
+    model, opt = _tiny(True, seed=4)
+    Checkpointer(Path(directory) / name, model, opt).load()
+    single, single_opt = _tiny(False)
+    return {"rows": [p.to_local().shape[0] for p in model.parameters()],
+            "params": _max_diff((p.detach().full_tensor(), q.detach())
+                                for p, q in zip(model.parameters(), single.parameters())),
+            "exp_avg": _max_diff((opt.state[p]["exp_avg"].full_tensor(), single_opt.state[q]["exp_avg"])
+                                 for p, q in zip(model.parameters(), single.parameters()))}
+
+
 def _world2(rank, world_size, directory):
+    _tiny_save(directory, "tiny2")
     out = {"size": _fresh(directory, fully_shard, world_size, "w2"),
            "torch_size": _fresh(directory, torch_fully_shard, world_size, "torch2")}
     out["memory"] = _save_memory(Path(directory) / "memory")
@@ -128,12 +159,15 @@ def _world3(rank, world_size, directory):
            "torch_from2": _resume(directory, torch_fully_shard, world_size, "torch2")}
     out["damaged"] = _damaged(rank, Path(directory) / "w2")
     out["whole"] = _into_a_plain_model(Path(directory) / "w2")
+    out["tiny_from2"] = _tiny_load(directory, "tiny2")
+    _tiny_save(directory, "tiny3")
     _fresh(directory, fully_shard, world_size, "w3")
     return out
 
 
 def _world2_again(rank, world_size, directory):
-    return {"from3": _resume(directory, fully_shard, world_size, "w3")}
+    return {"from3": _resume(directory, fully_shard, world_size, "w3"),
+            "tiny_from3": _tiny_load(directory, "tiny3")}
 
 
 def _failures(rank, directory):
@@ -274,6 +308,16 @@ def test_saved_at_world_3_resumed_at_world_2_equals_an_uninterrupted_run(runs):
 
 def test_torchs_fully_shard_saved_at_2_resumed_at_3(runs):
     _check_resume(runs["w3"], "torch_from2", 2, 3)
+
+
+def test_empty_shards_are_saved_and_loaded(runs):
+    """At world 3 a tensor of 4 rows has shards of 2, 2 and 0 rows, one of 2 rows 1, 1, 0
+    (torch.chunk's split): saved from there and loaded there."""
+    rows = {3: [[2, 2, 1, 1], [2, 2, 1, 1], [0, 0, 0, 0]], 2: [[2, 2, 1, 1]] * 2}
+    for key, world in (("w3", 3), ("w2_again", 2)):
+        res = [out[f"tiny_from{5 - world}"] for out in runs[key]]
+        assert [r["rows"] for r in res] == rows[world], res
+        assert all(r["params"] <= TOL and r["exp_avg"] <= TOL for r in res), res
 
 
 def test_a_sharded_checkpoint_loads_whole_into_a_plain_model(runs):
