@@ -51,7 +51,7 @@ import os
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -71,7 +71,7 @@ from .file import (
     read_checkpoint,
     write_checkpoint,
 )
-from .sharded import ShardedState, mesh_of, restore, rows_for
+from .sharded import ShardedState, mesh_of, optimizer_state, restore, rows_for
 from .state import (
     capture_rng_state,
     check_fits,
@@ -266,7 +266,7 @@ class Checkpointer(Joinable):
         writer = _writer()
         if hasattr(self.optimizer, "consolidate_state_dict"):
             self.optimizer.consolidate_state_dict(to=writer)
-        sharded = ShardedState(self.module.state_dict(), _state_dict(self.optimizer), self.group)
+        sharded = ShardedState(self.module.state_dict(), optimizer_state(self.optimizer), self.group)
         local = None if self.comm_state is None else self.comm_state.state_dict()
         gathered = gather_to_writer((epoch, step, capture_rng_state(), local), self.group, writer)
         path = self.directory / checkpoint_name(step)
@@ -294,7 +294,7 @@ class Checkpointer(Joinable):
         self._save(epoch, step, None, None)
 
     def _write(self, path: Path, gathered: list, consumed: int | None, extra: dict,
-               sharded: ShardedState, frames: Any) -> None:
+               sharded: ShardedState, frames: Iterator[torch.Tensor] | None) -> None:
         epoch, step = gathered[0][:2]
         differ = [r for r, (e, s, *_) in enumerate(gathered) if (e, s) != (epoch, step)]
         if differ:
@@ -448,13 +448,6 @@ class Checkpointer(Joinable):
         else:
             _log.info("checkpoint %s was saved by %d ranks: rank %d keeps its own RNG state",
                       path, len(saved), rank)
-
-
-def _state_dict(optimizer: Any) -> dict | None:
-    """The optimizer's state dict when it may hold DTensors (not a consolidated sharded one)."""
-    if optimizer is None or hasattr(optimizer, "consolidate_state_dict"):
-        return None
-    return optimizer.state_dict()
 
 
 def _writer() -> int:

@@ -37,6 +37,14 @@ def mesh_of(module: nn.Module) -> DeviceMesh | None:
     return next((p.device_mesh for p in module.parameters() if isinstance(p, DTensor)), None)
 
 
+def optimizer_state(optimizer: Any) -> dict | None:
+    """The optimizer's state dict when it may hold DTensors: not a sharded optimizer's, which
+    is consolidated on the writer instead (``consolidate_state_dict``)."""
+    if optimizer is None or hasattr(optimizer, "consolidate_state_dict"):
+        return None
+    return optimizer.state_dict()
+
+
 class ShardedState:
     """The DTensors of a model's and its optimizer's state dicts, in the order they are saved.
 
