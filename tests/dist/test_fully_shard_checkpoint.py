@@ -27,7 +27,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import phalanx
 from phalanx import Checkpointer
 from phalanx.fsdp import fully_shard, initialize
-from tests.dist.test_fully_shard import TOL, _max_diff, _model, _shard, _without_key_bias
+from tests.dist.test_fully_shard import TOL, _batch, _max_diff, _mine, _model, _shard, _without_key_bias
+from tests.dist.test_fully_shard_models import _variant, _whole
 from tests.harness import error_of, run_ranks
 
 VOCAB, TOKENS = 50, 8  # as _model's
@@ -145,9 +146,50 @@ def _tiny_load(directory, name):
                                  for p, q in zip(model.parameters(), single.parameters()))}
 
 
+VARIANTS = ["tied", "frozen"]  # tests/dist/test_fully_shard_models.py's models
+
+
+def _variant_model(kind, shard):
+    base, kwargs = _variant(kind)
+    model = _shard(base, fully_shard, **kwargs(base)) if shard else base
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3)
+
+
+def _loaded(kind, shard, where):
+    model, opt = _variant_model(kind, shard)
+    Checkpointer(where, model, opt).load()
+    return _whole_state(model, opt)
+
+
+def _whole_state(model, opt):
+    """Every parameter and exp_avg whole, as lists (tensors do not outlive their rank)."""
+    return {"params": [_whole(p).tolist() for p in model.parameters()],
+            "exp_avg": [_whole(s["exp_avg"]).tolist() for s in opt.state.values()],
+            "tied": model.head.weight is model.embed.weight}
+
+
+def _variants(rank, world_size, directory, save):
+    """Tied weights, frozen parameters. At world 2: trained one step, saved, and the file
+    loaded whole into a plain model; at world 3: loaded sharded and whole."""
+    out = {}
+    for kind in VARIANTS:
+        where = Path(directory) / kind
+        if save:
+            model, opt = _variant_model(kind, True)
+            x, y = _mine(_batch(0, world_size), rank)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            Checkpointer(where, model, opt).save(0, 1)
+            out[kind] = {"saved": _whole_state(model, opt), "whole": _loaded(kind, False, where)}
+        else:
+            out[kind] = {"sharded": _loaded(kind, True, where), "whole": _loaded(kind, False, where)}
+    return out
+
+
 def _world2(rank, world_size, directory):
     _tiny_save(directory, "tiny2")
-    out = {"size": _fresh(directory, fully_shard, world_size, "w2"),
+    out = {"variants": _variants(rank, world_size, directory, save=True),"size": _fresh(directory, fully_shard, world_size, "w2"),
            "torch_size": _fresh(directory, torch_fully_shard, world_size, "torch2")}
     out["memory"] = _save_memory(Path(directory) / "memory")
     out["failures"] = _failures(rank, Path(directory) / "failures")
@@ -160,6 +202,7 @@ def _world3(rank, world_size, directory):
     out["damaged"] = _damaged(rank, Path(directory) / "w2")
     out["whole"] = _into_a_plain_model(Path(directory) / "w2")
     out["tiny_from2"] = _tiny_load(directory, "tiny2")
+    out["variants"] = _variants(rank, world_size, directory, save=False)
     _tiny_save(directory, "tiny3")
     _fresh(directory, fully_shard, world_size, "w3")
     return out
@@ -318,6 +361,20 @@ def test_empty_shards_are_saved_and_loaded(runs):
         res = [out[f"tiny_from{5 - world}"] for out in runs[key]]
         assert [r["rows"] for r in res] == rows[world], res
         assert all(r["params"] <= TOL and r["exp_avg"] <= TOL for r in res), res
+
+
+@pytest.mark.parametrize("kind", VARIANTS)
+def test_tied_and_frozen_parameters_round_trip(runs, kind):
+    """What was saved at world 2 is what a plain model loads, and what a sharded model
+    loads at world 3, exactly; the head stays tied to the embedding."""
+    saved = runs["w2"][0]["variants"][kind]["saved"]
+    assert saved["tied"] == (kind == "tied"), saved["tied"]
+    frozen = 2 if kind == "frozen" else 0  # blocks.1.fc1.weight and ln.bias: no AdamW state
+    assert len(saved["exp_avg"]) == len(saved["params"]) - frozen
+    for key in ("w2", "w3"):
+        for rank, out in enumerate(runs[key]):
+            for form, state in out["variants"][kind].items():
+                assert state == saved, (kind, key, rank, form)  # exactly
 
 
 def test_a_sharded_checkpoint_loads_whole_into_a_plain_model(runs):
