@@ -63,10 +63,21 @@ def _fully_sharded_against_one_process(rank, world_size, directory):
                                           opt.state[b]["exp_avg"].to_local())
                               for a, b in zip(again.parameters(), model.parameters())),
         "whole_refused": error_of(phalanx.Checkpointer(f"{directory}/whole", again, again_opt).load),
+        "dim1_refused": _dim1_refused(directory),
         "sharded": all(t.to_local().numel() < t.numel() for t in model.state_dict().values()
                        if t.numel() >= world_size),
         "max_diff": max((full[n] - t).abs().max().item() for n, t in reference.state_dict().items()),
     }
+
+
+def _dim1_refused(directory):
+    """Shards on dim 1 (torch's shard_placement_fn): not what Checkpointer re-slices."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    fully_shard(model, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else Shard(0))
+    return error_of(phalanx.Checkpointer(f"{directory}/dim1", model).save, 0, 1)
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +98,12 @@ def test_checkpointer_saves_and_loads_torchs_fully_sharded_model(fsdp):
     """(Other world sizes: tests/dist/test_fully_shard_checkpoint.py.)"""
     for result in fsdp:
         assert result["reloaded"] and result["reloaded_state"], result
+
+
+def test_shards_on_another_dim_are_refused_on_every_rank(fsdp):
+    for result in fsdp:
+        kind, message = result["dim1_refused"]
+        assert kind == "TypeError" and "but 0.weight has placements (Shard(dim=1),)" in message, result
 
 
 def test_a_whole_model_checkpoint_is_refused_by_a_sharded_model(fsdp):
