@@ -353,8 +353,9 @@ class Checkpointer(Joinable):
         Raises:
             TypeError: ``resume`` is neither ``"auto"`` nor a path.
             CheckpointError: on every rank, naming the file and what failed: missing, empty,
-                truncated, checksum mismatch, refused by safe loading, or not fitting the
-                model/optimizer/scheduler/scaler/sampler given.
+                truncated, checksum mismatch, refused by safe loading, not fitting the
+                model/optimizer/scheduler/scaler/sampler given, or a model every rank held
+                whole loaded into a sharded one.
         """
         if not isinstance(resume, (str, os.PathLike)):
             raise TypeError(f"resume must be 'auto' or a path, got {type(resume).__name__}")
