@@ -1,6 +1,6 @@
 """torch's FSDP (``fully_shard``) on a process group made by ``phalanx.init_process_group``:
-it trains as one process on the global batch does (docs/sharding.md, the README's "works
-with" list)."""
+it trains as one process on the global batch does, and ``phalanx.Checkpointer`` saves and
+loads it (docs/sharding.md, the README's "works with" list)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import phalanx
-from tests.harness import run_ranks
+from tests.harness import error_of, run_ranks
 
 _STEPS = 3
 _MICRO = 4  # samples per rank per step
@@ -27,14 +27,6 @@ def _step(model, opt, x, y):
     nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
     opt.zero_grad()
-
-
-def _refused(call):
-    try:
-        call()
-    except TypeError as e:
-        return str(e)
-    return None
 
 
 def _fully_sharded_against_one_process(rank, world_size, directory):
@@ -55,14 +47,37 @@ def _fully_sharded_against_one_process(rank, world_size, directory):
         _step(model, opt, x[mine], y[mine])
         _step(reference, reference_opt, x, y)  # the global batch, in one process
     full = {name: t.full_tensor() for name, t in model.state_dict().items()}
-    ckpt = phalanx.Checkpointer(directory, model, opt)
+    phalanx.Checkpointer(f"{directory}/sharded", model, opt).save(0, _STEPS)
+    phalanx.Checkpointer(f"{directory}/whole", reference, reference_opt).save(0, _STEPS)
+    torch.manual_seed(1)  # other values, which the load replaces
+    again = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    for layer in (again[0], again[2]):
+        fully_shard(layer)
+    fully_shard(again)
+    again_opt = torch.optim.AdamW(again.parameters(), lr=1e-2)
+    phalanx.Checkpointer(f"{directory}/sharded", again, again_opt).load()
     return {
-        "save": _refused(lambda: ckpt.save(0, _STEPS)),
-        "load": _refused(ckpt.load),
+        "reloaded": all(torch.equal(a.to_local(), b.to_local()) for a, b in
+                        zip(again.state_dict().values(), model.state_dict().values())),
+        "reloaded_state": all(torch.equal(again_opt.state[a]["exp_avg"].to_local(),
+                                          opt.state[b]["exp_avg"].to_local())
+                              for a, b in zip(again.parameters(), model.parameters())),
+        "whole_refused": error_of(phalanx.Checkpointer(f"{directory}/whole", again, again_opt).load),
+        "dim1_refused": _dim1_refused(directory),
         "sharded": all(t.to_local().numel() < t.numel() for t in model.state_dict().values()
                        if t.numel() >= world_size),
         "max_diff": max((full[n] - t).abs().max().item() for n, t in reference.state_dict().items()),
     }
+
+
+def _dim1_refused(directory):
+    """Shards on dim 1 (torch's shard_placement_fn): not what Checkpointer re-slices."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    fully_shard(model, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else Shard(0))
+    return error_of(phalanx.Checkpointer(f"{directory}/dim1", model).save, 0, 1)
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +94,20 @@ def test_fully_shard_trains_as_one_process_on_the_global_batch(fsdp):
         assert result["max_diff"] < 1e-6, result
 
 
-def test_checkpointer_refuses_a_sharded_model_rather_than_write_one_ranks_shards(fsdp):
+def test_checkpointer_saves_and_loads_torchs_fully_sharded_model(fsdp):
+    """(Other world sizes: tests/dist/test_fully_shard_checkpoint.py.)"""
     for result in fsdp:
-        for refusal in (result["save"], result["load"]):
-            assert refusal is not None and "parameter '0.weight' is a DTensor" in refusal, result
-            assert "torch.distributed.checkpoint" in refusal
+        assert result["reloaded"] and result["reloaded_state"], result
+
+
+def test_shards_on_another_dim_are_refused_on_every_rank(fsdp):
+    for result in fsdp:
+        kind, message = result["dim1_refused"]
+        assert kind == "TypeError" and "but 0.weight has placements (Shard(dim=1),)" in message, result
+
+
+def test_a_whole_model_checkpoint_is_refused_by_a_sharded_model(fsdp):
+    for result in fsdp:
+        kind, message = result["whole_refused"]
+        assert kind == "CheckpointError" and "holds a model every rank held whole" in message, result
+        assert "load it into the model before sharding it" in message

@@ -108,6 +108,40 @@ def test_code_execution_payloads_are_refused_and_never_run(tmp_path):
     assert marker.exists(), message
 
 
+def test_framed_format_round_trip_one_frame_at_a_time(tmp_path):
+    """Format 2: the state, then one tensor per frame, each handed to ``select`` as soon as it
+    is decoded (here: its first row kept); the frame table at the end; one CRC over it all."""
+    path = tmp_path / cf.checkpoint_name(1)
+    tensors = [torch.randn(4, 3), torch.arange(10), torch.ones(2, 2, dtype=torch.bfloat16)]
+    seen = []
+    cf.write_checkpoint(path, {"meta": 1}, iter(tensors))
+    raw = path.read_bytes()
+    _, version, size, crc = struct.unpack_from("<8sIQI", raw)
+    assert (version, size, crc) == (2, len(raw) - 64, zlib.crc32(raw[64:]))
+    count = struct.unpack_from("<Q", raw, len(raw) - 8)[0]
+    assert count == 4  # the state and three frames
+    loaded = cf.read_checkpoint(path, select=lambda t: seen.append(t.shape) or t[:1].clone())
+    assert loaded["meta"] == 1 and seen == [t.shape for t in tensors]
+    assert all(torch.equal(a, b[:1]) for a, b in zip(loaded["frames"], tensors))
+    assert all(torch.equal(a, b) for a, b in zip(cf.read_checkpoint(path)["frames"], tensors))
+
+
+def test_framed_format_refuses_code_and_a_lying_frame_table(tmp_path):
+    marker = tmp_path / "PWNED"
+    evil = tmp_path / "evil.ckpt"
+    cf.write_checkpoint(evil, {"meta": 1}, iter([torch.ones(2), _RunsCode(marker)]))
+    _expect_refused(evil, "was refused", "nothing in it was executed")
+    assert not marker.exists()
+    # a frame table pointing past the payload, behind a valid header and checksum
+    good = tmp_path / "good.ckpt"
+    cf.write_checkpoint(good, {"meta": 1}, iter([torch.ones(2)]))
+    payload = bytearray(good.read_bytes()[64:])
+    struct.pack_into("<Q", payload, len(payload) - 16, len(payload) * 2)  # the last frame's end
+    lying = tmp_path / "lying.ckpt"
+    lying.write_bytes(cf._header(len(payload), zlib.crc32(payload), cf.FRAMED_FORMAT) + bytes(payload))
+    _expect_refused(lying, "is corrupt", "frame table")
+
+
 def test_keep_last_k_and_listing(tmp_path):
     for step in (3, 10, 7, 12):
         _write(tmp_path, step)

@@ -11,12 +11,16 @@ The files, in the order data flows through them:
 ``state.py``
     What goes into a checkpoint for one process: the unwrapped model, RNG states, the check
     that safe loading can rebuild every value, the check that a state fits a model.
+``sharded.py``
+    Models sharded by ``fully_shard``: each DTensor gathered whole on the writer one at a
+    time, and each rank's ``Shard(0)`` rows taken back out at any world size.
 ``sync.py``
     How the ranks of a save or load exchange data with the writer (rank 0); their verdicts
     travel through :func:`phalanx.agreement.agree`.
 ``file.py``
     One file on disk: header, CRC-32, atomic write (temporary, fsync, rename, directory
-    fsync), verified and safe read, pruning, stale temporaries.
+    fsync), verified and safe read, pruning, stale temporaries; frames for tensors streamed
+    one at a time.
 """
 
 from .checkpointer import Checkpointer, TrainingState

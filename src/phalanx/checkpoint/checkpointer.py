@@ -10,6 +10,12 @@ gathered there; rank 0 alone writes one file, atomically and checksummed (see
 dead writers; the other ranks wait for rank 0's outcome, so an error on rank 0 (disk full,
 an extra that cannot be saved) is raised on every rank instead of leaving them in a barrier.
 
+**Sharded models** (``fully_shard``, phalanx's or torch's: DTensor parameters and optimizer
+state) are saved into the same one file, whole: the writer receives each sharded tensor from
+every rank and writes it before receiving the next, so no rank holds more than its shards
+and one tensor (see :mod:`phalanx.checkpoint.sharded`). Every rank loads its own rows at the
+world size it runs at; a model that is not sharded loads the whole tensors.
+
 **What a checkpoint holds**: ``epoch`` and ``step``; the model's ``state_dict`` unwrapped
 (no ``module.`` prefix, whether the model is phalanx's or torch's DDP or a plain module); the
 optimizer's (consolidated when sharded), the scheduler's, the GradScaler's and the sampler's
@@ -45,7 +51,7 @@ import os
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -65,12 +71,12 @@ from .file import (
     read_checkpoint,
     write_checkpoint,
 )
+from .sharded import ShardedState, mesh_of, optimizer_state, restore, rows_for
 from .state import (
     capture_rng_state,
     check_fits,
     check_loadable,
     load_comm_state,
-    refuse_sharded,
     restore_rng_state,
     unwrap,
 )
@@ -81,6 +87,7 @@ from .sync import (
     broadcast_from_writer,
     gather_to_writer,
     is_writer,
+    writer_global_rank,
 )
 
 _log = get_logger(__package__)
@@ -133,9 +140,11 @@ class Checkpointer(Joinable):
 
     Args:
         directory (str or PathLike): where checkpoints live; created on the first save.
-        model (nn.Module): the model, plain or wrapped in phalanx's or torch's DDP.
-        optimizer (Optimizer, optional): plain, or sharded (``consolidate_state_dict``, as
-            phalanx's and torch's ``ZeroRedundancyOptimizer``). Default ``None``.
+        model (nn.Module): the model, plain, wrapped in phalanx's or torch's DDP, or sharded
+            by ``fully_shard`` (phalanx's or torch's).
+        optimizer (Optimizer, optional): plain (its state DTensors with a sharded model), or
+            sharded (``consolidate_state_dict``, as phalanx's and torch's
+            ``ZeroRedundancyOptimizer``). Default ``None``.
         scheduler (optional): an lr scheduler. Default ``None``.
         scaler (optional): a ``torch.amp.GradScaler``. Default ``None``.
         sampler (optional): a sampler with ``state_dict``/``load_state_dict``, such as
@@ -239,12 +248,11 @@ class Checkpointer(Joinable):
 
         Raises:
             ValueError, TypeError: a bad argument, or an ``extra`` value safe loading could
-                not rebuild (named), on every rank; a model with parameters sharded across
-                the ranks (DTensors, torch's ``fully_shard``).
+                not rebuild (named), on every rank; a sharded tensor placed otherwise than
+                ``fully_shard`` places it (``Shard(0)`` on one 1-D mesh of the group's ranks).
             RankMismatchError: ranks passed different ``epoch``/``step``.
             CheckpointError: writing failed (on every rank).
         """
-        refuse_sharded(self.module)
         _check_count("epoch", epoch)
         _check_count("step", step)
         if extra is not None and not isinstance(extra, Mapping):
@@ -258,16 +266,25 @@ class Checkpointer(Joinable):
         writer = _writer()
         if hasattr(self.optimizer, "consolidate_state_dict"):
             self.optimizer.consolidate_state_dict(to=writer)
+        sharded = ShardedState(self.module.state_dict(), optimizer_state(self.optimizer), self.group)
         local = None if self.comm_state is None else self.comm_state.state_dict()
         gathered = gather_to_writer((epoch, step, capture_rng_state(), local), self.group, writer)
         path = self.directory / checkpoint_name(step)
         error = None
         if gathered is not None:
+            frames = sharded.receive(writer_global_rank(self.group, writer)) if sharded else None
             try:
-                self._write(path, gathered, consumed, dict(extra or {}))
+                self._write(path, gathered, consumed, dict(extra or {}), sharded, frames)
             except Exception as e:
                 error = as_shared(e, f"Saving checkpoint {path} failed on rank {writer}: ", SAVE_ERRORS)
-        agree(f"Saving checkpoint {path}", self.group, problem=error, decided_by=writer, keep=self._last)
+            finally:
+                for _ in frames or ():  # the other ranks send every tensor: take them all
+                    pass
+        elif sharded:
+            error = attempt(sharded.send, writer_global_rank(self.group, writer))[1]
+        # (sharded: a sender's failure counts too; the writer's broadcast alone otherwise)
+        agree(f"Saving checkpoint {path}", self.group, problem=error,
+              decided_by=None if sharded else writer, keep=None if sharded else self._last)
         return path
 
     # phalanx.join: a rank that has joined takes part in the others' saves (the highest active
@@ -276,7 +293,8 @@ class Checkpointer(Joinable):
         epoch, step = verdict.announce[3:5]  # CheckpointAction.SAVE, the only one
         self._save(epoch, step, None, None)
 
-    def _write(self, path: Path, gathered: list, consumed: int | None, extra: dict) -> None:
+    def _write(self, path: Path, gathered: list, consumed: int | None, extra: dict,
+               sharded: ShardedState, frames: Iterator[torch.Tensor] | None) -> None:
         epoch, step = gathered[0][:2]
         differ = [r for r, (e, s, *_) in enumerate(gathered) if (e, s) != (epoch, step)]
         if differ:
@@ -295,9 +313,12 @@ class Checkpointer(Joinable):
                 f"{existing[-1].name}, a later step (another run?). Use a new directory or "
                 "remove the old checkpoints"
             )
+        model, optim, places = sharded.skeleton()
         state = {"version": STATE_VERSION, "epoch": epoch, "step": step,
-                 "world_size": len(gathered), "model": self.module.state_dict(),
+                 "world_size": len(gathered), "model": model,
                  "rng": [rng for _, _, rng, _ in gathered], "extra": extra}
+        if sharded:
+            state["sharded"] = places
         if self.comm_state is not None:
             state["comm_state"] = [local for *_, local in gathered]
         for name in _OPTIONAL:
@@ -305,13 +326,15 @@ class Checkpointer(Joinable):
             if obj is not None:
                 if name == "sampler" and consumed is not None:
                     state[name] = obj.state_dict(consumed=consumed)
+                elif name == "optimizer" and optim is not None:
+                    state[name] = optim
                 else:
                     state[name] = obj.state_dict()
         for key, value in state.items():
             check_loadable(value, key)
         for stale in clean_stale_temps(self.directory):
             _log.info("removed %s, left by a writer that died", stale)
-        size = write_checkpoint(path, state)
+        size = write_checkpoint(path, state, frames)
         if self.keep is not None:
             prune(self.directory, self.keep)
         _log.info("saved %s (%.1f MB, epoch %d, step %d)", path, size / 1e6, epoch, step)
@@ -328,15 +351,14 @@ class Checkpointer(Joinable):
             line says training starts fresh).
 
         Raises:
-            TypeError: ``resume`` is neither ``"auto"`` nor a path; the model's parameters are
-                sharded across the ranks (DTensors, torch's ``fully_shard``).
+            TypeError: ``resume`` is neither ``"auto"`` nor a path.
             CheckpointError: on every rank, naming the file and what failed: missing, empty,
-                truncated, checksum mismatch, refused by safe loading, or not fitting the
-                model/optimizer/scheduler/scaler/sampler given.
+                truncated, checksum mismatch, refused by safe loading, not fitting the
+                model/optimizer/scheduler/scaler/sampler given, or a model every rank held
+                whole loaded into a sharded one.
         """
         if not isinstance(resume, (str, os.PathLike)):
             raise TypeError(f"resume must be 'auto' or a path, got {type(resume).__name__}")
-        refuse_sharded(self.module)
         auto = resume == "auto"
         mine = None
         if is_writer(self.group):
@@ -379,7 +401,8 @@ class Checkpointer(Joinable):
         return aside
 
     def _read(self, path: Path) -> dict:
-        state = read_checkpoint(path, map_location=self.map_location)
+        mesh = mesh_of(self.module)
+        state = read_checkpoint(path, map_location=self.map_location, select=rows_for(mesh))
         required = ("version", "epoch", "step", "world_size", "model", "rng", "extra")
         if not isinstance(state, dict) or any(k not in state for k in required):
             raise CheckpointError(
@@ -391,6 +414,12 @@ class Checkpointer(Joinable):
                 f"Checkpoint {path} holds state version {state['version']}; this phalanx "
                 f"reads version {STATE_VERSION}"
             )
+        if "sharded" in state:
+            restore(state, mesh, path)
+        elif mesh is not None:
+            raise CheckpointError(
+                f"Checkpoint {path} holds a model every rank held whole, and this model is "
+                "sharded (fully_shard): load it into the model before sharding it")
         return state
 
     def _apply(self, state: dict, path: Path) -> None:

@@ -2,11 +2,17 @@
 
 Single-process code; :mod:`phalanx.checkpoint.checkpointer` decides who calls it and when.
 
-File layout (format 1, little-endian)::
+File layout (little-endian)::
 
     [0, 64)      header: magic b"PHALANX\\x00", format (u32), payload length (u64),
                  payload CRC-32 (u32), zero padding, and at [60, 64) the CRC-32 of [0, 60)
-    [64, end)    payload: the bytes of ``torch.save(state)``
+    [64, end)    payload, format 1: the bytes of ``torch.save(state)``
+                 payload, format 2 (framed): ``torch.save(state)``, then one
+                 ``torch.save(tensor)`` per frame, then the end offset (u64) of each of
+                 these n + 1 parts and n + 1 (u64)
+
+Format 2 lets a writer stream tensors it never holds together (a sharded model gathered one
+tensor at a time) and a reader decode and drop them one at a time (``select``).
 
 Every byte is covered by a checksum: a flipped byte anywhere is reported, as is a file whose
 size does not match the length its header announces. The payload is decoded only after its
@@ -35,7 +41,7 @@ import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -43,6 +49,8 @@ from ..errors import CheckpointError
 
 MAGIC = b"PHALANX\x00"
 FORMAT_VERSION = 1
+FRAMED_FORMAT = 2
+_U64 = struct.Struct("<Q")
 # 64 bytes keep the payload (and torch's 64-byte aligned storages inside it) aligned.
 HEADER_SIZE = 64
 _FIELDS = struct.Struct("<8sIQI")  # magic, format, payload length, payload CRC-32
@@ -127,17 +135,20 @@ class _ChecksumWriter:
         self._file.flush()
 
 
-def _header(payload_size: int, payload_crc: int) -> bytes:
-    fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, payload_size, payload_crc)
+def _header(payload_size: int, payload_crc: int, version: int = FORMAT_VERSION) -> bytes:
+    fields = _FIELDS.pack(MAGIC, version, payload_size, payload_crc)
     head = fields.ljust(_HEADER_CRC_AT, b"\x00")
     return head + struct.pack("<I", zlib.crc32(head))
 
 
-def write_checkpoint(path: str | os.PathLike, state: Any) -> int:
+def write_checkpoint(path: str | os.PathLike, state: Any,
+                     frames: Iterable[torch.Tensor] | None = None) -> int:
     """Write ``state`` to ``path`` atomically (see the module notes); return the file's size.
 
     The directory is created if needed. ``state`` must be made of what
-    ``torch.load(weights_only=True)`` accepts; the caller checks that.
+    ``torch.load(weights_only=True)`` accepts; the caller checks that. With ``frames``
+    (format 2), each tensor it yields is written after ``state`` and released before the
+    next is asked for.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -151,8 +162,10 @@ def write_checkpoint(path: str | os.PathLike, state: Any) -> int:
             f.write(bytes(HEADER_SIZE))
             writer = _ChecksumWriter(f, pool)
             torch.save(state, writer)
+            if frames is not None:
+                _write_frames(writer, frames)
             f.seek(0)
-            f.write(_header(writer.size, writer.crc))
+            f.write(_header(writer.size, writer.crc, FORMAT_VERSION if frames is None else FRAMED_FORMAT))
             f.flush()
             os.fsync(f.fileno())
             os.replace(tmp, path)  # still open and locked: no cleaner can take it meanwhile
@@ -168,6 +181,15 @@ def write_checkpoint(path: str | os.PathLike, state: Any) -> int:
         ) from e
     fsync_path(path.parent)
     return HEADER_SIZE + writer.size
+
+
+def _write_frames(writer: _ChecksumWriter, frames: Iterable[torch.Tensor]) -> None:
+    ends = [writer.size]
+    for tensor in frames:
+        torch.save(tensor, writer)
+        ends.append(writer.size)
+        del tensor  # before the next is made: one frame alive at a time
+    writer.write(struct.pack(f"<{len(ends) + 1}Q", *ends, len(ends)))
 
 
 def _os_error(error: BaseException) -> OSError | None:
@@ -277,8 +299,12 @@ class _Window(io.RawIOBase):
         return n
 
 
-def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
+def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu",
+                    select: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
     """Verify the file at ``path`` and return what was saved in it, tensors on ``map_location``.
+
+    A framed file (format 2) returns its state (a dict) with the list of its frames under
+    ``"frames"``, each passed through ``select`` as soon as it is decoded (default: kept whole).
 
     Raises:
         CheckpointError: naming ``path`` and what failed: missing, empty, truncated, not a
@@ -303,7 +329,7 @@ def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
             )
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        return _decode(memoryview(mapped), path, map_location)
+        return _decode(memoryview(mapped), path, map_location, select)
     finally:
         try:
             mapped.close()
@@ -311,7 +337,7 @@ def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
             pass  # a traceback still holds a view into it; the mapping goes with it
 
 
-def _decode(view: memoryview, path: Path, map_location: Any) -> Any:
+def _decode(view: memoryview, path: Path, map_location: Any, select: Callable | None) -> Any:
     magic, version, payload_size, payload_crc = _FIELDS.unpack_from(view)
     if magic != MAGIC:
         raise CheckpointError(
@@ -321,10 +347,9 @@ def _decode(view: memoryview, path: Path, map_location: Any) -> Any:
     (header_crc,) = struct.unpack_from("<I", view, _HEADER_CRC_AT)
     if zlib.crc32(view[:_HEADER_CRC_AT]) != header_crc:
         raise CheckpointError(f"Checkpoint {path} is corrupt: its header fails its checksum")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(
-            f"Checkpoint {path} has format {version}; this phalanx reads format {FORMAT_VERSION}"
-        )
+    if version not in (FORMAT_VERSION, FRAMED_FORMAT):
+        raise CheckpointError(f"Checkpoint {path} has format {version}; this phalanx reads "
+                              f"formats {FORMAT_VERSION} and {FRAMED_FORMAT}")
     expected = HEADER_SIZE + payload_size
     if len(view) != expected:
         state = "truncated" if len(view) < expected else "too long"
@@ -339,11 +364,34 @@ def _decode(view: memoryview, path: Path, map_location: Any) -> Any:
     with ThreadPoolExecutor(1) as pool:
         crc = pool.submit(zlib.crc32, payload)
         try:
-            state = _load(payload, path, map_location)
+            if version == FRAMED_FORMAT:
+                state = _load_framed(payload, path, map_location, select)
+            else:
+                state = _load(payload, path, map_location)
         except BaseException:
             _verify(crc.result(), payload_crc, path)  # damage, if any, explains the failure
             raise
         _verify(crc.result(), payload_crc, path)
+    return state
+
+
+def _load_framed(payload: memoryview, path: Path, map_location: Any, select: Callable | None) -> Any:
+    count = _U64.unpack_from(payload, len(payload) - _U64.size)[0] if len(payload) >= _U64.size else 0
+    table = len(payload) - _U64.size * (count + 1)
+    ends = list(struct.unpack_from(f"<{count}Q", payload, table)) if 0 < count and table >= 0 else []
+    if not ends or ends != sorted(ends) or ends[-1] != table:
+        raise CheckpointError(f"Checkpoint {path} is corrupt: its frame table does not describe "
+                              f"its {len(payload)}-byte payload")
+    state = _load(payload[:ends[0]], path, map_location)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"Checkpoint {path} is framed but its first frame is not a dict")
+    state["frames"] = []
+    for start, end in zip(ends, ends[1:]):
+        frame = _load(payload[start:end], path, map_location)
+        if not isinstance(frame, torch.Tensor):
+            raise CheckpointError(f"Checkpoint {path}: a frame holds a {type(frame).__name__}, not a tensor")
+        state["frames"].append(frame if select is None else select(frame))
+        del frame  # (only what select kept stays)
     return state
 
 

@@ -37,20 +37,6 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
-def refuse_sharded(module: torch.nn.Module) -> None:
-    """Raise if ``module`` has parameters sharded across the ranks (DTensors: ``fully_shard``,
-    torch's or phalanx's): a checkpoint written by one rank would hold that rank's shards only."""
-    from torch.distributed.tensor import DTensor
-
-    for name, param in module.named_parameters():
-        if isinstance(param, DTensor):
-            raise TypeError(
-                f"Checkpointer saves a model every rank holds whole, from one rank, but parameter "
-                f"{name!r} is a DTensor sharded across the ranks ({param.placements}: "
-                "fully_shard, torch's or phalanx's): one rank's file would hold its own shards only. "
-                "Save a sharded model with torch.distributed.checkpoint (docs/fully_shard.md).")
-
-
 def capture_rng_state() -> dict[str, Any]:
     """This process's RNG states: Python, torch CPU, current CUDA device, numpy (if importable)."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
