@@ -21,15 +21,13 @@ percentiles) over the steps.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 
 import torch
 import torch.distributed as dist
 
 from phalanx.bench.engine import GPT, Trainer, make_batch
-from phalanx.bench.ranks import RESULT_FLAG, launch_ranks, serve
+from phalanx.bench.ranks import RESULT_FLAG, run_script, slowest
 from phalanx.ddp import DistributedDataParallel
 
 VARIANTS = ("phalanx eager", "phalanx compiled", "torch eager", "torch compiled")
@@ -61,11 +59,6 @@ def _trainer(variant: str, args: argparse.Namespace, batch: tuple) -> Trainer:
     return Trainer(ddp, batch)
 
 
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
 
 def _rank(args: argparse.Namespace) -> dict:
     batch = make_batch("gpt", args.batch, seed=1 + dist.get_rank())
@@ -76,7 +69,7 @@ def _rank(args: argparse.Namespace) -> dict:
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for i in range(args.steps):
         for v in VARIANTS if i % 2 == 0 else reversed(VARIANTS):
-            times[v].append(_slowest(trainers[v].step()))
+            times[v].append(slowest(trainers[v].step()))
     return times
 
 
@@ -101,16 +94,7 @@ def _report(args: argparse.Namespace, times: dict) -> dict:
 
 
 def main(argv=None) -> None:
-    args = _parse(argv)
-    if args.rank_result:  # one of the ranks
-        serve(_rank, args.rank_result, args, threads=args.threads)
-        return
-    times = launch_ranks(__file__, args.world_size, sys.argv[1:] if argv is None else argv)
-    rows = _report(args, times)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "ratios": rows, "step_s": times}, f, indent=2)
-
+    run_script(__file__, argv, _parse, _rank, _report)
 
 if __name__ == "__main__":
     main()

@@ -22,9 +22,7 @@ median and quartiles.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 
 import torch
@@ -33,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 import phalanx
 from phalanx.bench.engine import GPT, make_batch
-from phalanx.bench.ranks import RESULT_FLAG, launch_ranks, serve
+from phalanx.bench.ranks import RESULT_FLAG, run_script, slowest
 
 VARIANTS = ("phalanx fully_shard", "torch fully_shard", "torch DDP")
 
@@ -96,11 +94,6 @@ def _step(model, opt, batch) -> tuple[float, int]:
     return time.perf_counter() - start, _written() - sent
 
 
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
 
 def _rank(args: argparse.Namespace) -> dict:
     batch = make_batch("gpt", args.batch, seed=1 + dist.get_rank())
@@ -113,7 +106,7 @@ def _rank(args: argparse.Namespace) -> dict:
     for i in range(args.steps):
         for v in VARIANTS if i % 2 == 0 else reversed(VARIANTS):
             seconds, sent = _step(*built[v], batch)
-            out[v]["s"].append(_slowest(seconds))
+            out[v]["s"].append(slowest(seconds))
             out[v]["sent"].append(sent / param_bytes)
     for v, (model, opt) in built.items():
         out[v]["held"] = _held(model, opt) / param_bytes
@@ -140,16 +133,7 @@ def _report(args: argparse.Namespace, result: dict) -> dict:
 
 
 def main(argv=None) -> None:
-    args = _parse(argv)
-    if args.rank_result:  # one of the ranks
-        serve(_rank, args.rank_result, args, threads=args.threads)
-        return
-    result = launch_ranks(__file__, args.world_size, sys.argv[1:] if argv is None else argv)
-    rows = _report(args, result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": rows}, f, indent=2)
-
+    run_script(__file__, argv, _parse, _rank, _report)
 
 if __name__ == "__main__":
     main()

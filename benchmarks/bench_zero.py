@@ -25,9 +25,7 @@ rank, with unsharded Adam (``ddp_adam``), phalanx ZeRO (``ddp_zero1``) and phala
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 
 import torch
@@ -35,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 import phalanx
-from phalanx.bench.ranks import RESULT_FLAG, launch_ranks, serve
+from phalanx.bench.ranks import RESULT_FLAG, run_script, slowest
 from phalanx.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 
 VARIANTS = ("unsharded", "phalanx_zero", "torch_zero")
@@ -99,11 +97,6 @@ def _local_state_bytes(name: str, opt: torch.optim.Optimizer) -> int:
     return optimizer_state_bytes(opt.optim if name == "torch_zero" else opt)
 
 
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
 
 def _rank(args: argparse.Namespace) -> dict:
     opts = {name: _optimizer(name, _model(args)) for name in VARIANTS}
@@ -119,7 +112,7 @@ def _rank(args: argparse.Namespace) -> dict:
             start = time.perf_counter()
             for _ in range(args.steps):
                 opts[name].step()
-            times[name].append(_slowest(time.perf_counter() - start) / args.steps)
+            times[name].append(slowest(time.perf_counter() - start) / args.steps)
     del opts
     return {"memory": memory, "times": times, "train": _time_training(args)}
 
@@ -140,7 +133,7 @@ def _time_training(args: argparse.Namespace) -> dict:
             start = time.perf_counter()
             for _ in range(args.steps):
                 _train_step(*trainers[name], x)
-            out[name]["times"].append(_slowest(time.perf_counter() - start) / args.steps)
+            out[name]["times"].append(slowest(time.perf_counter() - start) / args.steps)
     return out
 
 
@@ -183,18 +176,14 @@ def _report(args: argparse.Namespace, result: dict) -> dict:
     return rows
 
 
-def main(argv=None) -> None:
-    args = _parse(argv)
-    if args.rank_result:  # one of the ranks
-        serve(_rank, args.rank_result, args, threads=args.threads)
-        return
-    result = launch_ranks(__file__, args.world_size, sys.argv[1:] if argv is None else argv)
+def _report_both(args: argparse.Namespace, result: dict) -> dict:
     rows = _report(args, result)
     rows["training"] = _report_training(args, result["train"])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": rows}, f, indent=2)
+    return rows
 
+
+def main(argv=None) -> None:
+    run_script(__file__, argv, _parse, _rank, _report_both)
 
 if __name__ == "__main__":
     main()

@@ -77,3 +77,32 @@ def serve(measure: Callable[..., Any], result_path: str, *args: Any, threads: in
                 json.dump(result, f)
     finally:
         process_group.destroy_process_group()
+
+
+def run_script(entrypoint: str, argv: Sequence[str] | None, parse: Callable[..., Any],
+               measure: Callable[..., Any], report: Callable[..., Any]) -> None:
+    """A benchmark script's ``main``: ``args = parse(argv)``; on a worker (``--rank-result``
+    given) :func:`serve` ``measure(args)``; else start ``args.world_size`` workers on
+    ``entrypoint``, print ``report(args, result)``'s table and write the rows it returns to
+    ``args.json`` (when given, with the arguments)."""
+    import sys
+
+    args = parse(argv)
+    if args.rank_result:  # one of the ranks
+        serve(measure, args.rank_result, args, threads=args.threads)
+        return
+    result = launch_ranks(entrypoint, args.world_size, sys.argv[1:] if argv is None else argv)
+    rows = report(args, result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": rows}, f, indent=2)
+
+
+def slowest(seconds: float) -> float:
+    """The longest of every rank's ``seconds`` (a step is done when every rank's is)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()

@@ -1,0 +1,39 @@
+"""The side-by-side benchmark scripts of this session's work, smoke-tested with tiny settings:
+each starts its ranks, measures every variant and writes its JSON (the figures themselves are
+docs/benchmarks.md's, measured on an idle machine)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.launch_helpers import ROOT, base_env
+
+pytestmark = pytest.mark.slow  # each starts two ranks and builds models
+
+
+def _run(script: str, *argv: str, out) -> dict:
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *argv, "--json", str(out)],
+                          env=base_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_bench_fsdp_measures_both_fully_shards_and_ddp(tmp_path):
+    rows = _run("bench_fsdp.py", "--depth", "1", "--steps", "4", "--warmup", "1", out=tmp_path / "f.json")["results"]
+    assert rows["phalanx fully_shard"]["held_per_rank"] == pytest.approx(2.0, rel=0.02)  # 1/2 of 4x
+    assert rows["torch DDP"]["held_per_rank"] == pytest.approx(4.0, rel=0.01)  # params, grads, 2 AdamW
+    # phalanx's reduce-scatter sends half of Gloo's: fewer bytes a step than torch's fully_shard
+    assert rows["phalanx fully_shard"]["sent_per_step"] < rows["torch fully_shard"]["sent_per_step"]
+    assert rows["phalanx / torch fully_shard step"]["median"] > 0
+
+
+def test_bench_compile_times_eager_and_compiled_ddps(tmp_path):
+    rows = _run("bench_compile.py", "--depth", "1", "--backend", "eager", "--steps", "4", "--warmup", "1",
+                out=tmp_path / "c.json")["results"]
+    assert set(rows) == {"phalanx compiled / torch compiled", "phalanx compiled / phalanx eager",
+                         "torch compiled / torch eager", "phalanx eager / torch eager"}
+    assert all(r["q1"] <= r["median"] <= r["q3"] for r in rows.values())
