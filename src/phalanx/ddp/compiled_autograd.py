@@ -166,9 +166,8 @@ class CompiledAutogradReduction:
 
     def on_grad(self, k: int) -> None:
         """Parameter ``k``'s gradient is accumulated: average it (torch's python reducer's ops,
-        div, all_reduce, copy_, the pattern inductor's DDP fusion looks for)."""
-        if not self.armed:
-            return
+        div, all_reduce, copy_, the pattern inductor's DDP fusion looks for); called while
+        :attr:`armed`."""
         grad = self.params[k].grad
         grad.copy_(fcol.all_reduce(grad / self.world_size, "sum", self.group))
 

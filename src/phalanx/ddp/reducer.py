@@ -228,7 +228,8 @@ class Reducer:
     def _on_grad(self, k: int) -> None:
         """Parameter ``k``'s gradient is accumulated: the hot path (see the module notes)."""
         if not self.awaiting_backward:  # no_sync(), a backward without a synchronising forward,
-            self.traced.on_grad(k)  # or one under compiled autograd: its own averaging decides
+            if self.traced.armed:  # or one under compiled autograd, which averages it here
+                self.traced.on_grad(k)
             return
         if not self._started:
             self._start_backward()
