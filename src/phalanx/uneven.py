@@ -142,13 +142,18 @@ class Join:
                  throw_on_early_termination: bool = False, **kwargs: Any) -> None:
         # A plain torch optimizer needs no shadow: a rank that has joined does not step it (as
         # with torch's join); accepted so that join(model, optimizer) reads naturally.
+        joinables = list(joinables)
         self.joinables = [j for j in joinables
                           if isinstance(j, Joinable) or not isinstance(j, torch.optim.Optimizer)]
+        # ... but a rank that has joined steps them on the shards it holds of a fully_shard model
+        self.optimizers = [j for j in joinables
+                           if isinstance(j, torch.optim.Optimizer) and not isinstance(j, Joinable)]
         if not self.joinables:
             raise ValueError("Join needs at least one joinable (a DistributedDataParallel, ...), got none")
         unknown = [type(j).__name__ for j in self.joinables if not isinstance(j, Joinable)]
         if unknown:
-            raise TypeError(f"Join takes phalanx's DistributedDataParallel, ZeroRedundancyOptimizer, "
+            raise TypeError(f"Join takes phalanx's DistributedDataParallel, fully_shard modules, "
+                            "ZeroRedundancyOptimizer, "
                             f"Checkpointer and PreemptionHandler, got {', '.join(unknown)}")
         self.enable = enable
         self.throw = throw_on_early_termination
@@ -257,8 +262,8 @@ def _shadow(kind: int, args: list[int], verdict: Any) -> None:
         raise UsageError(
             f"ranks {', '.join(map(str, verdict.ranks))} issued a collective that a rank which has "
             "joined cannot take part in (see their collective log): inside a join, use phalanx's "
-            "collectives, and give Join every DistributedDataParallel, ZeroRedundancyOptimizer, "
-            "Checkpointer and PreemptionHandler in use")
+            "collectives, and give Join every DistributedDataParallel, fully_shard root module, "
+            "ZeroRedundancyOptimizer, Checkpointer and PreemptionHandler in use")
 
 
 def _neutral(dtype: torch.dtype, numel: int, op: str) -> torch.Tensor:

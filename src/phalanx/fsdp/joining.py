@@ -1,0 +1,116 @@
+"""``fully_shard``'s part in :mod:`phalanx.uneven` (uneven inputs, ``phalanx.join``).
+
+A model sharded by ``fully_shard`` is listed in the join as its root module
+(``phalanx.join(model, optimizer)``). Unlike a DDP replica, a rank that has joined still holds
+a shard of every parameter, which the others need and which nobody else updates. So:
+
+* **all-gather** (forward, backward, prefetch): each unit announces its all-gather; a rank that
+  has joined sends its real shard (the others need its rows), and drops what it receives.
+* **reduce-scatter**: each unit announces it; a rank that has joined sends zeros and receives
+  the average of its rows, divided by the *initial* world size (``divide_by_initial_world_size
+  =True``, torch's default for DDP's join; ``False`` is refused), into its sharded ``.grad``,
+  accumulated as on the others since its last step.
+* **optimizer step**: the plain optimizers listed in the join announce each ``step()`` of an
+  active rank (an optimizer step pre-hook); a rank that has joined steps the same optimizer on
+  its shards with those gradients, then clears them, so that its rows move as the others'.
+  The active ranks' ``zero_grad()`` is not announced: the joined rank clears its gradients
+  after each step it takes, so the others must step after each synchronised backward they
+  want counted and zero their gradients after (or before the next backward), as usual.
+
+When every rank has joined, the shards are already the ones every rank needs: nothing moves.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..diagnostics import ledger
+from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from .unit import Unit
+
+
+class FSDPAction(IntEnum):
+    """What a ``fully_shard`` root announces to ranks that have joined (its codes travel in
+    sync points: only add)."""
+
+    ALL_GATHER = 1  # (unit index)
+    REDUCE_SCATTER = 2  # (unit index)
+    STEP = 3  # (optimizer index)
+
+
+class JoinPart:
+    """One ``fully_shard`` root's place in a running join.
+
+    Args:
+        root: the module listed in the join (its announcements name it).
+        units: the units below it, in ``modules()`` order (the same on every rank).
+        optimizers: the plain optimizers listed in the join (their steps are announced).
+    """
+
+    def __init__(self, root: Any, units: list[Unit], optimizers: list[torch.optim.Optimizer]) -> None:
+        self.root, self.units, self.optimizers = root, units, optimizers
+        self._stepping = False  # this rank steps an optimizer as a shadow: announce nothing
+        self._fresh = True  # the next shadowed reduce-scatter starts new gradients
+        self._hooks = [opt.register_step_pre_hook(self._announce_step) for opt in optimizers]
+
+    def announce(self, unit: Unit, action: FSDPAction) -> tuple[int, ...] | None:
+        """The announcement of ``unit``'s collective (``None`` outside the join)."""
+        return ledger().shadow(self.root, action, self.units.index(unit))
+
+    def _announce_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        if self._stepping:
+            return
+        book = ledger()
+        shadow = book.shadow(self.root, FSDPAction.STEP, self.optimizers.index(optimizer))
+        if shadow is not None:
+            book.sync_point(f"fully_shard optimizer step {type(optimizer).__name__}", announce=shadow)
+
+    def shadow(self, action: int, args: tuple[int, ...]) -> None:
+        """On a rank that has joined: take part in ``action`` announced by the active ranks."""
+        if action == FSDPAction.ALL_GATHER:
+            self.units[args[0]].shadow_all_gather()
+        elif action == FSDPAction.REDUCE_SCATTER:
+            if self._fresh:  # the others zeroed their gradients before this backward
+                self._fresh = False
+                for unit in self.units:
+                    unit.clear_sharded_grads()
+            self.units[args[0]].shadow_reduce_scatter()
+        elif action == FSDPAction.STEP:
+            optimizer = self.optimizers[args[0]]
+            self._stepping = True
+            try:
+                optimizer.step()
+            finally:
+                self._stepping = False
+            optimizer.zero_grad()
+            self._fresh = True
+        else:
+            raise UsageError(f"fully_shard under phalanx.join: unknown announcement {action} (ranks "
+                             "running different phalanx versions?)")
+
+    def leave(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        for unit in self.units:
+            unit.join = None
+
+
+def begin(root: Any, units: list[Unit], join: Any) -> JoinPart:
+    """``root`` enters ``join`` (every rank): refuse what a joined rank cannot shadow."""
+    if not join.divide_by_initial_world_size:
+        raise UsageError("fully_shard under phalanx.join averages the gradients over the initial "
+                         "world size (a joined rank's zeros count): divide_by_initial_world_size="
+                         "False is not supported; leave it True (the default)")
+    twice = [unit.name for unit in units if unit.join is not None]
+    if twice:
+        raise UsageError(f"fully_shard unit {twice[0]} is in phalanx.join twice (list only the "
+                         "root module of each fully_shard model)")
+    part = JoinPart(root, units, join.optimizers)
+    for unit in units:
+        unit.join = part
+    return part

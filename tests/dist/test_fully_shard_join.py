@@ -1,0 +1,128 @@
+"""``phalanx.fully_shard`` under ``phalanx.join(model, optimizer)``: ranks with different numbers
+of batches, against AdamW in one process on the data the ranks actually consumed (each step's
+gradient the sum over the ranks that still had a batch, divided by the initial world size);
+and the refusals (on every rank, no hang). One group of ranks per world size runs every check
+(a module fixture); the tests assert on its results.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import phalanx
+from phalanx.fsdp import fully_shard
+from tests.dist.test_fully_shard import BATCH, TOKENS, VOCAB, _max_diff, _model, _shard, _without_key_bias
+from tests.harness import error_of, run_ranks
+
+COUNTS = (3, 5, 4)  # batches of rank 0, 1, 2
+LR = 5e-3
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return (torch.randint(0, VOCAB, (BATCH, TOKENS), generator=g),
+            torch.randint(0, VOCAB, (BATCH * TOKENS,), generator=g))
+
+
+def _loop(model, opt, rank, steps):
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = _batch(rank, step)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _reference(base, world_size):
+    """One process: step t's gradient is the sum of the active ranks' gradients / world."""
+    single = copy.deepcopy(base)
+    opt = torch.optim.AdamW(single.parameters(), lr=LR, weight_decay=0.1)
+    for step in range(max(COUNTS[:world_size])):
+        opt.zero_grad()
+        for rank in range(world_size):
+            if step < COUNTS[rank]:
+                x, y = _batch(rank, step)
+                (F.cross_entropy(single(x), y) / world_size).backward()
+        opt.step()
+    return single
+
+
+def _uneven(rank, world_size, reshard):
+    base = _model()
+    model = _shard(copy.deepcopy(base), fully_shard, reshard_after_forward=reshard)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    with phalanx.join(model, opt):
+        _loop(model, opt, rank, COUNTS[rank])
+    single = _reference(base, world_size)
+    out = {"vs_single": _max_diff(_without_key_bias(n, p.detach().full_tensor(), q.detach())
+                                  for (n, p), q in zip(model.named_parameters(), single.parameters())),
+           "moved": _max_diff((p.detach().full_tensor(), q) for p, q in zip(model.parameters(), base.parameters()))}
+    # after the join the ranks are in step: even training goes on, alike on every rank
+    _loop(model, opt, 7, 1)
+    out["after"] = [p.detach().full_tensor().tolist() for p in model.parameters()]
+    return out
+
+
+def _refusals(rank, world_size):
+    out = {}
+    model = _shard(_model(), fully_shard)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    # only a block in the join: the root's all-gather cannot be shadowed
+    out["part"] = error_of(lambda: _in_join(phalanx.join(model.blocks[0], opt), model, opt, rank))
+    out["divide"] = error_of(lambda: _in_join(phalanx.join(model, opt, divide_by_initial_world_size=False),
+                                              model, opt, rank))
+    # the group still works, and so does an even join
+    _in_join(phalanx.join(model, opt), model, opt, 0)
+    out["after"] = [p.detach().full_tensor().tolist() for p in model.parameters()]
+    return out
+
+
+def _in_join(join, model, opt, rank):
+    with join:
+        _loop(model, opt, rank, COUNTS[rank])
+
+
+def _all_checks(rank, world_size):
+    out = {f"uneven {name}": _uneven(rank, world_size, reshard)
+           for name, reshard in (("default", None), ("keep", False))}
+    out["refusals"] = _refusals(rank, world_size)
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def ranks(request):
+    """(world size, every rank's results) of one group of ranks running all checks."""
+    return request.param, run_ranks(_all_checks, request.param, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["uneven default", "uneven keep"])
+def test_uneven_batches_equal_one_process_averaging_over_the_initial_world(ranks, case):
+    _, results = ranks
+    for out in results:
+        assert out[case]["vs_single"] < 1e-6, out[case]["vs_single"]
+        assert out[case]["moved"] > 1e-3  # it trained
+    for out in results[1:]:
+        assert out[case]["after"] == results[0][case]["after"]
+
+
+def test_a_join_without_the_root_is_refused_on_every_rank(ranks):
+    world_size, results = ranks
+    for rank, out in enumerate(results):
+        kind, message = out["refusals"]["part"]
+        assert kind == "UsageError", out["refusals"]["part"]
+        assert "fully_shard" in message and "join" in message.lower(), message
+        if rank != 0:  # rank 0 ran out first: the others are told which rank joined
+            assert "rank(s) 0 have joined" in message, message
+    for out in results[1:]:
+        assert out["refusals"]["after"] == results[0]["refusals"]["after"]
+
+
+def test_divide_by_active_ranks_is_refused_on_every_rank(ranks):
+    _, results = ranks
+    for out in results:
+        kind, message = out["refusals"]["divide"]
+        assert kind == "UsageError" and "divide_by_initial_world_size=False" in message, message
+        assert "fully_shard" in message and "join" in message, message
