@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx
-from phalanx.fsdp import fully_shard
+from phalanx.fsdp import clip_grad_norm_, fully_shard
 from tests.dist.test_fully_shard import BATCH, TOKENS, VOCAB, _max_diff, _model, _shard, _without_key_bias
 from tests.harness import error_of, run_ranks
 
@@ -28,11 +28,13 @@ def _batch(rank, step):
             torch.randint(0, VOCAB, (BATCH * TOKENS,), generator=g))
 
 
-def _loop(model, opt, rank, steps):
+def _loop(model, opt, rank, steps, clip=False):
     for step in range(steps):
         opt.zero_grad()
         x, y = _batch(rank, step)
         F.cross_entropy(model(x), y).backward()
+        if clip:
+            clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
 
@@ -74,15 +76,17 @@ def _refusals(rank, world_size):
     out["part"] = error_of(lambda: _in_join(phalanx.join(model.blocks[0], opt), model, opt, rank))
     out["divide"] = error_of(lambda: _in_join(phalanx.join(model, opt, divide_by_initial_world_size=False),
                                               model, opt, rank))
+    # the global norm needs the joined rank's shards of the gradients: refused once it joined
+    out["clip"] = error_of(lambda: _in_join(phalanx.join(model, opt), model, opt, rank, clip=True))
     # the group still works, and so does an even join
     _in_join(phalanx.join(model, opt), model, opt, 0)
     out["after"] = [p.detach().full_tensor().tolist() for p in model.parameters()]
     return out
 
 
-def _in_join(join, model, opt, rank):
+def _in_join(join, model, opt, rank, clip=False):
     with join:
-        _loop(model, opt, rank, COUNTS[rank])
+        _loop(model, opt, rank, COUNTS[rank], clip)
 
 
 def _all_checks(rank, world_size):
@@ -118,6 +122,16 @@ def test_a_join_without_the_root_is_refused_on_every_rank(ranks):
             assert "rank(s) 0 have joined" in message, message
     for out in results[1:]:
         assert out["refusals"]["after"] == results[0]["refusals"]["after"]
+
+
+def test_clipping_once_a_rank_has_joined_is_refused_on_every_rank(ranks):
+    _, results = ranks
+    for rank, out in enumerate(results):
+        kind, message = out["refusals"]["clip"]
+        assert kind == "UsageError", out["refusals"]["clip"]
+        assert "fully_shard" in message and "join" in message.lower(), message
+        if rank != 0:
+            assert message.startswith("fully_shard clip_grad_norm_ all-reduce inside phalanx.join"), message
 
 
 def test_divide_by_active_ranks_is_refused_on_every_rank(ranks):
