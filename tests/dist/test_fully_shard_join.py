@@ -1,6 +1,7 @@
 """``phalanx.fully_shard`` under ``phalanx.join(model, optimizer)``: ranks with different numbers
 of batches, against AdamW in one process on the data the ranks actually consumed (each step's
-gradient the sum over the ranks that still had a batch, divided by the initial world size);
+gradient the sum over the ranks that still had a batch, divided by the initial world size, or
+with ``divide_by_initial_world_size=False`` by the number of those ranks);
 and the refusals (on every rank, no hang). One group of ranks per world size runs every check
 (a module fixture); the tests assert on its results.
 """
@@ -38,27 +39,28 @@ def _loop(model, opt, rank, steps, clip=False):
         opt.step()
 
 
-def _reference(base, world_size):
-    """One process: step t's gradient is the sum of the active ranks' gradients / world."""
+def _reference(base, world_size, divide_initial):
+    """One process: step t's gradient is the sum of the active ranks' gradients divided by
+    the world size (``divide_initial``) or by the number of active ranks."""
     single = copy.deepcopy(base)
     opt = torch.optim.AdamW(single.parameters(), lr=LR, weight_decay=0.1)
     for step in range(max(COUNTS[:world_size])):
         opt.zero_grad()
-        for rank in range(world_size):
-            if step < COUNTS[rank]:
-                x, y = _batch(rank, step)
-                (F.cross_entropy(single(x), y) / world_size).backward()
+        active = [rank for rank in range(world_size) if step < COUNTS[rank]]
+        for rank in active:
+            x, y = _batch(rank, step)
+            (F.cross_entropy(single(x), y) / (world_size if divide_initial else len(active))).backward()
         opt.step()
     return single
 
 
-def _uneven(rank, world_size, reshard):
+def _uneven(rank, world_size, reshard, divide_initial):
     base = _model()
     model = _shard(copy.deepcopy(base), fully_shard, reshard_after_forward=reshard)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    with phalanx.join(model, opt):
+    with phalanx.join(model, opt, divide_by_initial_world_size=divide_initial):
         _loop(model, opt, rank, COUNTS[rank])
-    single = _reference(base, world_size)
+    single = _reference(base, world_size, divide_initial)
     out = {"vs_single": _max_diff(_without_key_bias(n, p.detach().full_tensor(), q.detach())
                                   for (n, p), q in zip(model.named_parameters(), single.parameters())),
            "moved": _max_diff((p.detach().full_tensor(), q) for p, q in zip(model.parameters(), base.parameters()))}
@@ -74,8 +76,6 @@ def _refusals(rank, world_size):
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     # only a block in the join: the root's all-gather cannot be shadowed
     out["part"] = error_of(lambda: _in_join(phalanx.join(model.blocks[0], opt), model, opt, rank))
-    out["divide"] = error_of(lambda: _in_join(phalanx.join(model, opt, divide_by_initial_world_size=False),
-                                              model, opt, rank))
     # the global norm needs the joined rank's shards of the gradients: refused once it joined
     out["clip"] = error_of(lambda: _in_join(phalanx.join(model, opt), model, opt, rank, clip=True))
     # the group still works, and so does an even join
@@ -90,8 +90,9 @@ def _in_join(join, model, opt, rank, clip=False):
 
 
 def _all_checks(rank, world_size):
-    out = {f"uneven {name}": _uneven(rank, world_size, reshard)
-           for name, reshard in (("default", None), ("keep", False))}
+    out = {f"uneven {name}": _uneven(rank, world_size, reshard, divide)
+           for name, reshard, divide in (("default", None, True), ("keep", False, True),
+                                         ("by active", None, False))}
     out["refusals"] = _refusals(rank, world_size)
     return out
 
@@ -102,8 +103,8 @@ def ranks(request):
     return request.param, run_ranks(_all_checks, request.param, timeout=300)
 
 
-@pytest.mark.parametrize("case", ["uneven default", "uneven keep"])
-def test_uneven_batches_equal_one_process_averaging_over_the_initial_world(ranks, case):
+@pytest.mark.parametrize("case", ["uneven default", "uneven keep", "uneven by active"])
+def test_uneven_batches_equal_one_process_averaging_as_the_join_says(ranks, case):
     _, results = ranks
     for out in results:
         assert out[case]["vs_single"] < 1e-6, out[case]["vs_single"]
@@ -132,11 +133,3 @@ def test_clipping_once_a_rank_has_joined_is_refused_on_every_rank(ranks):
         assert "fully_shard" in message and "join" in message.lower(), message
         if rank != 0:
             assert message.startswith("fully_shard clip_grad_norm_ all-reduce inside phalanx.join"), message
-
-
-def test_divide_by_active_ranks_is_refused_on_every_rank(ranks):
-    _, results = ranks
-    for out in results:
-        kind, message = out["refusals"]["divide"]
-        assert kind == "UsageError" and "divide_by_initial_world_size=False" in message, message
-        assert "fully_shard" in message and "join" in message, message

@@ -7,9 +7,10 @@ a shard of every parameter, which the others need and which nobody else updates.
 * **all-gather** (forward, backward, prefetch): each unit announces its all-gather; a rank that
   has joined sends its real shard (the others need its rows), and drops what it receives.
 * **reduce-scatter**: each unit announces it; a rank that has joined sends zeros and receives
-  the average of its rows, divided by the *initial* world size (``divide_by_initial_world_size
-  =True``, torch's default for DDP's join; ``False`` is refused), into its sharded ``.grad``,
-  accumulated as on the others since its last step.
+  the average of its rows into its sharded ``.grad``, accumulated as on the others since its
+  last step. The average is DDP's join's: over the initial world size
+  (``divide_by_initial_world_size=True``, the default) or over the ranks still active at
+  that reduce-scatter (``False``: a sum, divided once its sync point has named them).
 * **optimizer step**: the plain optimizers listed in the join announce each ``step()`` of an
   active rank (an optimizer step pre-hook); a rank that has joined steps the same optimizer on
   its shards with those gradients, then clears them, so that its rows move as the others'.
@@ -23,7 +24,7 @@ When every rank has joined, the shards are already the ones every rank needs: no
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -50,10 +51,13 @@ class JoinPart:
         root: the module listed in the join (its announcements name it).
         units: the units below it, in ``modules()`` order (the same on every rank).
         optimizers: the plain optimizers listed in the join (their steps are announced).
+        divide_initial: the join's ``divide_by_initial_world_size``.
     """
 
-    def __init__(self, root: Any, units: list[Unit], optimizers: list[torch.optim.Optimizer]) -> None:
+    def __init__(self, root: Any, units: list[Unit], optimizers: list[torch.optim.Optimizer],
+                 divide_initial: bool) -> None:
         self.root, self.units, self.optimizers = root, units, optimizers
+        self.divide_initial = divide_initial
         self._stepping = False  # this rank steps an optimizer as a shadow: announce nothing
         self._fresh = True  # the next shadowed reduce-scatter starts new gradients
         self._hooks = [opt.register_step_pre_hook(self._announce_step) for opt in optimizers]
@@ -61,6 +65,13 @@ class JoinPart:
     def announce(self, unit: Unit, action: FSDPAction) -> tuple[int, ...] | None:
         """The announcement of ``unit``'s collective (``None`` outside the join)."""
         return ledger().shadow(self.root, action, self.units.index(unit))
+
+    def divisor(self, pre_divide: float | None) -> Callable[[], float]:
+        """What a reduce-scatter's sum is divided by after it lands (having been divided by
+        ``pre_divide`` before): the number of ranks active at its sync point."""
+        view = ledger().join
+        assert view is not None  # called by a unit's reduce-scatter inside the join
+        return lambda: len(view.active) / (pre_divide or 1)
 
     def _announce_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         if self._stepping:
@@ -102,15 +113,11 @@ class JoinPart:
 
 def begin(root: Any, units: list[Unit], join: Any) -> JoinPart:
     """``root`` enters ``join`` (every rank): refuse what a joined rank cannot shadow."""
-    if not join.divide_by_initial_world_size:
-        raise UsageError("fully_shard under phalanx.join averages the gradients over the initial "
-                         "world size (a joined rank's zeros count): divide_by_initial_world_size="
-                         "False is not supported; leave it True (the default)")
     twice = [unit.name for unit in units if unit.join is not None]
     if twice:
         raise UsageError(f"fully_shard unit {twice[0]} is in phalanx.join twice (list only the "
                          "root module of each fully_shard model)")
-    part = JoinPart(root, units, join.optimizers)
+    part = JoinPart(root, units, join.optimizers, join.divide_by_initial_world_size)
     for unit in units:
         unit.join = part
     return part

@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -266,6 +267,8 @@ class Unit:
         chunk_cat([*grads, flags], p.world, flat)
         grads.clear()  # the unsharded gradients are freed here
         op, pre_divide, post_divide = division(dtype, p.world)
+        if self.join is not None and not self.join.divide_initial:  # by the ranks still active
+            op, pre_divide, post_divide = dist.ReduceOp.SUM, pre_divide, self.join.divisor(pre_divide)
         if pre_divide not in (None, 1):
             flat.div_(pre_divide)
         output = torch.empty(numel, dtype=dtype, device=p.device)

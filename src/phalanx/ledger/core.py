@@ -59,6 +59,8 @@ class Observer(Protocol):
 class JoinView(Protocol):
     """A running join, as the ledger sees it (:mod:`phalanx.uneven`)."""
 
+    active: tuple[int, ...]  # the ranks still active at the last sync point
+
     def index(self, obj: Any) -> int | None:
         """``obj``'s place among the joinables, or ``None``."""
 
