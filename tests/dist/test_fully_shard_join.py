@@ -20,6 +20,7 @@ from tests.dist.test_fully_shard import BATCH, TOKENS, VOCAB, _max_diff, _model,
 from tests.harness import error_of, run_ranks
 
 COUNTS = (3, 5, 4)  # batches of rank 0, 1, 2
+NONE_FIRST = (0, 2, 1)  # rank 0 has no batch at all: it never ran a forward itself
 LR = 5e-3
 
 
@@ -39,14 +40,14 @@ def _loop(model, opt, rank, steps, clip=False):
         opt.step()
 
 
-def _reference(base, world_size, divide_initial):
+def _reference(base, world_size, divide_initial, counts):
     """One process: step t's gradient is the sum of the active ranks' gradients divided by
     the world size (``divide_initial``) or by the number of active ranks."""
     single = copy.deepcopy(base)
     opt = torch.optim.AdamW(single.parameters(), lr=LR, weight_decay=0.1)
-    for step in range(max(COUNTS[:world_size])):
+    for step in range(max(counts[:world_size])):
         opt.zero_grad()
-        active = [rank for rank in range(world_size) if step < COUNTS[rank]]
+        active = [rank for rank in range(world_size) if step < counts[rank]]
         for rank in active:
             x, y = _batch(rank, step)
             (F.cross_entropy(single(x), y) / (world_size if divide_initial else len(active))).backward()
@@ -54,13 +55,13 @@ def _reference(base, world_size, divide_initial):
     return single
 
 
-def _uneven(rank, world_size, reshard, divide_initial):
+def _uneven(rank, world_size, reshard, divide_initial, counts=COUNTS):
     base = _model()
     model = _shard(copy.deepcopy(base), fully_shard, reshard_after_forward=reshard)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     with phalanx.join(model, opt, divide_by_initial_world_size=divide_initial):
-        _loop(model, opt, rank, COUNTS[rank])
-    single = _reference(base, world_size, divide_initial)
+        _loop(model, opt, rank, counts[rank])
+    single = _reference(base, world_size, divide_initial, counts)
     out = {"vs_single": _max_diff(_without_key_bias(n, p.detach().full_tensor(), q.detach())
                                   for (n, p), q in zip(model.named_parameters(), single.parameters())),
            "moved": _max_diff((p.detach().full_tensor(), q) for p, q in zip(model.parameters(), base.parameters()))}
@@ -93,6 +94,7 @@ def _all_checks(rank, world_size):
     out = {f"uneven {name}": _uneven(rank, world_size, reshard, divide)
            for name, reshard, divide in (("default", None, True), ("keep", False, True),
                                          ("by active", None, False))}
+    out["uneven none first"] = _uneven(rank, world_size, None, True, NONE_FIRST)
     out["refusals"] = _refusals(rank, world_size)
     return out
 
@@ -103,7 +105,7 @@ def ranks(request):
     return request.param, run_ranks(_all_checks, request.param, timeout=300)
 
 
-@pytest.mark.parametrize("case", ["uneven default", "uneven keep", "uneven by active"])
+@pytest.mark.parametrize("case", ["uneven default", "uneven keep", "uneven by active", "uneven none first"])
 def test_uneven_batches_equal_one_process_averaging_as_the_join_says(ranks, case):
     _, results = ranks
     for out in results:
