@@ -172,8 +172,13 @@ class Join:
                              "announce what joined ranks shadow. Leave diagnostics on (the default)")
         kinds = ", ".join(type(j).__name__ for j in self.joinables)
         book.sync_point(f"Join([{kinds}])")  # every rank enters with the same joinables
-        for joinable in self.joinables:
-            joinable.join_begin(self)
+        try:
+            for joinable in self.joinables:
+                joinable.join_begin(self)
+        except BaseException:  # a refusal: nothing stays in the join
+            for joinable in self.joinables:
+                joinable.join_leave()
+            raise
         self._ledger = book
         book.join = JoinState(self.joinables, self.throw, dist.get_world_size())
         return self

@@ -79,6 +79,10 @@ def _refusals(rank, world_size):
     out["part"] = error_of(lambda: _in_join(phalanx.join(model.blocks[0], opt), model, opt, rank))
     # the global norm needs the joined rank's shards of the gradients: refused once it joined
     out["clip"] = error_of(lambda: _in_join(phalanx.join(model, opt), model, opt, rank, clip=True))
+    # one optimizer over two sharded models: a joined rank would step it twice
+    other = _shard(_model(1), fully_shard)
+    both = torch.optim.AdamW([*model.parameters(), *other.parameters()], lr=LR)
+    out["shared"] = error_of(lambda: _in_join(phalanx.join(model, other, both), model, both, rank))
     # the group still works, and so does an even join
     _in_join(phalanx.join(model, opt), model, opt, 0)
     out["after"] = [p.detach().full_tensor().tolist() for p in model.parameters()]
@@ -125,6 +129,14 @@ def test_a_join_without_the_root_is_refused_on_every_rank(ranks):
             assert "rank(s) 0 have joined" in message, message
     for out in results[1:]:
         assert out["refusals"]["after"] == results[0]["refusals"]["after"]
+
+
+def test_one_optimizer_over_two_sharded_models_is_refused_when_the_join_starts(ranks):
+    _, results = ranks
+    for out in results:
+        kind, message = out["refusals"]["shared"]
+        assert kind == "UsageError" and "AdamW steps the parameters of two fully_shard roots" in message, message
+        assert "phalanx.join" in message, message
 
 
 def test_clipping_once_a_rank_has_joined_is_refused_on_every_rank(ranks):

@@ -23,6 +23,7 @@ When every rank has joined, the shards are already the ones every rank needs: no
 
 from __future__ import annotations
 
+import weakref
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -33,6 +34,9 @@ from ..errors import UsageError
 
 if TYPE_CHECKING:
     from .unit import Unit
+
+# The optimizers each fully_shard root in a running join steps on a joined rank (one root each).
+_CLAIMED: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
 
 
 class FSDPAction(IntEnum):
@@ -107,17 +111,29 @@ class JoinPart:
     def leave(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        for optimizer in self.optimizers:
+            _CLAIMED.pop(optimizer, None)
         for unit in self.units:
             unit.join = None
 
 
 def begin(root: Any, units: list[Unit], join: Any) -> JoinPart:
-    """``root`` enters ``join`` (every rank): refuse what a joined rank cannot shadow."""
+    """``root`` enters ``join`` (every rank): refuse what a joined rank cannot shadow. Its
+    optimizers: those of the join that step some of its parameters (a joined rank steps them)."""
     twice = [unit.name for unit in units if unit.join is not None]
     if twice:
         raise UsageError(f"fully_shard unit {twice[0]} is in phalanx.join twice (list only the "
                          "root module of each fully_shard model)")
-    part = JoinPart(root, units, join.optimizers, join.divide_by_initial_world_size)
+    mine = {id(s.sharded) for unit in units for s in unit.params.slots}
+    optimizers = [opt for opt in join.optimizers
+                  if any(id(p) in mine for group in opt.param_groups for p in group["params"])]
+    shared = [opt for opt in optimizers if opt in _CLAIMED]
+    if shared:
+        raise UsageError(f"{type(shared[0]).__name__} steps the parameters of two fully_shard roots "
+                         "in one phalanx.join: a rank that has joined would step it twice; give "
+                         "each sharded model its own optimizer")
+    _CLAIMED.update(dict.fromkeys(optimizers, root))
+    part = JoinPart(root, units, optimizers, join.divide_by_initial_world_size)
     for unit in units:
         unit.join = part
     return part

@@ -92,6 +92,10 @@ class FSDPModule:
         >>> loss_of(model, micro_batch_2).backward()
     """
 
+    # Index in the method resolution order of the module's own class:
+    # [FSDP<Class>, FSDPModule, Class, ...]
+    _ORIG_CLASS_INDEX = 2
+
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """A new module of the original class (indexing a sharded ``nn.Sequential`` builds
         one through its class), as torch's."""
@@ -99,10 +103,6 @@ class FSDPModule:
         self = orig.__new__(orig)
         self.__init__(*args, **kwargs)
         return self
-
-    # Index in the method resolution order of the module's own class:
-    # [FSDP<Class>, FSDPModule, Class, ...]
-    _ORIG_CLASS_INDEX = 2
 
     def _unit(self) -> Unit:
         return self.__dict__[UNIT_ATTRIBUTE]
