@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import phalanx
 from phalanx.fsdp import clip_grad_norm_, fully_shard
@@ -71,6 +72,25 @@ def _uneven(rank, world_size, reshard, divide_initial, counts=COUNTS):
     return out
 
 
+def _mixed_precision(rank, world_size):
+    """bf16 parameters, fp32 reduce: the join equals, bit for bit, every rank running all steps
+    with the loss of the steps past its batches times 0 (zero gradients: what a joined rank sends)."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    models = [_shard(_model(), fully_shard, mp_policy=policy) for _ in range(2)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.1) for m in models]
+    with phalanx.join(models[0], opts[0]):
+        _loop(models[0], opts[0], rank, COUNTS[rank])
+    for step in range(max(COUNTS[:world_size])):
+        opts[1].zero_grad()
+        x, y = _batch(rank, min(step, COUNTS[rank] - 1))
+        (F.cross_entropy(models[1](x), y) * float(step < COUNTS[rank])).backward()
+        opts[1].step()
+    return {"equal": all(torch.equal(p.to_local(), q.to_local())
+                         for p, q in zip(models[0].parameters(), models[1].parameters())),
+            "moved": _max_diff((p.detach().full_tensor(), q) for p, q in zip(models[0].parameters(),
+                                                                              _model().parameters()))}
+
+
 def _refusals(rank, world_size):
     out = {}
     model = _shard(_model(), fully_shard)
@@ -99,6 +119,7 @@ def _all_checks(rank, world_size):
            for name, reshard, divide in (("default", None, True), ("keep", False, True),
                                          ("by active", None, False))}
     out["uneven none first"] = _uneven(rank, world_size, None, True, NONE_FIRST)
+    out["bf16"] = _mixed_precision(rank, world_size)
     out["refusals"] = _refusals(rank, world_size)
     return out
 
@@ -117,6 +138,12 @@ def test_uneven_batches_equal_one_process_averaging_as_the_join_says(ranks, case
         assert out[case]["moved"] > 1e-3  # it trained
     for out in results[1:]:
         assert out[case]["after"] == results[0][case]["after"]
+
+
+def test_mixed_precision_equals_zero_gradients_on_the_ranks_out_of_batches(ranks):
+    _, results = ranks
+    for out in results:
+        assert out["bf16"]["equal"] and out["bf16"]["moved"] > 1e-3, out["bf16"]
 
 
 def test_a_join_without_the_root_is_refused_on_every_rank(ranks):
