@@ -9,6 +9,7 @@ and the refusals (on every rank, no hang). One group of ranks per world size run
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import phalanx
+from phalanx import Checkpointer
 from phalanx.fsdp import clip_grad_norm_, fully_shard
 from tests.dist.test_fully_shard import BATCH, TOKENS, VOCAB, _max_diff, _model, _shard, _without_key_bias
 from tests.harness import error_of, run_ranks
@@ -33,12 +35,16 @@ def _batch(rank, step):
 
 def _loop(model, opt, rank, steps, clip=False):
     for step in range(steps):
-        opt.zero_grad()
-        x, y = _batch(rank, step)
-        F.cross_entropy(model(x), y).backward()
-        if clip:
-            clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        _loop_step(model, opt, rank, step, clip)
+
+
+def _loop_step(model, opt, rank, step, clip=False):
+    opt.zero_grad()
+    x, y = _batch(rank, step)
+    F.cross_entropy(model(x), y).backward()
+    if clip:
+        clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
 
 
 def _reference(base, world_size, divide_initial, counts):
@@ -91,6 +97,25 @@ def _mixed_precision(rank, world_size):
                                                                               _model().parameters()))}
 
 
+def _checkpoint(rank, world_size, directory):
+    """A Checkpointer in the join saves after each step of the active ranks (a joined rank
+    sends its shards): the last file, loaded at every rank into a fresh sharded model, is the
+    model the join ended with."""
+    model = _shard(_model(), fully_shard)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    ckpt = Checkpointer(Path(directory) / f"world{world_size}", model, opt)
+    with phalanx.join(model, opt, ckpt):
+        for step in range(COUNTS[rank]):
+            _loop_step(model, opt, rank, step)
+            ckpt.save(0, step)
+    fresh = _shard(_model(5), fully_shard)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=LR, weight_decay=0.1)
+    state = Checkpointer(Path(directory) / f"world{world_size}", fresh, fresh_opt).load()
+    return {"step": state.step,
+            "equal": all(torch.equal(p.to_local(), q.to_local())
+                         for p, q in zip(model.parameters(), fresh.parameters()))}
+
+
 def _refusals(rank, world_size):
     out = {}
     model = _shard(_model(), fully_shard)
@@ -114,20 +139,22 @@ def _in_join(join, model, opt, rank, clip=False):
         _loop(model, opt, rank, COUNTS[rank], clip)
 
 
-def _all_checks(rank, world_size):
+def _all_checks(rank, world_size, directory):
     out = {f"uneven {name}": _uneven(rank, world_size, reshard, divide)
            for name, reshard, divide in (("default", None, True), ("keep", False, True),
                                          ("by active", None, False))}
     out["uneven none first"] = _uneven(rank, world_size, None, True, NONE_FIRST)
     out["bf16"] = _mixed_precision(rank, world_size)
+    out["checkpoint"] = _checkpoint(rank, world_size, directory)
     out["refusals"] = _refusals(rank, world_size)
     return out
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
-def ranks(request):
+def ranks(request, tmp_path_factory):
     """(world size, every rank's results) of one group of ranks running all checks."""
-    return request.param, run_ranks(_all_checks, request.param, timeout=300)
+    directory = str(tmp_path_factory.mktemp("fsdp_join"))
+    return request.param, run_ranks(_all_checks, request.param, directory, timeout=300)
 
 
 @pytest.mark.parametrize("case", ["uneven default", "uneven keep", "uneven by active", "uneven none first"])
@@ -144,6 +171,12 @@ def test_mixed_precision_equals_zero_gradients_on_the_ranks_out_of_batches(ranks
     _, results = ranks
     for out in results:
         assert out["bf16"]["equal"] and out["bf16"]["moved"] > 1e-3, out["bf16"]
+
+
+def test_a_checkpoint_saved_in_the_join_holds_the_joined_ranks_shards(ranks):
+    world_size, results = ranks
+    for out in results:
+        assert out["checkpoint"] == {"step": max(COUNTS[:world_size]) - 1, "equal": True}, out["checkpoint"]
 
 
 def test_a_join_without_the_root_is_refused_on_every_rank(ranks):
