@@ -124,6 +124,8 @@ def _refusals(rank, world_size):
     out["part"] = error_of(lambda: _in_join(phalanx.join(model.blocks[0], opt), model, opt, rank))
     # the global norm needs the joined rank's shards of the gradients: refused once it joined
     out["clip"] = error_of(lambda: _in_join(phalanx.join(model, opt), model, opt, rank, clip=True))
+    out["throw"] = error_of(lambda: _in_join(phalanx.join(model, opt, throw_on_early_termination=True),
+                                             model, opt, rank))
     # one optimizer over two sharded models: a joined rank would step it twice
     other = _shard(_model(1), fully_shard)
     both = torch.optim.AdamW([*model.parameters(), *other.parameters()], lr=LR)
@@ -197,6 +199,13 @@ def test_one_optimizer_over_two_sharded_models_is_refused_when_the_join_starts(r
         kind, message = out["refusals"]["shared"]
         assert kind == "UsageError" and "AdamW steps the parameters of two fully_shard roots" in message, message
         assert "phalanx.join" in message, message
+
+
+def test_throw_on_early_termination_raises_on_every_rank(ranks):
+    _, results = ranks
+    for out in results:
+        kind, message = out["refusals"]["throw"]
+        assert kind == "EarlyTerminationError" and "Rank(s) 0 ran out of inputs" in message, message
 
 
 def test_clipping_once_a_rank_has_joined_is_refused_on_every_rank(ranks):
