@@ -20,6 +20,8 @@ zeros, learns from the sums which ranks are still active and what they announced
   rank 0 may have joined with stale buffers);
 * SyncBatchNorm: zeros and a count of 0, so the statistics of the active ranks stay exact;
 * ZeRO's step: it steps the shard it owns with the averaged gradients and broadcasts it;
+* a ``fully_shard`` model's all-gathers and reduce-scatters: its real shards, and zeros; it
+  steps the join's optimizer on its shards when the others step (:mod:`phalanx.fsdp.joining`);
 * a checkpoint: it takes part in the save (the highest active rank writes: its model is current);
 * a preemption check: its own signals count; the others' ``exit()`` ends it with their status.
 
@@ -108,15 +110,17 @@ class Join:
     r"""Context manager for training with uneven inputs: see the module notes.
 
     A drop-in for ``torch.distributed.algorithms.Join`` over phalanx's joinables:
-    :class:`~phalanx.DistributedDataParallel`, :class:`~phalanx.ZeroRedundancyOptimizer`,
+    :class:`~phalanx.DistributedDataParallel`, a ``fully_shard`` root module,
+    :class:`~phalanx.ZeroRedundancyOptimizer`,
     :class:`~phalanx.Checkpointer` and :class:`~phalanx.PreemptionHandler` (each a
     :class:`Joinable`). SyncBatchNorm
     layers and ``phalanx.all_reduce`` & co. need no registration.
 
     Args:
         joinables (list): the objects that shadow their own collectives, the same kinds in the
-            same order on every rank. Plain ``torch.optim`` optimizers may be listed: they need
-            nothing (a rank that has joined does not step them, as with torch's join).
+            same order on every rank. Plain ``torch.optim`` optimizers may be listed: a rank
+            that has joined does not step them (as with torch's join), unless they step a
+            ``fully_shard`` model in the join.
         enable (bool): ``False`` makes the context do nothing (inputs must then be even).
             Default ``True``.
         throw_on_early_termination (bool): raise :class:`EarlyTerminationError` on every rank
@@ -140,16 +144,22 @@ class Join:
 
     def __init__(self, joinables: Iterable[Any], enable: bool = True,
                  throw_on_early_termination: bool = False, **kwargs: Any) -> None:
-        # A plain torch optimizer needs no shadow: a rank that has joined does not step it (as
-        # with torch's join); accepted so that join(model, optimizer) reads naturally.
+        # A plain torch optimizer is no joinable: a rank that has joined does not step it (as
+        # with torch's join), unless it steps a fully_shard model in the join (whose joinable
+        # steps it: the rank holds shards nobody else updates); accepted so that
+        # join(model, optimizer) reads naturally.
+        joinables = list(joinables)
         self.joinables = [j for j in joinables
                           if isinstance(j, Joinable) or not isinstance(j, torch.optim.Optimizer)]
+        self.optimizers = [j for j in joinables
+                           if isinstance(j, torch.optim.Optimizer) and not isinstance(j, Joinable)]
         if not self.joinables:
             raise ValueError("Join needs at least one joinable (a DistributedDataParallel, ...), got none")
         unknown = [type(j).__name__ for j in self.joinables if not isinstance(j, Joinable)]
         if unknown:
-            raise TypeError(f"Join takes phalanx's DistributedDataParallel, ZeroRedundancyOptimizer, "
-                            f"Checkpointer and PreemptionHandler, got {', '.join(unknown)}")
+            raise TypeError(f"Join takes phalanx's DistributedDataParallel, fully_shard modules, "
+                            "ZeroRedundancyOptimizer, Checkpointer and PreemptionHandler, got "
+                            f"{', '.join(unknown)}")
         self.enable = enable
         self.throw = throw_on_early_termination
         self.divide_by_initial_world_size = kwargs.pop("divide_by_initial_world_size", True)
@@ -167,8 +177,13 @@ class Join:
                              "announce what joined ranks shadow. Leave diagnostics on (the default)")
         kinds = ", ".join(type(j).__name__ for j in self.joinables)
         book.sync_point(f"Join([{kinds}])")  # every rank enters with the same joinables
-        for joinable in self.joinables:
-            joinable.join_begin(self)
+        try:
+            for joinable in self.joinables:
+                joinable.join_begin(self)
+        except BaseException:  # a refusal: nothing stays in the join
+            for joinable in self.joinables:
+                joinable.join_leave()
+            raise
         self._ledger = book
         book.join = JoinState(self.joinables, self.throw, dist.get_world_size())
         return self
@@ -257,8 +272,8 @@ def _shadow(kind: int, args: list[int], verdict: Any) -> None:
         raise UsageError(
             f"ranks {', '.join(map(str, verdict.ranks))} issued a collective that a rank which has "
             "joined cannot take part in (see their collective log): inside a join, use phalanx's "
-            "collectives, and give Join every DistributedDataParallel, ZeroRedundancyOptimizer, "
-            "Checkpointer and PreemptionHandler in use")
+            "collectives, and give Join every DistributedDataParallel, fully_shard root module, "
+            "ZeroRedundancyOptimizer, Checkpointer and PreemptionHandler in use")
 
 
 def _neutral(dtype: torch.dtype, numel: int, op: str) -> torch.Tensor:

@@ -33,7 +33,7 @@ ALLOWED = {
     "hooks": set(),  # the hook writer's contract: no DDP, no phalanx (torch keeps them apart)
     "ddp": {"comm", "agreement", "errors", "_logging", "diagnostics", "ledger", "uneven", "hooks"},
     "zero": {"comm", "agreement", "errors", "diagnostics", "ledger", "uneven"},
-    "fsdp": {"comm", "errors", "diagnostics", "ledger"},
+    "fsdp": {"comm", "errors", "diagnostics", "ledger", "uneven"},
     # compression hooks and model averaging stand on the contract, not on the DDP that runs them
     "comm_hooks": {"hooks"},
     "model_averaging": {"comm", "diagnostics", "ledger", "hooks", "comm_hooks"},

@@ -16,6 +16,7 @@ import phalanx
 from phalanx.errors import NotInitializedError
 from phalanx.fsdp import FSDPModule, fully_shard
 from phalanx.fsdp.module import NOT_YET
+from phalanx.uneven import Joinable
 
 
 def _public(cls) -> set[str]:
@@ -32,7 +33,9 @@ def test_same_arguments_as_torchs_fully_shard():
 
 
 def test_every_method_of_torchs_fsdp_module_is_offered_or_refused():
-    offered = _public(FSDPModule) - set(NOT_YET)
+    # beyond torch's: phalanx.join's protocol (a fully_shard root takes part in a join)
+    assert _public(Joinable) - {"join_steps_with_gradients"} <= _public(FSDPModule)
+    offered = _public(FSDPModule) - set(NOT_YET) - _public(Joinable)
     assert _public(TorchFSDPModule) == offered | set(NOT_YET), (
         _public(TorchFSDPModule) ^ (offered | set(NOT_YET)))
     assert "unshard" in offered and "set_requires_gradient_sync" in offered

@@ -11,6 +11,8 @@ from typing import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..diagnostics import ledger
+
 # torch.nn.utils.clip_grad_norm_ divides by (total_norm + 1e-6); the same keeps results equal.
 _EPS = 1e-6
 
@@ -44,7 +46,11 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     plain = [g for g in grads if not isinstance(g, DTensor)]
     norms = []
     if sharded:
-        norms.append(torch.nn.utils.get_total_norm(sharded, norm_type, False, foreach).full_tensor())
+        # recorded (hang reports name it); inside phalanx.join, refused on every rank once a rank
+        # has joined: the norm needs that rank's shards, which it cannot announce
+        group = sharded[0].device_mesh.get_group()
+        with ledger().collective("fully_shard clip_grad_norm_ all-reduce", (), group):
+            norms.append(torch.nn.utils.get_total_norm(sharded, norm_type, False, foreach).full_tensor())
     if plain:
         norms.append(torch.nn.utils.get_total_norm(plain, norm_type, False, foreach))
     if not norms:

@@ -36,18 +36,23 @@ class Pending:
         self._record.end()
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, unit: str) -> Pending:
-    """Start gathering every rank's ``input`` into ``output`` (rank by rank)."""
-    record = ledger().collective(f"fully_shard all-gather {unit}", (input,), group)
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, unit: str,
+               shadow: tuple[int, ...] | None = None, announced: bool = False) -> Pending:
+    """Start gathering every rank's ``input`` into ``output`` (rank by rank). ``shadow`` and
+    ``announced``: :meth:`phalanx.ledger.Ledger.collective`'s (a join, :mod:`.joining`)."""
+    record = ledger().collective(f"fully_shard all-gather {unit}", (input,), group,
+                                 shadow=shadow, announced=announced)
     with record.guard():
         work = comm.all_gather_tensor(output, input, group=group, async_op=True)
     return Pending(work, record)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, group: Any,
-                   unit: str) -> Pending:
-    """Start :func:`phalanx.comm.reduce_scatter_async` (an all-to-all on Gloo)."""
-    record = ledger().collective(f"fully_shard reduce-scatter {unit}", (input,), group)
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, unit: str,
+                   shadow: tuple[int, ...] | None = None, announced: bool = False) -> Pending:
+    """Start :func:`phalanx.comm.reduce_scatter_async` (an all-to-all on Gloo); ``shadow``
+    and ``announced`` as for :func:`all_gather`."""
+    record = ledger().collective(f"fully_shard reduce-scatter {unit}", (input,), group,
+                                 shadow=shadow, announced=announced)
     with record.guard():
         pending = comm.reduce_scatter_async(output, input, op, group)
     return Pending(pending, record)

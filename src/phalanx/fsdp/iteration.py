@@ -13,7 +13,7 @@ choices for one unit.
 from __future__ import annotations
 
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -53,15 +53,17 @@ class Reduction:
     zero: some rank had its gradient)."""
 
     def __init__(self, pending: Pending, output: torch.Tensor, slots: list[Slot],
-                 post_divide: float | None, mesh: Any) -> None:
+                 post_divide: float | Callable[[], float] | None, mesh: Any) -> None:
         self.pending, self.output, self.slots = pending, output, slots
         self.post_divide, self.mesh = post_divide, mesh
 
     def finish(self) -> None:
         self.pending.wait()
+        # a join dividing by the ranks still active: known once the collective's sync point is
+        divide = self.post_divide() if callable(self.post_divide) else self.post_divide
         with torch.no_grad():
-            if self.post_divide not in (None, 1):
-                self.output.div_(self.post_divide)
+            if divide not in (None, 1):
+                self.output.div_(divide)
             used = self.output[-len(self.slots):].tolist()
             for s, flag in zip(self.slots, used):
                 if flag <= 0:

@@ -8,6 +8,9 @@ from typing import Any
 
 from torch import nn
 
+from ..ledger.syncpoint import Verdict
+from ..uneven import Joinable
+from . import joining
 from .unit import UNIT_ATTRIBUTE, Unit, unit_of
 
 # torch's FSDPModule methods phalanx does not offer yet: calling one raises, naming it.
@@ -71,6 +74,11 @@ class UnshardHandle:
 class FSDPModule:
     """What ``phalanx.fully_shard`` makes of a module: ``FSDP<Class>`` derives from this
     class and from the module's own class, as torch's ``fully_shard`` does.
+
+    The root module takes part in ``phalanx.join(model, optimizer)`` (uneven inputs): a rank
+    that has joined sends its shards into the others' all-gathers, zeros into their
+    reduce-scatters, and steps the optimizer on its shards with the averages
+    (:mod:`phalanx.fsdp.joining`).
 
     The module's parameters are sharded DTensors except while its unit is unsharded (during
     its forward and backward, or after :meth:`unshard`). The methods act on this module's
@@ -169,6 +177,28 @@ class FSDPModule:
         backward, instead of the default (the unit whose forward ended before its own)."""
         self._unit().backward_prefetch = _units_of(modules)
 
+    # ---- phalanx.join (uneven inputs): joining.py ------------------------------------------
+    def join_begin(self, join: Any) -> None:
+        """The join starts: this module's units announce their collectives."""
+        self.__dict__["_phalanx_fsdp_join"] = joining.begin(self, self._units(recurse=True), join)
+
+    def join_shadow(self, action: int, verdict: Verdict) -> None:
+        """On a rank that has joined: take part in the others' ``action``."""
+        self.__dict__["_phalanx_fsdp_join"].shadow(action, verdict.announce[3:])
+
+    def join_end(self, join: Any, last: int) -> None:
+        """Every rank has joined: the shards are current on every rank already."""
+
+    def join_leave(self) -> None:
+        """The join is over: collectives are no longer announced."""
+        part = self.__dict__.pop("_phalanx_fsdp_join", None)
+        if part is not None:
+            part.leave()
+
+    def join_flags(self) -> tuple[int, int] | None:
+        """No signals of its own for preemption checks."""
+        return None
+
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """``nn.Module._apply`` (``.to()``, ``.float()``, ``.to_empty()``...): the shards stay
         where they are (they view one flat buffer per unit) when ``fn`` keeps their dtype and
@@ -189,3 +219,8 @@ class FSDPModule:
     for _name in NOT_YET:
         locals()[_name] = _not_yet(_name)
     del _name
+
+
+# A Joinable without Joinable in its method resolution order (an ABC there would change the
+# instance layout of FSDP<Class>, and __class__ could no longer be swapped): the methods above.
+Joinable.register(FSDPModule)

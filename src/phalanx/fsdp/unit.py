@@ -31,11 +31,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .collectives import Pending, all_gather, chunk_cat, reduce_scatter
 from .iteration import Iteration, Reduction, Stage, division
+from .joining import FSDPAction, JoinPart
 from .params import Params, Slot
 
 
@@ -75,6 +77,7 @@ class Unit:
         # next ones (iteration.py)
         self.forward_prefetch: list[Unit] | None = None
         self.backward_prefetch: list[Unit] | None = None
+        self.join: JoinPart | None = None  # inside phalanx.join (joining.py)
         module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self.post_forward)
         for s in params.slots:
@@ -115,7 +118,30 @@ class Unit:
             p.register(sharded=False)  # nothing to gather
             return
         output = torch.empty(p.flat.numel() * p.world, dtype=p.compute_dtype, device=p.device)
-        self._gathering = (all_gather(output, p.gather_input(), self.group, self.name), output)
+        pending = all_gather(output, p.gather_input(), self.group, self.name,
+                             shadow=self._shadow(FSDPAction.ALL_GATHER))
+        self._gathering = (pending, output)
+
+    def _shadow(self, action: FSDPAction) -> tuple[int, ...] | None:
+        """How a rank that has joined takes part in this unit's ``action`` (joining.py)."""
+        return None if self.join is None else self.join.announce(self, action)
+
+    # ---- a rank that has joined (phalanx.join): the others' collectives, shadowed ---------
+    def shadow_all_gather(self) -> None:
+        """Send this rank's shard into the others' all-gather; drop what comes back."""
+        p = self.params
+        output = torch.empty(p.flat.numel() * p.world, dtype=p.compute_dtype, device=p.device)
+        all_gather(output, p.gather_input(), self.group, self.name, announced=True).wait()
+
+    def shadow_reduce_scatter(self) -> None:
+        """Send zeros into the others' reduce-scatter; this rank's averaged rows go into its
+        sharded ``.grad``, as on the others."""
+        trainable = [(i, s) for i, s in enumerate(self.params.slots) if s.sharded.requires_grad]
+        self._reduce(trainable, announced=True).finish()
+
+    def clear_sharded_grads(self) -> None:
+        for s in self.params.slots:
+            s.sharded.grad = None
 
     def wait_for_unshard(self) -> None:
         if self._gathering is None:
@@ -222,7 +248,7 @@ class Unit:
         else:
             self._grad_sums[i] = grad.to(self.reduce_dtype) if self.reduce_dtype else grad
 
-    def _reduce(self, trainable: list[tuple[int, Slot]]) -> Reduction:
+    def _reduce(self, trainable: list[tuple[int, Slot]], announced: bool = False) -> Reduction:
         """One reduce-scatter of every trainable parameter's gradient, zeros where this rank
         has none, and after each rank's chunk one flag per parameter (1: this rank has its
         gradient): every rank sends the same sizes whichever parameters it used, and learns
@@ -241,10 +267,13 @@ class Unit:
         chunk_cat([*grads, flags], p.world, flat)
         grads.clear()  # the unsharded gradients are freed here
         op, pre_divide, post_divide = division(dtype, p.world)
+        if self.join is not None and not self.join.divide_initial:  # by the ranks still active
+            op, pre_divide, post_divide = dist.ReduceOp.SUM, pre_divide, self.join.divisor(pre_divide)
         if pre_divide not in (None, 1):
             flat.div_(pre_divide)
         output = torch.empty(numel, dtype=dtype, device=p.device)
-        pending = reduce_scatter(output, flat, op, self.group, self.name)
+        pending = reduce_scatter(output, flat, op, self.group, self.name, announced=announced,
+                                 shadow=self._shadow(FSDPAction.REDUCE_SCATTER))
         return Reduction(pending, output, slots, post_divide, p.mesh)
 
 

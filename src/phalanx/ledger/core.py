@@ -37,6 +37,17 @@ from . import syncpoint
 from .log import CollectiveLog, Record, call_site, describe_tensors
 
 
+def _unshadowable(op: str, verdict: syncpoint.Verdict, world: int) -> UsageError:
+    """An active rank's words for a collective the joined ranks cannot take part in (they
+    raise at the same point: :mod:`phalanx.uneven`), instead of waiting for them forever."""
+    joined = [r for r in range(world) if r not in verdict.ranks]
+    return UsageError(
+        f"{op} inside phalanx.join: rank(s) {', '.join(map(str, joined))} have joined (out of "
+        "inputs) and cannot take part in it. Give join every DistributedDataParallel, "
+        "fully_shard root module, ZeroRedundancyOptimizer, Checkpointer and PreemptionHandler "
+        "in use, and use phalanx's collectives")
+
+
 class Observer(Protocol):
     """Told when a recorded collective's wait fails (see the module notes)."""
 
@@ -47,6 +58,8 @@ class Observer(Protocol):
 
 class JoinView(Protocol):
     """A running join, as the ledger sees it (:mod:`phalanx.uneven`)."""
+
+    active: tuple[int, ...]  # the ranks still active at the last sync point
 
     def index(self, obj: Any) -> int | None:
         """``obj``'s place among the joinables, or ``None``."""
@@ -204,8 +217,10 @@ class Ledger:
             if self.group_name(group) != "world":
                 raise UsageError(f"{op} on {self.group_name(group)} inside phalanx.join: a join "
                                  "announces collectives of the whole world only")
-            self.sync_point(f"{op} {dtype}{list(shape)}", group, site=site,
-                            announce=shadow or (syncpoint.UNSHADOWABLE,))
+            verdict = self.sync_point(f"{op} {dtype}{list(shape)}", group, site=site,
+                                      announce=shadow or (syncpoint.UNSHADOWABLE,))
+            if shadow is None and verdict is not None and verdict.count < dist.get_world_size(group):
+                raise _unshadowable(op, verdict, dist.get_world_size(group))
         record = self.log(group).begin(op, dtype, shape, self.group_name(group), site)
         return Collective(self, record, observed=not diagnosed)
 
