@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from .compile import eager_hook
 from .collectives import Pending, all_gather, chunk_cat, reduce_scatter
 from .iteration import Iteration, Reduction, Stage, division
 from .params import Params, Slot
@@ -75,11 +76,11 @@ class Unit:
         # next ones (iteration.py)
         self.forward_prefetch: list[Unit] | None = None
         self.backward_prefetch: list[Unit] | None = None
-        module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self.post_forward)
+        module.register_forward_pre_hook(eager_hook(self.pre_forward), prepend=True, with_kwargs=True)
+        module.register_forward_hook(eager_hook(self.post_forward))
         for s in params.slots:
             if s.sharded.requires_grad:
-                s.unsharded.register_post_accumulate_grad_hook(self._accumulated)
+                s.unsharded.register_post_accumulate_grad_hook(eager_hook(self._accumulated))
         for module_with_params in {m for s in params.slots for m, _ in s.locations}:
             module_with_params.register_state_dict_pre_hook(self._reshard_hook)
             module_with_params.register_load_state_dict_pre_hook(self._reshard_hook)
@@ -168,7 +169,7 @@ class Unit:
             # on every rank: its all-gather did), whichever gradients each rank has
             self._forward_since_reduce = True
             for t in _grad_tensors(output):
-                t.register_hook(self._pre_backward)
+                t.register_hook(eager_hook(self._pre_backward))
         self.stage = Stage.IDLE
         if self.mp_policy.output_dtype is not None:
             return _cast(output, self.mp_policy.output_dtype)
