@@ -36,6 +36,7 @@ from tests.harness import error_of, run_ranks
 
 STEPS = 3
 TOL = 1e-6  # the bound of test_fully_shard at world 3
+INDUCTOR_TOL = 1e-6  # inductor against eager after 3 steps (fused kernels round otherwise): 2.2e-7 measured
 VOCAB, TOKENS, BATCH = 50, 8, 3  # BATCH sequences per rank and step
 MODES = ["block_after", "block_before", "block_wrapped", "whole"]
 IMPLS = {"phalanx": fully_shard, "torch": torch_fully_shard}
@@ -106,6 +107,7 @@ def _compiled(rank, world_size, mode, backend, eager, **kwargs):
         out[name] = {**_counts(), "recompiles": recompiles}
     for name in IMPLS:
         out[name]["equal_eager"] = _equal(runs[name], eager[name])
+        out[name]["vs_eager"] = _max_diff(runs[name][1], eager[name][1])
     out["equal_torch"] = _equal(runs["phalanx"], runs["torch"])
     out["vs_torch"] = _max_diff(runs["phalanx"][1], runs["torch"][1])
     out["moved"] = _max_diff(runs["phalanx"][1], [_without_key_bias(n, p.detach())
@@ -210,7 +212,7 @@ def test_inductor_equal_to_torch_compiled_alike():
             res = out[mode]
             assert res["equal_torch"], (mode, rank, res)
             ours, torchs = res["phalanx"], res["torch"]
-            # inductor's kernels may round otherwise than eager: as far from it as torch's
-            assert ours["equal_eager"] == torchs["equal_eager"], (mode, rank, res)
+            # inductor's fused kernels round otherwise than eager: as far from it as torch's
+            assert ours["vs_eager"] == torchs["vs_eager"] <= INDUCTOR_TOL, (mode, rank, res)
             for key in ("graph_breaks", "skipped", "frames", "graphs", "recompiles"):
                 assert ours[key] <= torchs[key], (mode, rank, key, ours, torchs)
