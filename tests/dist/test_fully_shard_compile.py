@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
 
 from phalanx.bench.engine import GPT
-from phalanx.fsdp import fully_shard
+from phalanx.fsdp import fully_shard, register_fsdp_forward_method
 from phalanx.fsdp.compile import REASON
 from tests.harness import error_of, run_ranks
 
@@ -40,6 +41,14 @@ INDUCTOR_TOL = 1e-6  # inductor against eager after 3 steps (fused kernels round
 VOCAB, TOKENS, BATCH = 50, 8, 3  # BATCH sequences per rank and step
 MODES = ["block_after", "block_before", "block_wrapped", "whole"]
 IMPLS = {"phalanx": fully_shard, "torch": torch_fully_shard}
+REGISTER = {"phalanx": register_fsdp_forward_method, "torch": torch_register}
+
+
+class _Logits(GPT):
+    """A GPT with a method other than ``forward`` (``generate()``-style)."""
+
+    def logits(self, idx):
+        return self.forward(idx)
 
 
 def _model():
@@ -138,6 +147,29 @@ def _eager(rank, world_size, **kwargs):
             for name, fs in IMPLS.items()}
 
 
+def _compiled_method(rank, world_size):
+    """``torch.compile`` of a method registered by ``register_fsdp_forward_method`` (no
+    grad): its output against itself eager, and the counts, for each implementation."""
+    out, logits = {}, {}
+    x, _ = _batch(0, rank, world_size)
+    for name, fs in IMPLS.items():
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            counters.clear()
+            torch.manual_seed(0)
+            model = _Logits(vocab=VOCAB, tokens=TOKENS, dim=18, depth=3, heads=3)
+            for block in model.blocks:
+                fs(block)
+            fs(model)
+            REGISTER[name](model, "logits")
+            method = torch.compile(model.logits, backend="aot_eager") if compiled else model.logits
+            with torch.no_grad():
+                logits[name, compiled] = method(x)
+        out[name] = {**_counts(), "equal_eager": torch.equal(logits[name, True], logits[name, False])}
+    out["equal_torch"] = torch.equal(logits["phalanx", True], logits["torch", True])
+    return out
+
+
 def _fullgraph_whole(rank, world_size):
     """``torch.compile(model, fullgraph=True)``: Dynamo's error, for each implementation."""
     out = {}
@@ -158,6 +190,7 @@ def _all_checks(rank, world_size, backend, modes):
         out["block_after_keep"] = _compiled(rank, world_size, "block_after", backend, keep,
                                             reshard_after_forward=False)
         out["fullgraph_whole"] = _fullgraph_whole(rank, world_size)
+        out["method"] = _compiled_method(rank, world_size)
     return out
 
 
@@ -201,6 +234,21 @@ def test_fullgraph_whole_model_refused_naming_the_alternative(ranks):
         assert errors["phalanx"][0] == errors["torch"][0] == "Unsupported", (rank, errors)
         assert REASON in errors["phalanx"][1], (rank, errors["phalanx"][1])
         assert "torch.compile each block" in REASON and "without fullgraph=True" in REASON
+
+
+def test_compiled_forward_method(ranks):
+    """A compiled ``generate()``-style method: equal to eager and to torch's; as many graphs,
+    fewer frames. Dynamo records 4 graph breaks against torch's 2 (the root's hooks in the
+    method's wrapper, and each block's, are met in one frame more: Dynamo skips the files of
+    torch's FSDP, not phalanx's); the graph each break leaves is the same one."""
+    world_size, results = ranks
+    for rank, out in enumerate(results):
+        res = out["method"]
+        ours, torchs = res["phalanx"], res["torch"]
+        assert ours["equal_eager"] and torchs["equal_eager"], (rank, res)
+        assert res["equal_torch"] or world_size > 2, (rank, res)
+        assert ours["graphs"] == torchs["graphs"] == 1 and ours["frames"] <= torchs["frames"], (rank, res)
+        assert ours["graph_breaks"] <= 2 * torchs["graph_breaks"], (rank, res)
 
 
 @pytest.mark.slow
