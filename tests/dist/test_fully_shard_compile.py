@@ -26,9 +26,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo import compiled_autograd
 from torch._dynamo.utils import counters
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
+from torch.distributed.tensor import DTensor
 
 from phalanx.bench.engine import GPT
 from phalanx.fsdp import fully_shard, register_fsdp_forward_method
@@ -170,6 +172,25 @@ def _compiled_method(rank, world_size):
     return out
 
 
+def _compiled_autograd(rank, world_size):
+    """One step whose backward runs under compiled autograd: phalanx's error; torch's
+    parameters left unsharded (plain tensors, not DTensors) after it."""
+    out = {}
+    for name, fs in IMPLS.items():
+        torch._dynamo.reset()
+        model = _sharded(fs, "block_after", "aot_eager")
+        x, y = _batch(0, rank, world_size)
+
+        def step():
+            loss = F.cross_entropy(model(x), y)
+            with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+                loss.backward()
+
+        out[name] = error_of(step)
+        out[name + "_sharded"] = all(isinstance(p, DTensor) for p in model.parameters())
+    return out
+
+
 def _fullgraph_whole(rank, world_size):
     """``torch.compile(model, fullgraph=True)``: Dynamo's error, for each implementation."""
     out = {}
@@ -191,6 +212,7 @@ def _all_checks(rank, world_size, backend, modes):
                                             reshard_after_forward=False)
         out["fullgraph_whole"] = _fullgraph_whole(rank, world_size)
         out["method"] = _compiled_method(rank, world_size)
+        out["compiled_autograd"] = _compiled_autograd(rank, world_size)  # last: leaves a backward half done
     return out
 
 
@@ -234,6 +256,18 @@ def test_fullgraph_whole_model_refused_naming_the_alternative(ranks):
         assert errors["phalanx"][0] == errors["torch"][0] == "Unsupported", (rank, errors)
         assert REASON in errors["phalanx"][1], (rank, errors["phalanx"][1])
         assert "torch.compile each block" in REASON and "without fullgraph=True" in REASON
+
+
+def test_compiled_autograd_refused(ranks):
+    """Compiled autograd skips the end-of-backward callback: phalanx refuses, naming what to
+    do; torch's ``fully_shard`` raises nothing and leaves its parameters unsharded."""
+    world_size, results = ranks
+    for rank, out in enumerate(results):
+        res = out["compiled_autograd"]
+        assert res["phalanx"] is not None and res["phalanx"][0] == "RuntimeError", (rank, res)
+        assert res["phalanx"][1].startswith("phalanx.fully_shard does not support compiled autograd"), res
+        assert "without compiled autograd; torch.compile the blocks" in res["phalanx"][1], res
+        assert res["torch"] is None and not res["torch_sharded"], (rank, res)
 
 
 def test_compiled_forward_method(ranks):

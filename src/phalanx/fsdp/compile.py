@@ -29,3 +29,17 @@ REASON = ("phalanx.fully_shard's hooks run eagerly (collectives and Python bookk
 def eager_hook(fn: F) -> F:
     """``fn`` skipped by Dynamo, with everything it calls (torch's ``_dynamo_disable``)."""
     return torch._dynamo.disable(fn, recursive=True, reason=REASON)  # type: ignore[return-value]
+
+
+def refuse_compiled_autograd() -> None:
+    """Raise if the backward runs under compiled autograd (``torch._dynamo.compiled_autograd``):
+    it does not run the end-of-backward callback, so the reduce-scatters would never land in
+    ``.grad`` and the optimizer would step on nothing. torch 2.13's ``fully_shard`` does not
+    support it either (its parameters stay unsharded after such a backward)."""
+    state = torch._dynamo.compiled_autograd  # (hooks run inside its graph: the region flag)
+    if state.compiled_autograd_enabled or state.in_compiled_autograd_region:
+        raise RuntimeError(
+            "phalanx.fully_shard does not support compiled autograd: its units reduce the "
+            "gradients in hooks and an end-of-backward callback that compiled autograd does "
+            "not run, so .grad would never arrive. Run loss.backward() without compiled "
+            "autograd; torch.compile the blocks (their backward is compiled with them)")

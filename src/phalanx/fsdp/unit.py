@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .compile import eager_hook
+from .compile import eager_hook, refuse_compiled_autograd
 from .collectives import Pending, all_gather, chunk_cat, reduce_scatter
 from .iteration import Iteration, Reduction, Stage, division
 from .params import Params, Slot
@@ -176,6 +176,7 @@ class Unit:
         return output
 
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        refuse_compiled_autograd()
         assert self.iteration is not None  # set by the root's first forward
         self.iteration.queue_end_of_backward()
         if self.stage is not Stage.PRE_BACKWARD:
