@@ -53,15 +53,15 @@ class _Logits(GPT):
         return self.forward(idx)
 
 
-def _model():
+def _model(cls=GPT):
     torch.manual_seed(0)
     # width 18 on 3 heads: even shards at world 2, uneven (padded) ones at world 3
-    return GPT(vocab=VOCAB, tokens=TOKENS, dim=18, depth=3, heads=3)
+    return cls(vocab=VOCAB, tokens=TOKENS, dim=18, depth=3, heads=3)
 
 
-def _sharded(fs, mode, backend, **kwargs):
-    """A fresh model sharded by ``fs`` and compiled in ``mode`` (module notes)."""
-    model = _model()
+def _sharded(fs, mode, backend, cls=GPT, **kwargs):
+    """A fresh ``cls`` sharded by ``fs`` and compiled in ``mode`` (module notes)."""
+    model = _model(cls)
     for i, block in enumerate(model.blocks):
         if mode == "block_before":
             block.compile(backend=backend, fullgraph=True)
@@ -158,11 +158,7 @@ def _compiled_method(rank, world_size):
         for compiled in (False, True):
             torch._dynamo.reset()
             counters.clear()
-            torch.manual_seed(0)
-            model = _Logits(vocab=VOCAB, tokens=TOKENS, dim=18, depth=3, heads=3)
-            for block in model.blocks:
-                fs(block)
-            fs(model)
+            model = _sharded(fs, "eager", None, cls=_Logits)
             REGISTER[name](model, "logits")
             method = torch.compile(model.logits, backend="aot_eager") if compiled else model.logits
             with torch.no_grad():
@@ -282,7 +278,7 @@ def test_compiled_forward_method(ranks):
         assert ours["equal_eager"] and torchs["equal_eager"], (rank, res)
         assert res["equal_torch"] or world_size > 2, (rank, res)
         assert ours["graphs"] == torchs["graphs"] == 1 and ours["frames"] <= torchs["frames"], (rank, res)
-        assert ours["graph_breaks"] <= 2 * torchs["graph_breaks"], (rank, res)
+        assert ours["graph_breaks"] <= 4 and torchs["graph_breaks"] == 2, (rank, res)  # measured
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ nothing Dynamo can put in a graph. Traced, each such call is a graph break in th
 the hook, and the compiled block is cut into pieces around it. Marked as torch's FSDP2 marks
 its own hooks (``_dynamo_disable`` in ``torch/distributed/fsdp/_fully_shard/_fsdp_common.py``),
 Dynamo skips each hook whole: a ``torch.compile``-d block is one graph between its pre- and
-post-forward hooks, and a compiled root breaks once at each unit's hooks, as torch's does.
+post-forward hooks; in a compiled root each unit's hook is one break, as with torch's.
 
 So ``torch.compile(model, fullgraph=True)`` of a sharded model cannot work (with torch's
 ``fully_shard`` neither): Dynamo's error names :data:`REASON`, which says what to do instead.
