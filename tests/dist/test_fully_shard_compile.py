@@ -10,6 +10,9 @@ The ways a sharded model is compiled (a small GPT: per-block units and the root)
 * ``block_wrapped``: ``torch.compile(block)`` put in the block's place, the wrapper sharded;
 * ``whole``: shard the blocks and the root, ``torch.compile(model)``.
 
+and ``block_after`` again with ``reshard_after_forward=False`` and with bf16 parameters
+(fp32 reduction).
+
 Each trains 3 AdamW steps at world 2 and 3 and must equal itself eager bit for bit (phalanx's
 and torch's alike, with aot_eager), and phalanx's must equal torch's compiled the same way
 bit for bit at world 2, within 1e-6 at world 3 (Gloo's ring adds in another order than
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo import compiled_autograd
 from torch._dynamo.utils import counters
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
 from torch.distributed.tensor import DTensor
@@ -42,6 +46,9 @@ TOL = 1e-6  # the bound of test_fully_shard at world 3
 INDUCTOR_TOL = 1e-6  # inductor against eager after 3 steps (fused kernels round otherwise): 2.2e-7 measured
 VOCAB, TOKENS, BATCH = 50, 8, 3  # BATCH sequences per rank and step
 MODES = ["block_after", "block_before", "block_wrapped", "whole"]
+# more cases, per block after sharding: the root kept unsharded, bf16 parameters
+VARIANTS = ["block_after_keep", "block_after_bf16"]
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 IMPLS = {"phalanx": fully_shard, "torch": torch_fully_shard}
 REGISTER = {"phalanx": register_fsdp_forward_method, "torch": torch_register}
 
@@ -206,6 +213,8 @@ def _all_checks(rank, world_size, backend, modes):
         keep = _eager(rank, world_size, reshard_after_forward=False)
         out["block_after_keep"] = _compiled(rank, world_size, "block_after", backend, keep,
                                             reshard_after_forward=False)
+        bf16 = _eager(rank, world_size, mp_policy=BF16)
+        out["block_after_bf16"] = _compiled(rank, world_size, "block_after", backend, bf16, mp_policy=BF16)
         out["fullgraph_whole"] = _fullgraph_whole(rank, world_size)
         out["method"] = _compiled_method(rank, world_size)
         out["compiled_autograd"] = _compiled_autograd(rank, world_size)  # last: leaves a backward half done
@@ -218,7 +227,7 @@ def ranks(request):
     return request.param, run_ranks(_all_checks, request.param, "aot_eager", MODES, timeout=600)
 
 
-@pytest.mark.parametrize("mode", MODES + ["block_after_keep"])
+@pytest.mark.parametrize("mode", MODES + VARIANTS)
 def test_compiled_equals_eager_and_torch(ranks, mode):
     world_size, results = ranks
     for rank, out in enumerate(results):
@@ -231,7 +240,7 @@ def test_compiled_equals_eager_and_torch(ranks, mode):
         assert res["equal_torch"] or world_size > 2, (mode, rank, res)
 
 
-@pytest.mark.parametrize("mode", MODES + ["block_after_keep"])
+@pytest.mark.parametrize("mode", MODES + VARIANTS)
 def test_no_more_graph_breaks_or_recompiles_than_torch(ranks, mode):
     world_size, results = ranks
     for rank, out in enumerate(results):
