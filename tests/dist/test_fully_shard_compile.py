@@ -8,20 +8,21 @@ The ways a sharded model is compiled (a small GPT: per-block units and the root)
 * ``block_before``: ``block.compile()`` each block, then shard it, then the root
   (torchtitan's order);
 * ``block_wrapped``: ``torch.compile(block)`` put in the block's place, the wrapper sharded;
-* ``whole``: shard the blocks and the root, ``torch.compile(model)``.
-
-and ``block_after`` again with ``reshard_after_forward=False`` and with bf16 parameters
-(fp32 reduction).
+* ``whole``: shard the blocks and the root, ``torch.compile(model)``;
+* ``block_after`` again with ``reshard_after_forward=False``, and with bf16 parameters
+  (fp32 reduction).
 
 Each trains 3 AdamW steps at world 2 and 3 and must equal itself eager bit for bit (phalanx's
 and torch's alike, with aot_eager), and phalanx's must equal torch's compiled the same way
 bit for bit at world 2, within 1e-6 at world 3 (Gloo's ring adds in another order than
-phalanx's reduce-scatter, as eager: ``test_fully_shard``).
-Dynamo's counters (``torch._dynamo.utils.counters``) are read for each: graph breaks,
+phalanx's reduce-scatter, as eager: ``test_fully_shard``), the key third of the qkv biases
+left out (``_without_key_bias``). Dynamo's counters (``torch._dynamo.utils.counters``) are read for each: graph breaks,
 functions Dynamo skipped, frames compiled, graphs, and graphs compiled after the first step
 (recompiles); phalanx's must be no more than torch's. Per-block compiles run with
 ``fullgraph=True`` (no graph break allowed inside a block); ``fullgraph=True`` on the whole
 model fails for both (a unit's hooks are eager), phalanx's error saying what to do instead.
+Also: a compiled method registered by ``register_fsdp_forward_method``, and compiled
+autograd (refused by phalanx).
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ def _compiled(rank, world_size, mode, backend, eager, **kwargs):
     for name, fs in IMPLS.items():
         torch._dynamo.reset()
         counters.clear()
-        losses, shards, recompiles = _train(_sharded(fs, mode, backend, **kwargs), rank, world_size)
-        runs[name] = losses, shards
+        losses, params, recompiles = _train(_sharded(fs, mode, backend, **kwargs), rank, world_size)
+        runs[name] = losses, params
         out[name] = {**_counts(), "recompiles": recompiles}
     for name in IMPLS:
         out[name]["equal_eager"] = _equal(runs[name], eager[name])
