@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..comm import LastWorks
 from .collectives import Pending
+from .compile import eager_hook
 from .params import Slot
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ class Iteration:
     def queue_end_of_backward(self) -> None:
         if not self.callback_queued:
             self.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(eager_hook(self.end_of_backward))
 
     def end_of_backward(self) -> None:
         """Units whose backward did not finish (parameters without gradients; the root,

@@ -11,6 +11,7 @@ from torch import nn
 from ..ledger.syncpoint import Verdict
 from ..uneven import Joinable
 from . import joining
+from .compile import eager_hook
 from .unit import UNIT_ATTRIBUTE, Unit, unit_of
 
 # torch's FSDPModule methods phalanx does not offer yet: calling one raises, naming it.
@@ -42,11 +43,12 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     if method is None:
         raise ValueError(f"{type(module)} does not have a method {method_name}")
     unit = module._unit()
+    pre_forward, post_forward = eager_hook(unit.pre_forward), eager_hook(unit.post_forward)
 
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = unit.pre_forward(module, args, kwargs)
-        return unit.post_forward(module, args, method(*args, **kwargs))
+        args, kwargs = pre_forward(module, args, kwargs)
+        return post_forward(module, args, method(*args, **kwargs))
 
     setattr(module, method_name, wrapped)
 

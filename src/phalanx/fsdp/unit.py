@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from .compile import eager_hook, refuse_compiled_autograd
 from .collectives import Pending, all_gather, chunk_cat, reduce_scatter
 from .iteration import Iteration, Reduction, Stage, division
 from .joining import FSDPAction, JoinPart
@@ -78,11 +79,11 @@ class Unit:
         self.forward_prefetch: list[Unit] | None = None
         self.backward_prefetch: list[Unit] | None = None
         self.join: JoinPart | None = None  # inside phalanx.join (joining.py)
-        module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self.post_forward)
+        module.register_forward_pre_hook(eager_hook(self.pre_forward), prepend=True, with_kwargs=True)
+        module.register_forward_hook(eager_hook(self.post_forward))
         for s in params.slots:
             if s.sharded.requires_grad:
-                s.unsharded.register_post_accumulate_grad_hook(self._accumulated)
+                s.unsharded.register_post_accumulate_grad_hook(eager_hook(self._accumulated))
         for module_with_params in {m for s in params.slots for m, _ in s.locations}:
             module_with_params.register_state_dict_pre_hook(self._reshard_hook)
             module_with_params.register_load_state_dict_pre_hook(self._reshard_hook)
@@ -194,13 +195,14 @@ class Unit:
             # on every rank: its all-gather did), whichever gradients each rank has
             self._forward_since_reduce = True
             for t in _grad_tensors(output):
-                t.register_hook(self._pre_backward)
+                t.register_hook(eager_hook(self._pre_backward))
         self.stage = Stage.IDLE
         if self.mp_policy.output_dtype is not None:
             return _cast(output, self.mp_policy.output_dtype)
         return output
 
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        refuse_compiled_autograd()
         assert self.iteration is not None  # set by the root's first forward
         self.iteration.queue_end_of_backward()
         if self.stage is not Stage.PRE_BACKWARD:
