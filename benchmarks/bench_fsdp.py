@@ -135,5 +135,6 @@ def _report(args: argparse.Namespace, result: dict) -> dict:
 def main(argv=None) -> None:
     run_script(__file__, argv, _parse, _rank, _report)
 
+
 if __name__ == "__main__":
     main()

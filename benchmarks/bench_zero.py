@@ -185,5 +185,6 @@ def _report_both(args: argparse.Namespace, result: dict) -> dict:
 def main(argv=None) -> None:
     run_script(__file__, argv, _parse, _rank, _report_both)
 
+
 if __name__ == "__main__":
     main()
