@@ -73,11 +73,6 @@ def _rank(args: argparse.Namespace) -> dict:
     return times
 
 
-def _quartiles(values: list[float]) -> tuple[float, float, float]:
-    q1, q2, q3 = statistics.quantiles(values, n=4)
-    return q1, q2, q3
-
-
 def _report(args: argparse.Namespace, times: dict) -> dict:
     print(f"world size {args.world_size}, Gloo, GPT {args.depth} blocks of width 64, {args.batch} "
           f"sequences per rank, torch.compile backend {args.backend}, {args.steps} timed steps each")
@@ -87,7 +82,7 @@ def _report(args: argparse.Namespace, times: dict) -> dict:
     rows = {}
     print(f"\n{'ratio':<38}{'median':>8}{'25%':>8}{'75%':>8}")
     for a, b in RATIOS:
-        q1, q2, q3 = _quartiles([x / y for x, y in zip(times[a], times[b])])
+        q1, q2, q3 = statistics.quantiles([x / y for x, y in zip(times[a], times[b])], n=4)
         rows[f"{a} / {b}"] = {"median": q2, "q1": q1, "q3": q3}
         print(f"{a + ' / ' + b:<38}{q2:>8.3f}{q1:>8.3f}{q3:>8.3f}")
     return rows
