@@ -6,11 +6,12 @@
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from .bucketing import BucketSpec
 
 
@@ -77,7 +78,9 @@ class AllReduceMean:
 
 
 class ReduceToOwner:
-    """ZeRO stage 2: each bucket's sum goes to its owner only (``dist.reduce``, asynchronous).
+    """ZeRO stage 2: each bucket's sum goes to its owner only (:func:`phalanx.comm.reduce_async`:
+    on Gloo every other rank sends its bucket to the owner once, half of what Gloo's own
+    reduce sends at world 2).
 
     The plan must come from :func:`~phalanx.ddp.bucketing.plan_buckets` with ``owners``, so that
     every bucket has one :attr:`~phalanx.ddp.bucketing.BucketSpec.owner` (a rank in ``group``).
@@ -107,19 +110,14 @@ class ReduceToOwner:
         self.divisor = dist.get_world_size(group)
         rank = dist.get_rank(group)
         self._keeps = [spec.owner is None or spec.owner == rank for spec in plan]
-        # None: all-reduce; else the owner's global rank, which dist.reduce takes.
-        self._dst = [_global_rank(group, s.owner) for s in plan[:-1]] + [None]
+        # None: all-reduce; else the owner (a rank of the group).
+        self._dst = [s.owner for s in plan[:-1]] + [None]
 
-    def launch(self, b: int, flat: torch.Tensor) -> dist.Work:
+    def launch(self, b: int, flat: torch.Tensor) -> Any:
         if self._dst[b] is None:
             return dist.all_reduce(flat, group=self.group, async_op=True)
-        return dist.reduce(flat, self._dst[b], group=self.group, async_op=True)
+        return comm.reduce_async(flat, self._dst[b], group=self.group)
 
     def keeps(self, b: int) -> bool:
         return self._keeps[b]
 
-
-def _global_rank(group: dist.ProcessGroup | None, rank: int | None) -> int | None:
-    if rank is None or group is None:
-        return rank
-    return dist.get_global_rank(group, rank)
