@@ -1,7 +1,8 @@
 """The rest of phalanx on CUDA tensors, two ranks sharing cuda:0 over Gloo: mixed precision
 against torch's DDP with the same ``mixed_precision``, SyncBatchNorm against BatchNorm on the
 global batch, ZeRO stage 1 and 2 against torch's DDP with a plain optimizer, join against
-torch's join, checkpoints saved from CUDA and loaded elsewhere."""
+torch's join, checkpoints saved from CUDA and loaded elsewhere, phalanx.fully_shard against
+torch's DDP (and, reported, against torch's fully_shard)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import phalanx
 from phalanx.checkpoint import read_checkpoint
-from tests.gpu.common import (DEV, DEVICE_IDS, TOL, against_torch, batch, flat_params, net, pair, rel_diff,
-                              sync, train)
+from tests.gpu.common import (DEV, DEVICE_IDS, TOL, against_torch, batch, bitwise, flat_params, net, pair,
+                              rel_diff, sync, train)
 
 
 def sync_batchnorm(rank: int) -> dict[str, Any]:
@@ -141,7 +143,47 @@ def mixed_precision(rank: int) -> dict[str, Any]:
     return out
 
 
+def _sharded(shard: Any) -> nn.Module:
+    """The check model with ``inp`` and ``branch`` as units, then the root."""
+    model = net()
+    for child in (model.inp, model.branch):
+        shard(child)
+    return shard(model)
+
+
+def fully_shard(rank: int) -> dict[str, Any]:
+    """``phalanx.fully_shard`` (per-layer units and the root, AdamW, 3 steps) on cuda:0 against
+    torch's DDP; torch's ``fully_shard`` on the same Gloo-on-CUDA group, where it runs, is
+    compared too and reported (never asserted: it is torch's path, not phalanx's)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    def full(model: nn.Module) -> list[torch.Tensor]:
+        return [torch.cat([(p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten().float()
+                           for p in model.parameters()])]
+
+    def run(model: nn.Module) -> list[torch.Tensor]:
+        train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), rank)
+        return full(model)
+
+    ours = run(_sharded(phalanx.fully_shard))
+    ddp = torch.nn.parallel.DistributedDataParallel(net(), device_ids=DEVICE_IDS)
+    out = against_torch(ours, run(ddp), label="vs torch's DDP")
+    world, sharded = dist.get_world_size(), list(_sharded(phalanx.fully_shard).parameters())
+    held = sum(p.to_local().numel() for p in sharded)
+    bound = sum(-(-p.shape[0] // world) * p[0].numel() if p.dim() > 1 else -(-p.shape[0] // world) for p in sharded)
+    out["limits"]["held beyond 1/N of the rows"] = (float(held > bound), 0)
+    out["limits"]["shards off the device"] = (float(any(p.to_local().device != DEV for p in sharded)), 0)
+    try:
+        theirs = run(_sharded(torch_fully_shard))
+        out["info"]["vs torch's fully_shard"] = rel_diff(ours, theirs)
+        out["info"]["vs torch's fully_shard bitwise"] = bitwise(ours, theirs)
+    except Exception as e:  # torch's FSDP2 on Gloo with CUDA tensors: its own limits
+        out["info"]["torch's fully_shard"] = f"{type(e).__name__}: {e}"[:500]
+    return out
+
+
 CHECKS = {
+    "fully_shard": fully_shard,
     "mixed_precision": mixed_precision,
     "sync_batchnorm": sync_batchnorm,
     "zero_stage1": zero_stage1,
