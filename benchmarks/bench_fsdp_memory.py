@@ -177,7 +177,7 @@ def _verdict(row: dict) -> str:
     if not row["out_of_memory"]:
         return f"FAILED (exit status {row['exit_status']}), not out of memory: see the traceback above"
     ranks = "\n".join(f"  rank {rank}: {what}" for rank, what in row["out_of_memory"].items())
-    return f"out of memory (exit status {row['exit_status']}; the launcher stopped the other ranks):\n{ranks}"
+    return f"out of memory (exit status {row['exit_status']}; every rank has ended):\n{ranks}"
 
 
 def main(argv: list[str] | None = None) -> int:
