@@ -215,8 +215,8 @@ def compare(
     with_no_sync: bool = True,
     comm_hook: str = "none",
 ) -> dict[str, dict[str, list[float]]]:
-    """Step times per implementation: ``{impl: {"sync": [...], "no_sync": [...], "sent": [...]}}``
-(``sent``: the bytes this rank wrote in each timed step with sync).
+    """Step times per implementation, and the bytes this rank wrote in each timed step with
+    sync: ``{impl: {"sync": [...], "no_sync": [...], "sent": [...]}}``.
 
     Each repeat builds every implementation afresh from seed 0 and gives each ``warmup``
     untimed steps (torch's DDP rebuilds its buckets after the first). Then the implementations

@@ -29,8 +29,9 @@ from .ranks import RESULT_FLAG
 # How long the launchers get to stop after SIGTERM before SIGKILL: a launcher still in its
 # rendezvous can otherwise wait out the rendezvous timeout (seen: 120 s) for its store.
 STOP_GRACE_S = 20.0
-# The rendezvous timeout given to each node's launcher, seconds (the launcher's own default
-# is longer; both start within a second of each other here).
+# The rendezvous timeout given to each node's launcher, seconds: the two start within a
+# second of each other here, so a node that is not there in 2 minutes failed (the launcher's
+# default, 600 s, is for machines that start apart).
 RDZV_TIMEOUT_S = 120
 # The master's port, in node 0's namespace (a fresh network stack: nothing else listens).
 MASTER_PORT = 29500

@@ -37,7 +37,7 @@ COLUMNS = ("model", "implementation", "processes", STEP, RATIO, "samples/s",
 _NAMES = {"bare": "single process", "phalanx": "phalanx DDP", "torch": "torch DDP",
           "phalanx-fsdp": "phalanx fully_shard", "torch-fsdp": "torch fully_shard"}
 _PEERS = {"phalanx": "torch", "phalanx-fsdp": "torch-fsdp"}  # the pairs of the paired ratio
-_RATIOS = ("scaling efficiency", RATIO, SENT)  # shown with 3 decimals (SENT: 2 would do)
+_RATIOS = ("scaling efficiency", RATIO, SENT)  # shown with 3 decimals
 LEGEND = (
     "phalanx/torch: each phalanx step's time over the time of the torch step taken beside it,\n"
     "the median of those ratios (the two alternate step by step, so a change in the machine's\n"
