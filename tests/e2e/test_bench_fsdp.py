@@ -97,5 +97,28 @@ def test_a_model_that_does_not_fit_under_ddp_trains_under_fully_shard(tmp_path):
     assert sharded["variant"] == "phalanx fully_shard" and sharded["trained"]
     assert sharded["loss"][0] > sharded["loss"][1] > sharded["loss"][2]
     assert "torch DDP: out of memory (exit status 1; every rank has ended)" in done.out
-    assert "the limit held: torch DDP ran out of memory, phalanx fully_shard trained" in done.out
+    assert "the limit held: torch DDP ran out of memory; phalanx fully_shard trained" in done.out
     assert _left_behind(str(out)) == []  # every rank of both runs has ended
+
+
+def test_the_limit_demo_says_when_it_did_not_hold():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_fsdp_memory", ROOT / "benchmarks" / "bench_fsdp_memory.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    oom = {"variant": "torch DDP", "trained": False, "exit_status": 1, "out_of_memory": {"0": "step 1: ..."}}
+    trained = {"variant": "phalanx fully_shard", "trained": True, "loss": [5.7, 4.2]}
+    assert script._verdict_of_the_limit([oom, trained]) == (
+        True, "torch DDP ran out of memory; phalanx fully_shard trained")
+    both = [oom, {**oom, "variant": "phalanx DDP"}, trained, {**trained, "variant": "torch fully_shard"}]
+    assert script._verdict_of_the_limit(both) == (
+        True, "torch DDP ran out of memory; phalanx DDP ran out of memory; phalanx fully_shard trained; "
+              "torch fully_shard trained")
+    other = {**oom, "out_of_memory": {}}  # failed, but not for memory
+    flat = {**trained, "loss": [5.7, 5.8]}
+    failed = {**oom, "variant": "torch fully_shard"}
+    assert script._verdict_of_the_limit([other, flat, failed]) == (
+        False, "torch DDP did not run out of memory; phalanx fully_shard trained, its loss not going down; "
+               "torch fully_shard did not train")
+    assert script._verdict_of_the_limit([{**trained, "variant": "torch DDP"}, trained])[0] is False
