@@ -37,6 +37,7 @@ import os
 import sys
 import tempfile
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -110,8 +111,7 @@ def _rank(args: argparse.Namespace) -> dict:
         if phase == "training":
             phase = f"step {len(losses) + 1}"
         if args.oom_dir and out_of_memory(e):
-            with open(os.path.join(args.oom_dir, f"rank{rank}.txt"), "w") as f:
-                f.write(f"{phase}: {str(e).splitlines()[0]}")
+            Path(args.oom_dir, f"rank{rank}.txt").write_text(f"{phase}: {str(e).splitlines()[0]}")
         raise
     mine = torch.tensor([memory.peak() - memory.start, memory.start, held_bytes(model, opt)], dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
@@ -165,8 +165,10 @@ def limit_demo(args: argparse.Namespace, argv: list[str]) -> list[dict]:
                 r = _launch(argv, variant, world, oom_dir)
                 row = {"variant": variant, "trained": True, "loss": r["loss"], "peak_mib": max(r["peak"]) / MIB}
             except RanksFailed as e:
-                row = {"variant": variant, "trained": False, "exit_status": e.status, "out_of_memory": {
-                    name[4:-4]: open(os.path.join(oom_dir, name)).read() for name in sorted(os.listdir(oom_dir))}}
+                said = {int(p.stem.removeprefix("rank")): p.read_text()  # by the ranks out of memory
+                        for p in Path(oom_dir).glob("rank*.txt")}
+                row = {"variant": variant, "trained": False, "exit_status": e.status,
+                       "out_of_memory": {str(rank): said[rank] for rank in sorted(said)}}
         rows.append(row)
         print(f"\n{variant}: " + _verdict(row), flush=True)
     return rows
