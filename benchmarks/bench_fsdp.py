@@ -1,22 +1,28 @@
-"""``phalanx.fully_shard`` against torch's ``fully_shard``, side by side, with torch's DDP as the
-replicated reference: step time, bytes sent and state held per rank.
+"""``phalanx.fully_shard`` against torch's ``fully_shard``, side by side, with torch's and phalanx's
+DDP as the replicated reference: step time, bytes sent and state held per rank.
 
 Usage::
 
     python benchmarks/bench_fsdp.py                         # 2 processes, Gloo, GPT 8 x 128
     python benchmarks/bench_fsdp.py --world-size 3 --steps 30 --json fsdp.json
+    python benchmarks/bench_fsdp.py --rate 1gbit            # 2 ranks over a 1 Gbit/s link (root)
 
 Each rank builds the GPT of ``phalanx bench --model gpt`` (``--depth`` blocks of width
-``--dim``) three times from the same seed: sharded by ``phalanx.fully_shard`` and by torch's
+``--dim``) four times from the same seed: sharded by ``phalanx.fully_shard`` and by torch's
 ``torch.distributed.fsdp.fully_shard`` (each block a unit, then the root; torch's defaults:
-every unit but the root resharded after its forward), and wrapped whole by torch's DDP. Each
-trains with AdamW; after ``--warmup`` untimed steps the three take turns step by step (A B C,
-C B A, ...) for ``--steps`` timed steps (``zero_grad``, forward, cross-entropy, backward,
+every unit but the root resharded after its forward), and wrapped whole by torch's DDP and by
+phalanx's. Each trains with AdamW; after ``--warmup`` untimed steps the four take turns step by
+step (A B C D, D C B A, ...) for ``--steps`` timed steps (``zero_grad``, forward, cross-entropy, backward,
 ``step``). A step's time is the slowest rank's. Bytes sent are what the process wrote during
 the step (``/proc/self/io``'s ``wchar``: its sockets, so its collectives), in units of the
 model's parameter bytes; state held is the bytes of this rank's parameters, gradients and
 optimizer state (a DTensor's local shard). The table shows medians and the paired ratios'
 median and quartiles.
+
+``--rate RATE`` runs the two ranks (world size 2) in two network namespaces joined by a veth
+pair whose ends ``tc`` limits to ``RATE`` each way, started by ``phalanx run --nnodes 2`` as on
+two machines (``benchmarks/bench_slow_link.py``'s link; needs root). Peak memory and a
+per-rank memory limit: ``benchmarks/bench_fsdp_memory.py``.
 """
 
 from __future__ import annotations
@@ -24,16 +30,21 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-import phalanx
 from phalanx.bench.engine import GPT, make_batch
-from phalanx.bench.ranks import RESULT_FLAG, run_script, slowest
+from phalanx.bench.fsdp import build, held_bytes, parameter_bytes, sent_bytes
+from phalanx.bench.nodes import NodesFailed, launch_on_namespaces, raise_on_signals
+from phalanx.bench.ranks import RESULT_FLAG, launch_ranks, run_script, slowest
 
-VARIANTS = ("phalanx fully_shard", "torch fully_shard", "torch DDP")
+VARIANTS = ("phalanx fully_shard", "torch fully_shard", "torch DDP", "phalanx DDP")
+RATIOS = {"phalanx / torch fully_shard step": ("phalanx fully_shard", "torch fully_shard"),
+          "phalanx fully_shard / phalanx DDP step": ("phalanx fully_shard", "phalanx DDP")}
+# The two namespaces' names and addresses of --rate (bench_slow_link.py's are phxlink, 10.214.0).
+PREFIX, SUBNET = "phxfsdp", "10.215.0"
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -45,60 +56,33 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps each (default 3)")
     p.add_argument("--steps", type=int, default=20, help="timed steps each (default 20)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--rate", help="two ranks in two network namespaces, their link limited to this "
+                                  "tc rate each way (e.g. 1gbit; needs root); default: loopback")
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument(RESULT_FLAG, dest="rank_result", help="(set by the script for its ranks)")
-    return p.parse_args(argv)
-
-
-def _build(variant: str, args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = GPT(dim=args.dim, depth=args.depth)
-    if variant == "torch DDP":
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    else:
-        from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-        shard = phalanx.fully_shard if variant.startswith("phalanx") else torch_fully_shard
-        for block in model.blocks:
-            shard(block)
-        shard(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-
-def _local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            local = t.to_local() if isinstance(t, DTensor) else t
-            total += local.numel() * local.element_size()
-    return total
-
-
-def _held(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
-    params = list(model.parameters())
-    state = [v for s in opt.state.values() for v in s.values()]
-    return _local_bytes(params) + _local_bytes(p.grad for p in params) + _local_bytes(state)
-
-
-def _written() -> int:
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+    args = p.parse_args(argv)
+    if args.rate and args.world_size != 2:
+        p.error(f"--rate runs one rank in each of two namespaces: --world-size must be 2, got {args.world_size}")
+    return args
 
 
 def _step(model, opt, batch) -> tuple[float, int]:
     x, y = batch
-    sent, start = _written(), time.perf_counter()
+    sent, start = sent_bytes(), time.perf_counter()
     opt.zero_grad()
     torch.nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
-    return time.perf_counter() - start, _written() - sent
-
+    return time.perf_counter() - start, sent_bytes() - sent
 
 
 def _rank(args: argparse.Namespace) -> dict:
     batch = make_batch("gpt", args.batch, seed=1 + dist.get_rank())
-    built = {v: _build(v, args) for v in VARIANTS}
-    param_bytes = sum(p.numel() * p.element_size() for p in GPT(dim=args.dim, depth=args.depth).parameters())
+    make = partial(GPT, dim=args.dim, depth=args.depth)
+    built = {}
+    for v in VARIANTS:
+        model = build(v, make)
+        built[v] = model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    param_bytes = parameter_bytes(make)
     for model, opt in built.values():
         for _ in range(args.warmup):
             _step(model, opt, batch)
@@ -109,13 +93,14 @@ def _rank(args: argparse.Namespace) -> dict:
             out[v]["s"].append(slowest(seconds))
             out[v]["sent"].append(sent / param_bytes)
     for v, (model, opt) in built.items():
-        out[v]["held"] = _held(model, opt) / param_bytes
+        out[v]["held"] = held_bytes(model, opt) / param_bytes
     return {"param_bytes": param_bytes, "variants": out}
 
 
 def _report(args: argparse.Namespace, result: dict) -> dict:
     out = result["variants"]
-    print(f"world size {args.world_size}, Gloo, GPT {args.depth} blocks of width {args.dim} "
+    link = f"two namespaces, {args.rate} each way" if args.rate else "loopback"
+    print(f"world size {args.world_size}, Gloo over {link}, GPT {args.depth} blocks of width {args.dim} "
           f"({result['param_bytes'] / 2**20:.1f} MiB of fp32 parameters), {args.batch} sequences per "
           f"rank, AdamW, {args.steps} timed steps each; bytes in parameter bytes, on rank 0")
     print(f"{'variant':<22}{'step ms (median)':>18}{'sent per step':>15}{'held per rank':>15}")
@@ -125,15 +110,26 @@ def _report(args: argparse.Namespace, result: dict) -> dict:
         sent = statistics.median(out[v]["sent"])
         rows[v] = {"step_ms_median": ms, "sent_per_step": sent, "held_per_rank": out[v]["held"]}
         print(f"{v:<22}{ms:>18.1f}{sent:>15.2f}{out[v]['held']:>15.2f}")
-    ratios = [a / b for a, b in zip(out[VARIANTS[0]]["s"], out[VARIANTS[1]]["s"])]
-    q1, q2, q3 = statistics.quantiles(ratios, n=4)
-    rows["phalanx / torch fully_shard step"] = {"median": q2, "q1": q1, "q3": q3}
-    print(f"\nphalanx / torch fully_shard, paired step ratio: median {q2:.3f} (25%: {q1:.3f}, 75%: {q3:.3f})")
+    print()
+    for name, (a, b) in RATIOS.items():
+        q1, q2, q3 = statistics.quantiles([x / y for x, y in zip(out[a]["s"], out[b]["s"])], n=4)
+        rows[name] = {"median": q2, "q1": q1, "q3": q3}
+        print(f"{a} / {b}, paired step ratio: median {q2:.3f} (25%: {q1:.3f}, 75%: {q3:.3f})")
     return rows
 
 
+def _launch(args: argparse.Namespace, argv: list[str]) -> dict:
+    if not args.rate:
+        return launch_ranks(__file__, args.world_size, argv)
+    raise_on_signals()  # the namespaces go on SIGTERM too
+    try:
+        return launch_on_namespaces(__file__, argv, args.rate, PREFIX, SUBNET)
+    except NodesFailed as e:
+        raise SystemExit(f"bench_fsdp: {e}") from None
+
+
 def main(argv=None) -> None:
-    run_script(__file__, argv, _parse, _rank, _report)
+    run_script(__file__, argv, _parse, _rank, _report, launch=_launch)
 
 
 if __name__ == "__main__":

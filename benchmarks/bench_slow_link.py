@@ -28,17 +28,13 @@ import importlib.util
 import json
 import math
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from phalanx.bench.netns import NamespaceError, veth_namespaces
+from phalanx.bench.nodes import NodesFailed, launch_on_namespaces, raise_on_signals
 from phalanx.bench.ranks import RESULT_FLAG, launch_ranks, serve
-from phalanx.gate.secret import new_secret
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("torch", "torch-fp16", "torch-powersgd", "phalanx", "phalanx-fp16", "phalanx-bf16",
@@ -49,9 +45,6 @@ METHODS = ("torch", "torch-fp16", "torch-powersgd", "phalanx", "phalanx-fp16", "
 DEFAULT_METHODS = METHODS[:-1]
 # The two namespaces' names and addresses (a private /24 no test or benchmark uses otherwise).
 PREFIX, SUBNET = "phxlink", "10.214.0"
-# How long the launchers get to stop after SIGTERM before SIGKILL: a launcher still in its
-# rendezvous can otherwise wait out the rendezvous timeout (seen: 120 s) for its store.
-STOP_GRACE_S = 20.0
 NEVER = 2**62  # phalanx-alone's steps between meetings
 
 
@@ -226,65 +219,13 @@ def blocks(steps: int, every: int, overlap: int) -> list[range]:
 
 
 # ------------------------------------------------------------- orchestration (no torch) ----
-def _on_signals_raise():
-    """SIGTERM/SIGHUP end the run like Ctrl-C does, so every ``finally`` cleans up."""
-    def stop(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
-
-
 def run_on_namespaces(args: argparse.Namespace, argv: list[str]) -> dict:
     """Node 0 and node 1 (``phalanx run --nnodes 2``), one in each namespace; rank 0's result."""
-    if os.geteuid() != 0:
-        raise SystemExit("bench_slow_link: network namespaces and tc need root (or use --loopback)")
     try:
-        links = veth_namespaces(PREFIX, SUBNET, args.rate)
-        with links as nodes, tempfile.TemporaryDirectory() as scratch:
-            return _two_nodes(nodes, Path(scratch) / "result.json", argv)
-    except NamespaceError as e:
-        raise SystemExit(f"bench_slow_link: {e}") from None
-
-
-def _two_nodes(nodes: list[tuple[str, str, str]], result: Path, argv: list[str]) -> dict:
-    master = nodes[0][2]
-    # launchers of several nodes share a job secret (the gate keeps the store to the job)
-    secret = os.environ.get("PHALANX_JOB_SECRET") or new_secret()
-    procs = []
-    try:
-        for node, (ns, dev, _) in enumerate(nodes):
-            cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "phalanx", "run", "--nnodes", "2",
-                   "--node-rank", str(node), "--master-addr", master, "--master-port", "29500",
-                   "--nproc-per-node", "1", "--rdzv-timeout", "120", __file__, *argv, RESULT_FLAG, str(result)]
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": dev, "PYTHONPATH": _pythonpath(),
-                   "PHALANX_JOB_SECRET": secret}
-            procs.append(subprocess.Popen(cmd, env=env))
-        codes = [p.wait() for p in procs]
-    finally:
-        _stop(procs)
-    if any(codes):
-        raise SystemExit(f"bench_slow_link: the nodes failed (exit {codes}); their output is above")
-    return json.loads(result.read_text())
-
-
-def _stop(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
-    """Stop the launchers still running: SIGTERM (each stops its worker), then, after
-    ``grace_s``, SIGKILL (its guardian still takes its worker down)."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def _pythonpath() -> str:
-    return os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+        return launch_on_namespaces(__file__, argv, args.rate, PREFIX, SUBNET)
+    except NodesFailed as e:
+        hint = "" if e.codes else " (or use --loopback)"  # the namespaces failed, not the ranks
+        raise SystemExit(f"bench_slow_link: {e}{hint}") from None
 
 
 def summary(results: dict) -> list[dict]:
@@ -325,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(m.endswith("-overlap") for m in args.methods) and not 0 < args.overlap < args.every:
         raise SystemExit(f"bench_slow_link: --overlap must be from 1 to --every - 1 ({args.every - 1}), "
                          f"got {args.overlap}: a longer one would run behind the other methods' turns")
-    _on_signals_raise()
+    raise_on_signals()
     started = time.monotonic()
     data = launch_ranks(__file__, 2, argv) if args.loopback else run_on_namespaces(args, argv)
     rows = summary(data["results"])

@@ -35,6 +35,30 @@ def test_bench_prints_the_table_and_writes_the_chart(tmp_path):
     assert len(rows) == 4 and not list(tmp_path.glob("times-*.json"))
 
 
+@pytest.mark.slow  # timing runs of both fully_shards
+def test_bench_fully_shard_reports_step_time_and_bytes_against_torchs_fully_shard(tmp_path):
+    cmd = [sys.executable, "-m", "phalanx", "bench", "--model", "gpt", "--fully-shard", "--steps", "3",
+           "--repeats", "1", "--warmup", "1", "--batch-size", "2", "--no-plot", "--out", str(tmp_path)]
+    done = finish(start(cmd, env=base_env()), timeout=180)
+    assert done.code == 0, done.err[-3000:]
+    assert "fully_shard (each block or layer a unit, then the root)" in done.out
+    lines = done.out.splitlines()
+    start_at = lines.index(HEADER + " sent/step (x param bytes) |")
+    body = [line.split(" | ") for line in lines[start_at + 2: start_at + 6]]
+    assert [(cells[1], cells[2]) for cells in body] == [
+        ("single process", "1"), ("phalanx fully_shard", "1"), ("phalanx fully_shard", "2"),
+        ("torch fully_shard", "2")]
+    assert float(body[2][4]) > 0 and body[3][4] == "-"  # phalanx's paired with torch's
+    assert all(cells[7] == "-" for cells in body)  # no no_sync(): exposed comm not measured
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    sent = {(r["implementation"], r["processes"]): r["sent/step (x param bytes)"] for r in rows}
+    # the GPT's bytes a step at world 2 (docs/fully_shard.md): torch's about 2, phalanx's about
+    # 1.5 (its reduce-scatter sends half of Gloo's); one process sends nothing
+    assert sent[("single process", 1)] == sent[("phalanx fully_shard", 1)] == 0
+    assert sent[("torch fully_shard", 2)] == pytest.approx(2.0, abs=0.1)
+    assert sent[("phalanx fully_shard", 2)] == pytest.approx(1.5, abs=0.1)
+
+
 def test_bench_refuses_bad_input(tmp_path):
     done = finish(start([sys.executable, "-m", "phalanx", "bench", "--nproc", "0", "--out",
                          str(tmp_path)], env=base_env()), timeout=60)  # the old spelling
@@ -53,6 +77,8 @@ def test_bench_refuses_bad_input(tmp_path):
     (["--threads", "0"], "argument --threads: expected an integer >= 1, got 0"),
     (["--steps", "two"], "argument --steps: expected an integer >= 1, got 'two'"),
     (["--bucket-mb", "0"], "argument --bucket-mb/--bucket_mb: expected a number > 0, got 0"),
+    (["--fully-shard", "--comm-hook", "fp16"], "--bucket-mb and --comm-hook are DDP's: a sharded model "
+     "has neither buckets nor hooks (got --fully-shard with --bucket-mb None, --comm-hook fp16)"),
 ])
 def test_bench_refuses_bad_counts_before_starting_any_rank(capsys, tmp_path, argv, message):
     code = cli.main(["bench", *argv, "--out", str(tmp_path / "out")])  # in this process

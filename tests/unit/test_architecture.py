@@ -40,14 +40,14 @@ ALLOWED = {
     "checkpoint": {"comm", "agreement", "process_group", "errors", "_logging", "ddp",
                    "diagnostics", "ledger", "uneven"},
     "launcher": {"env", "errors", "_logging", "gate"},
-    "bench": {"ddp", "comm_hooks", "process_group", "launcher", "diagnostics"},
+    "bench": {"ddp", "fsdp", "comm_hooks", "process_group", "launcher", "gate", "diagnostics"},
     "cli": {"launcher", "env", "errors", "bench"},  # env: torchrun's PET_ variables
     "__main__": {"cli"},
 }
 # Parts that must not import torch when imported (the launcher starts before its workers and
 # must not pay torch's seconds of import first); imports inside functions are allowed.
 TORCH_FREE = {"errors", "env", "_logging", "gate", "launcher", "cli", "__main__", "bench.report",
-              "bench.ranks", "bench.options", "bench.netns", "bench"}
+              "bench.ranks", "bench.options", "bench.netns", "bench.nodes", "bench"}
 
 
 def _part(module: str) -> str:

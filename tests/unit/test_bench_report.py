@@ -4,6 +4,7 @@ from phalanx.bench.report import (
     COLUMNS,
     LEGEND,
     RATIO,
+    SENT,
     STEP,
     busy_warning,
     caveats,
@@ -36,6 +37,25 @@ def test_rows_scaling_exposed_comm_and_ratio():
     # the ratio is defined beside the step times, and which way is better is said
     assert COLUMNS.index(RATIO) == COLUMNS.index(STEP) + 1 and "lower is better" in RATIO
     assert "not the ratio of the two median step times. Lower is better" in " ".join(LEGEND.split())
+
+
+def test_fully_shard_rows_pair_the_two_fully_shards_and_add_the_bytes_sent():
+    def t(sync, sent):
+        return {"sync": list(sync), "no_sync": [], "sent": list(sent)}
+
+    single = {"world_size": 1, "batch_size": 4,
+              "times": {"gpt": {"bare": t([0.1] * 3, [0] * 3), "phalanx-fsdp": t([0.2] * 3, [0] * 3)}}}
+    multi = {"world_size": 2, "batch_size": 4, "param_bytes": {"gpt": 1000},
+             "times": {"gpt": {"phalanx-fsdp": t([0.3, 0.3, 0.4], [1490, 1500, 1480]),
+                               "torch-fsdp": t([0.4, 0.3, 0.5], [2000, 1990, 2010])}}}
+    rows = ddp_rows(single, multi, sent=True)
+    assert [tuple(r) for r in rows] == [(*COLUMNS, SENT)] * 4
+    assert [(r["implementation"], r["processes"]) for r in rows] == [
+        ("single process", 1), ("phalanx fully_shard", 1), ("phalanx fully_shard", 2), ("torch fully_shard", 2)]
+    assert rows[2][RATIO] == 0.8 and rows[1][RATIO] is None and rows[3][RATIO] is None  # median of .75, 1, .8
+    assert [r[SENT] for r in rows] == [0.0, 0.0, 1.49, 2.0]
+    assert all(r["exposed comm ms"] is None for r in rows)  # no no_sync() runs
+    assert SENT not in ddp_rows(single, multi)[0]  # the DDP table keeps its columns
 
 
 def test_busy_machine_is_warned_about():

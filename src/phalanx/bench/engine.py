@@ -27,12 +27,15 @@ from torch import nn
 
 from ..ddp import DistributedDataParallel
 from ..diagnostics import ledger
+from . import fsdp
 from .options import add_comm_hook_option, at_least, positive_float
 from .ranks import RESULT_FLAG, serve
 
 # "phalanx-nodiag": phalanx's DDP with its diagnostics switched off during its steps, to
-# measure what the always-on checks cost (benchmarks/bench_diagnostics.py).
-IMPLEMENTATIONS = ("bare", "phalanx", "torch", "phalanx-nodiag")
+# measure what the always-on checks cost (benchmarks/bench_diagnostics.py). The -fsdp ones:
+# the model sharded by phalanx's or torch's fully_shard (``phalanx bench --fully-shard``).
+FULLY_SHARDED = {"phalanx-fsdp": "phalanx fully_shard", "torch-fsdp": "torch fully_shard"}
+IMPLEMENTATIONS = ("bare", "phalanx", "torch", "phalanx-nodiag", *FULLY_SHARDED)
 # PowerSGD's plain all-reduces before compressing: the least torch's hook allows (it needs > 1),
 # so the timed steps (after --warmup 3) compress.
 POWERSGD_START = 2
@@ -122,10 +125,13 @@ def make_batch(model: str, batch_size: int, seed: int) -> tuple[torch.Tensor, to
 
 def build(model: str, impl: str, bucket_cap_mb: float | None = None, seed: int = 0,
           comm_hook: str = "none") -> nn.Module:
-    """A fresh ``model``, bare or wrapped by phalanx's or torch's DDP (``None``: their default
-    buckets), with ``comm_hook`` registered (:func:`register_hook`)."""
+    """A fresh ``model``, bare, wrapped by phalanx's or torch's DDP (``None``: their default
+    buckets) with ``comm_hook`` registered (:func:`register_hook`), or sharded by phalanx's or
+    torch's ``fully_shard`` (:func:`phalanx.bench.fsdp.build`)."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl must be one of {', '.join(IMPLEMENTATIONS)}, got {impl!r}")
+    if impl in FULLY_SHARDED:
+        return fsdp.build(FULLY_SHARDED[impl], MODELS[model][0], seed)
     torch.manual_seed(seed)
     net = MODELS[model][0]()
     if impl == "bare":
@@ -162,7 +168,8 @@ def register_hook(ddp: nn.Module, impl: str, name: str) -> nn.Module:
 
 
 class Trainer:
-    """One implementation's model, optimizer and batch; :meth:`step` times one training step."""
+    """One implementation's model, optimizer and batch; :meth:`step` times one training step
+    and leaves the bytes the process wrote during it (its collectives) in :attr:`sent`."""
 
     def __init__(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
                  diagnostics: bool = True) -> None:
@@ -170,6 +177,7 @@ class Trainer:
         self.opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
         self.batch = batch
         self.diagnostics = diagnostics
+        self.sent = 0
 
     def step(self, sync: bool = True) -> float:
         """Seconds for zero_grad, forward, loss, backward, optimizer step (``sync=False``: in
@@ -183,7 +191,7 @@ class Trainer:
 
     def _step(self, sync: bool) -> float:
         x, y = self.batch
-        start = time.perf_counter()
+        sent, start = fsdp.sent_bytes(), time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         if sync or not hasattr(self.net, "no_sync"):
             F.cross_entropy(self.net(x), y).backward()
@@ -191,7 +199,9 @@ class Trainer:
             with self.net.no_sync():
                 F.cross_entropy(self.net(x), y).backward()
         self.opt.step()
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.sent = fsdp.sent_bytes() - sent
+        return seconds
 
 
 def compare(
@@ -205,7 +215,8 @@ def compare(
     with_no_sync: bool = True,
     comm_hook: str = "none",
 ) -> dict[str, dict[str, list[float]]]:
-    """Step times per implementation: ``{impl: {"sync": [...], "no_sync": [...]}}``.
+    """Step times per implementation, and the bytes this rank wrote in each timed step with
+    sync: ``{impl: {"sync": [...], "no_sync": [...], "sent": [...]}}``.
 
     Each repeat builds every implementation afresh from seed 0 and gives each ``warmup``
     untimed steps (torch's DDP rebuilds its buckets after the first). Then the implementations
@@ -215,7 +226,7 @@ def compare(
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     batch = make_batch(model, batch_size, seed=1 + rank)
-    out: dict[str, dict[str, list[float]]] = {impl: {"sync": [], "no_sync": []} for impl in impls}
+    out: dict[str, dict[str, list[float]]] = {impl: {"sync": [], "no_sync": [], "sent": []} for impl in impls}
     modes = ["sync", "no_sync"] if with_no_sync else ["sync"]
     for _ in range(repeats):
         trainers = {impl: Trainer(build(model, impl, bucket_cap_mb, comm_hook=comm_hook), batch,
@@ -230,6 +241,8 @@ def compare(
                 order = list(impls) if i % 2 == 0 else list(reversed(impls))
                 for impl in order:
                     times[impl].append(trainers[impl].step(sync=mode == "sync"))
+                    if mode == "sync":
+                        out[impl]["sent"].append(trainers[impl].sent)
             for impl in impls:
                 if mode == "sync" or impl != "bare":
                     out[impl][mode] += _slowest(times[impl])
@@ -247,12 +260,16 @@ def _slowest(times: list[float]) -> list[float]:
 
 def _measure(args) -> dict:
     world = dist.get_world_size()
+    # a sharded model has no no_sync() (set_requires_gradient_sync(False) skips the
+    # reduce-scatter only, not the all-gathers): its exposed communication is not measured
+    no_sync = world > 1 and not any(impl in FULLY_SHARDED for impl in args.impls)
     times = {
         model: compare(model, args.impls, args.repeats, args.steps, args.warmup,
-                       args.batch_size, args.bucket_cap_mb, with_no_sync=world > 1, comm_hook=args.comm_hook)
+                       args.batch_size, args.bucket_cap_mb, with_no_sync=no_sync, comm_hook=args.comm_hook)
         for model in args.models
     }
-    return {"world_size": world, "batch_size": args.batch_size, "times": times}
+    param_bytes = {model: fsdp.parameter_bytes(MODELS[model][0]) for model in args.models}
+    return {"world_size": world, "batch_size": args.batch_size, "times": times, "param_bytes": param_bytes}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -80,18 +80,21 @@ def serve(measure: Callable[..., Any], result_path: str, *args: Any, threads: in
 
 
 def run_script(entrypoint: str, argv: Sequence[str] | None, parse: Callable[..., Any],
-               measure: Callable[..., Any], report: Callable[..., Any]) -> None:
+               measure: Callable[..., Any], report: Callable[..., Any],
+               launch: Callable[[Any, Sequence[str]], Any] | None = None) -> None:
     """A benchmark script's ``main``: ``args = parse(argv)``; on a worker (``--rank-result``
     given) :func:`serve` ``measure(args)``; else start ``args.world_size`` workers on
-    ``entrypoint``, print ``report(args, result)``'s table and write the rows it returns to
+    ``entrypoint`` (or ``launch(args, argv)``: another way of starting them, returning rank
+    0's result), print ``report(args, result)``'s table and write the rows it returns to
     ``args.json`` (when given, with the arguments)."""
     import sys
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
     if args.rank_result:  # one of the ranks
         serve(measure, args.rank_result, args, threads=args.threads)
         return
-    result = launch_ranks(entrypoint, args.world_size, sys.argv[1:] if argv is None else argv)
+    result = launch(args, argv) if launch else launch_ranks(entrypoint, args.world_size, argv)
     rows = report(args, result)
     if args.json:
         with open(args.json, "w") as f:

@@ -2,7 +2,8 @@
 
 Input is what ``python -m phalanx.bench`` writes (one JSON per process count)::
 
-    {"world_size": N, "batch_size": B, "times": {model: {impl: {"sync": [s, ...], "no_sync": [...]}}}}
+    {"world_size": N, "batch_size": B, "param_bytes": {model: bytes},
+     "times": {model: {impl: {"sync": [s, ...], "no_sync": [...], "sent": [bytes, ...]}}}}
 
 Step times are each step's time on the slowest rank. Definitions used in the table:
 
@@ -17,6 +18,9 @@ Step times are each step's time on the slowest rank. Definitions used in the tab
 * **phalanx/torch**: the median over steps of phalanx's step time over torch's step time
   taken beside it (the two alternate step by step, so a change in machine load cancels);
   lower is better. It is printed beside the median step times, which it is not the ratio of.
+  phalanx's DDP is paired with torch's DDP, phalanx's ``fully_shard`` with torch's.
+* **sent/step** (``phalanx bench --fully-shard``): the median over steps of the bytes rank 0
+  wrote during a step (its collectives), in units of the model's parameter bytes.
 """
 
 from __future__ import annotations
@@ -26,11 +30,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 STEP = "step ms (median)"
+SENT = "sent/step (x param bytes)"
 RATIO = "phalanx/torch (median of paired step ratios; lower is better)"
 COLUMNS = ("model", "implementation", "processes", STEP, RATIO, "samples/s",
            "scaling efficiency", "exposed comm ms")
-_NAMES = {"bare": "single process", "phalanx": "phalanx DDP", "torch": "torch DDP"}
-_RATIOS = ("scaling efficiency", RATIO)  # shown with 3 decimals
+_NAMES = {"bare": "single process", "phalanx": "phalanx DDP", "torch": "torch DDP",
+          "phalanx-fsdp": "phalanx fully_shard", "torch-fsdp": "torch fully_shard"}
+_PEERS = {"phalanx": "torch", "phalanx-fsdp": "torch-fsdp"}  # the pairs of the paired ratio
+_RATIOS = ("scaling efficiency", RATIO, SENT)  # shown with 3 decimals
 LEGEND = (
     "phalanx/torch: each phalanx step's time over the time of the torch step taken beside it,\n"
     "the median of those ratios (the two alternate step by step, so a change in the machine's\n"
@@ -89,8 +96,9 @@ def paired_ratio(a: Sequence[float], b: Sequence[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
-def ddp_rows(single: dict[str, Any], multi: dict[str, Any]) -> list[dict[str, Any]]:
-    """Rows for every model: the bare single process, then each implementation, alone and at N."""
+def ddp_rows(single: dict[str, Any], multi: dict[str, Any], sent: bool = False) -> list[dict[str, Any]]:
+    """Rows for every model: the bare single process, then each implementation, alone and at
+    N; with ``sent``, a last column of the bytes sent per step (:data:`SENT`)."""
     rows = []
     batch = single["batch_size"]
     for model, by_impl in multi["times"].items():
@@ -100,17 +108,19 @@ def ddp_rows(single: dict[str, Any], multi: dict[str, Any]) -> list[dict[str, An
         runs += [(impl, multi["world_size"], t) for impl, t in by_impl.items()]
         for impl, procs, t in runs:
             step_ms = _ms(t["sync"])
+            peer = by_impl.get(_PEERS.get(impl, ""))
             rows.append({
                 "model": model,
                 "implementation": _NAMES.get(impl, impl),
                 "processes": procs,
                 STEP: step_ms,
-                RATIO: (paired_ratio(t["sync"], by_impl["torch"]["sync"])
-                        if impl == "phalanx" and procs > 1 and "torch" in by_impl else None),
+                RATIO: paired_ratio(t["sync"], peer["sync"]) if procs > 1 and peer else None,
                 "samples/s": procs * batch / (step_ms / 1000),
                 "scaling efficiency": bare_ms / step_ms,
                 "exposed comm ms": step_ms - _ms(t["no_sync"]) if t["no_sync"] else None,
             })
+            if sent:
+                rows[-1][SENT] = statistics.median(t["sent"]) / multi["param_bytes"][model]
     return rows
 
 

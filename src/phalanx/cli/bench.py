@@ -11,6 +11,13 @@ communication), and writes bench.png and bench.json under ``--out``. Counts are 
 before anything runs (``--steps``, ``--repeats``, ``--batch-size``, ``--threads`` at least 1,
 ``--warmup`` at least 0). ``--comm-hook`` registers a compression hook on
 both DDPs (phalanx's own on phalanx's, torch's of that name on torch's).
+
+``--fully-shard`` times the model sharded instead: phalanx's ``fully_shard`` against torch's
+``fully_shard`` (each GPT block, or each layer of the other models, a unit, then the root;
+their defaults), phalanx's also alone on one process beside the bare model, and adds the bytes
+each step sent (in parameter bytes) to the table. Exposed communication is not measured there
+(a sharded model has no ``no_sync()``); ``--bucket-mb`` and ``--comm-hook`` are DDP's and
+refused with it.
 """
 
 from __future__ import annotations
@@ -46,6 +53,9 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
     add("--threads", type=at_least(1), default=1, help="torch threads per process (default 1)")
     add("--out", default="runs/bench", help="bench.png and bench.json go here (default runs/bench)")
     add("--no-plot", action="store_true", help="skip the PNG chart (no matplotlib needed)")
+    add("--fully-shard", "--fully_shard", action="store_true",
+        help="phalanx's fully_shard against torch's fully_shard (each block or layer a unit, then "
+             "the root) instead of the DDPs, with the bytes sent per step")
     parser.set_defaults(handler=_bench)
 
 
@@ -56,6 +66,14 @@ def _bench(args: argparse.Namespace) -> int:
     from ..launcher.environment import usable_cpus
 
     nproc = args.nproc_per_node  # every count was checked by the parser (exit 2)
+    if args.fully_shard and (args.bucket_mb is not None or args.comm_hook != "none"):
+        print("phalanx bench: error: --bucket-mb and --comm-hook are DDP's: a sharded model has "
+              f"neither buckets nor hooks (got --fully-shard with --bucket-mb {args.bucket_mb}, "
+              f"--comm-hook {args.comm_hook})", file=sys.stderr)
+        return 2
+    sharded = args.fully_shard
+    alone = ("bare", "phalanx-fsdp" if sharded else "phalanx")
+    together = ("phalanx-fsdp", "torch-fsdp") if sharded else ("phalanx", "torch")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     common = ["--models", *args.model, "--repeats", str(args.repeats), "--steps", str(args.steps),
@@ -68,7 +86,7 @@ def _bench(args: argparse.Namespace) -> int:
     # the 1-minute load average at the end of each run (no sampling thread: the launcher
     # forks its guardian and workers, which wants a process without threads)
     loads = [os.getloadavg()[0]]
-    for name, n, impls in (("alone", 1, ("bare", "phalanx")), ("ddp", nproc, ("phalanx", "torch"))):
+    for name, n, impls in (("alone", 1, alone), ("ddp", nproc, together)):
         print(f"phalanx bench: {'/'.join(impls)} on {n} process(es)...", file=sys.stderr, flush=True)
         try:
             results[name] = launch_ranks("phalanx.bench", n, (*common, "--impls", *impls), module=True)
@@ -76,14 +94,16 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"phalanx bench: the {name} run failed (exit status {e.status})", file=sys.stderr)
             return e.status
         loads.append(os.getloadavg()[0])
-    rows = bench_report.ddp_rows(results["alone"], results["ddp"])
+    rows = bench_report.ddp_rows(results["alone"], results["ddp"], sent=sharded)
     busy = bench_report.busy_warning(max(loads), usable_cpus())
     notes = bench_report.caveats(rows, steps=args.steps, repeats=args.repeats, warmup=args.warmup)
     settings = {k: v for k, v in vars(args).items() if k != "handler"}
     (out / "bench.json").write_text(json.dumps(
         {"rows": rows, "settings": settings, "peak_load": max(loads), "notes": notes}, indent=2))
+    how = ("fully_shard (each block or layer a unit, then the root)" if sharded else
+           f"bucket cap {args.bucket_mb or 'default'}, comm hook {args.comm_hook}")
     print(f"\n{nproc} processes, Gloo, {args.threads} thread(s) and batch {args.batch_size} "
-          f"per process, bucket cap {args.bucket_mb or 'default'}, comm hook {args.comm_hook}\n")
+          f"per process, {how}\n")
     print(bench_report.format_table(rows))
     print(f"\n{bench_report.LEGEND}")
     for note in notes:
