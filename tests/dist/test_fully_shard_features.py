@@ -79,7 +79,7 @@ def _errors(rank, world_size):
     out = {}
     lin = lambda: nn.Linear(4, 4)  # noqa: E731
     out["container"] = error_of(fully_shard, nn.ModuleList([lin()]))
-    out["list"] = error_of(fully_shard, [lin(), lin()])
+    out["list"] = error_of(fully_shard, (lin(), "lin"))
     twice = fully_shard(lin())
     out["twice"] = error_of(fully_shard, twice)
     out["int_reshard"] = error_of(fully_shard, lin(), reshard_after_forward=2)
@@ -176,8 +176,8 @@ def test_bad_input(ranks):
     e = results[0]["errors"]
     assert e["container"][0] == "ValueError"
     assert e["container"][1].startswith("fully_shard does not support containers that do not implement forward")
-    assert e["list"] == ("ValueError", "fully_shard expects an nn.Module, got list: phalanx does not "
-                         "support fully_shard on a list of modules yet")
+    assert e["list"] == ("ValueError", "fully_shard expects an nn.Module or a list of nn.Module, got "
+                         "a tuple of Linear, str")
     assert e["twice"] == ("ValueError", "fully_shard has already been applied to this module "
                           "(FSDPLinear): each module can be sharded once")
     assert e["int_reshard"] == ("ValueError", "reshard_after_forward should be a bool or None, got 2: "

@@ -135,6 +135,7 @@ class Iteration:
                 unit.post_backward()
             unit.wait_for_unshard()  # a prefetch its backward did not use lands now, not stale later
             unit.stage = Stage.IDLE
+            unit.to_run.clear()  # (modules of a unit called on their own after the root's forward)
         reductions, self.reductions = self.reductions, []
         for r in reductions:
             r.finish()
