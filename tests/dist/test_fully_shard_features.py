@@ -14,7 +14,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
@@ -84,7 +83,6 @@ def _errors(rank, world_size):
     out["twice"] = error_of(fully_shard, twice)
     out["int_reshard"] = error_of(fully_shard, lin(), reshard_after_forward=2)
     out["placement"] = error_of(fully_shard, lin(), shard_placement_fn=lambda p: Shard(1))
-    out["offload"] = error_of(fully_shard, lin(), offload_policy=CPUOffloadPolicy())
     scalar = nn.Module()
     scalar.w = nn.Parameter(torch.tensor(1.0))
     out["scalar"] = error_of(fully_shard, scalar)
@@ -182,9 +180,8 @@ def test_bad_input(ranks):
                           "(FSDPLinear): each module can be sharded once")
     assert e["int_reshard"] == ("ValueError", "reshard_after_forward should be a bool or None, got 2: "
                                 "phalanx does not support resharding to a smaller world size (an int) yet")
-    for name, arg in (("placement", "shard_placement_fn"), ("offload", "offload_policy")):
-        assert e[name][0] == "ValueError", name
-        assert e[name][1].startswith(f"phalanx.fully_shard does not support {arg}="), e[name]
+    assert e["placement"][0] == "ValueError"
+    assert e["placement"][1].startswith("phalanx.fully_shard does not support shard_placement_fn="), e["placement"]
     assert e["scalar"] == ("ValueError", "fully_shard doesn't support scalar parameters. "
                            "Change w to a 1D tensor with numel equal to 1.")
     assert e["dtypes"] == ("ValueError", "phalanx.fully_shard needs one dtype per unit, got "

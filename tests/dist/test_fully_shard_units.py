@@ -1,5 +1,5 @@
-"""``fully_shard([a, b])``: one unit of several modules, against torch's ``fully_shard`` with
-the same grouping and single-process training.
+"""``fully_shard([a, b])`` (one unit of several modules) and ``CPUOffloadPolicy``, against
+torch's ``fully_shard`` with the same arguments and single-process training.
 
 The small GPT of ``test_fully_shard`` with, besides per-block units and the root, the
 embedding and the final norm as one unit (they run at either end of the forward: gathered
@@ -7,6 +7,12 @@ when the embedding runs, freed after the norm), two blocks as one unit, and the 
 and the head as one unit whose head the training loop calls by itself, on two chunks of the
 batch, after the root's forward (torch's chunked loss). After several AdamW steps: equal to
 torch's bit for bit at world 2, within 1e-6 at world 3 and of one process.
+
+CPU offload on a CPU mesh: the shards, their gradients and AdamW's state are where they
+already were, in host memory, and the run is torch's under ``CPUOffloadPolicy(pin_memory=False)``
+bit for bit; ``pin_memory=True`` (the default), which torch 2.13 refuses without an accelerator
+("Cannot access accelerator device when none is available."), runs the same with nothing
+pinned. The accelerator's path (copies to the device and back): tests/gpu/test_fsdp_offload.py.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from phalanx.bench.engine import GPT
@@ -64,9 +72,22 @@ def _norm_head(model, fs, **kwargs):
     return out
 
 
-CASES = {"ends": (_ends, {}), "ends_keep": (_ends, {"reshard_after_forward": False}),
-         "ends_bf16": (_ends, {"mp_policy": BF16}), "pair": (_pair, {}),
-         "chunked": (_norm_head, {})}
+def _blocks(model, fs, **kwargs):
+    """Each block; the root."""
+    for block in model.blocks:
+        fs(block, **kwargs)
+    return [fs(model, **kwargs)]
+
+
+UNPINNED = CPUOffloadPolicy(pin_memory=False)
+# name: (sharding, phalanx's arguments, torch's where they differ)
+CASES = {"ends": (_ends, {}, None), "ends_keep": (_ends, {"reshard_after_forward": False}, None),
+         "ends_bf16": (_ends, {"mp_policy": BF16}, None), "pair": (_pair, {}, None),
+         "chunked": (_norm_head, {}, None),
+         "offload": (_blocks, {"offload_policy": UNPINNED}, None),
+         "offload_pin": (_blocks, {"offload_policy": CPUOffloadPolicy()}, {"offload_policy": UNPINNED}),
+         "offload_keep": (_blocks, {"offload_policy": UNPINNED, "reshard_after_forward": False}, None),
+         "offload_bf16": (_ends, {"offload_policy": UNPINNED, "mp_policy": BF16}, None)}
 
 
 def _loss(model, x, y, chunked):
@@ -79,13 +100,13 @@ def _loss(model, x, y, chunked):
 
 
 def _train(rank, world_size, case):
-    shard, kwargs = CASES[case]
+    shard, kwargs, torch_kwargs = CASES[case]
     chunked = case == "chunked"
     torch.manual_seed(0)
     base = ChunkedGPT(vocab=50, tokens=8, dim=18, depth=3, heads=3) if chunked else _model()
     ours, theirs, single = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     group = shard(ours, fully_shard, **kwargs)
-    torch_group = shard(theirs, torch_fully_shard, **kwargs)
+    torch_group = shard(theirs, torch_fully_shard, **(torch_kwargs or kwargs))
     opts = [torch.optim.AdamW(m.parameters(), lr=5e-3, weight_decay=0.1) for m in (ours, theirs, single)]
     out = {"loss_diff": 0.0, "returned": (type(group).__name__, [type(m).__name__ for m in group],
                                           [type(m).__name__ for m in torch_group])}
@@ -113,7 +134,19 @@ def _train(rank, world_size, case):
     out["moved"] = _max_diff((p.to_local(), _chunk(q.detach(), world_size, rank))
                              for (_, p), q in zip(named, base.parameters()))
     out["sharded"] = sorted({type(p).__name__ for p in ours.parameters()})
+    if case.startswith("offload"):
+        out["where"] = _where(ours, opts[0])
     return out
+
+
+def _where(model, opt):
+    """Devices (and pinning) of the shards, of the last step's gradients (kept: one more
+    backward) and of the optimizer's state tensors."""
+    F.cross_entropy(model(_mine(_batch(9, 2), 0)[0]), _mine(_batch(9, 2), 0)[1]).backward()
+    tensors = {"shards": [p.to_local() for p in model.parameters()],
+               "grads": [p.grad.to_local() for p in model.parameters()],
+               "state": [t for st in opt.state.values() for t in st.values() if t.dim() > 0]}
+    return {k: sorted({(str(t.device), t.is_pinned()) for t in ts}) for k, ts in tensors.items()}
 
 
 def _errors(rank, world_size):
@@ -125,6 +158,9 @@ def _errors(rank, world_size):
     out["not_modules"] = error_of(fully_shard, [model.pos, 3])
     out["empty"] = error_of(fully_shard, [])
     out["again"] = error_of(fully_shard, [model.ln, model.head])
+    linear = nn.Linear(2, 2)
+    out["torch_pinned"] = error_of(torch_fully_shard, linear, offload_policy=CPUOffloadPolicy())
+    out["bad_offload"] = error_of(fully_shard, nn.Linear(2, 2), offload_policy="cpu")
     nested = _model()
     fully_shard([nested.blocks[0], nested.blocks[0].qkv])  # the block only: qkv is inside it
     out["nested"] = (isinstance(nested.blocks[0], FSDPModule), isinstance(nested.blocks[0].qkv, FSDPModule))
@@ -150,13 +186,26 @@ def test_equal_to_torch_and_to_one_process(ranks, case):
         res = out[case]
         assert res["moved"] > 1e-2, (case, rank)
         assert res["sharded"] == ["DTensor"], (case, rank)
-        bf16 = case == "ends_bf16"
+        bf16 = case.endswith("bf16")
         if world_size == 2:  # every element, the key biases too
             assert res["torch_equal"] and res["loss_diff"] == 0.0, (case, rank, res["vs_torch"])
         # bf16: one fp32 rounding of the reduction can round to one bf16 step (test_fully_shard)
         assert res["vs_torch"] <= (1e-3 if bf16 else TOL), (case, rank, res["vs_torch"])
         if not bf16:
             assert res["vs_single"] <= TOL, (case, rank, res["vs_single"])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("offload")])
+def test_offloaded_state_lives_on_the_host(ranks, case):
+    _, results = ranks
+    for out in results:
+        # on a CPU mesh: host memory, nothing pinned (no accelerator to pin for)
+        assert out[case]["where"] == {"shards": [("cpu", False)], "grads": [("cpu", False)],
+                                      "state": [("cpu", False)]}, out[case]["where"]
+    e = results[0]["errors"]
+    assert e["torch_pinned"] == ("RuntimeError", "Cannot access accelerator device when none is available."), e
+    assert e["bad_offload"] == ("ValueError", "offload_policy should be an OffloadPolicy (OffloadPolicy() "
+                                "or CPUOffloadPolicy()), got 'cpu'"), e
 
 
 def test_the_list_is_returned_its_modules_sharded(ranks):

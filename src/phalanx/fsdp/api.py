@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from ..errors import NotInitializedError
 from .module import FSDPModule
@@ -56,7 +56,10 @@ def fully_shard(
             the shards are cast before the all-gather), the gradients' reduction dtype
             (``reduce_dtype``), the casts of the forward's inputs and outputs, as torch's.
             Default: none (the parameters' own dtype throughout).
-        offload_policy (OffloadPolicy): only the default (no offload).
+        offload_policy (OffloadPolicy): ``CPUOffloadPolicy(pin_memory=...)``: the shards, their
+            gradients and the optimizer state in host memory (pinned if asked, on an
+            accelerator); each all-gather copies the unit's shards to the mesh's device, each
+            reduced gradient shard is copied back. Default: no offload.
         ignored_params (set of nn.Parameter, optional): parameters left as they are: not
             sharded, their gradients not reduced.
         dp_mesh_dims: only ``None``.
@@ -84,11 +87,13 @@ def fully_shard(
         raise ValueError(f"fully_shard expects a 1D DeviceMesh but got {mesh}: phalanx does not "
                          "support HSDP (a 2D mesh) yet")
     params, locations = _managed_params(modules, ignored_params or set())
-    _check_params(params, locations, mesh)
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    _check_params(params, locations, mesh, offload)
     # torch's clamping: no cast for a parameter already in param_dtype (or not floating)
     floating = params and params[0].dtype.is_floating_point
     param_dtype = mp_policy.param_dtype if floating and mp_policy.param_dtype != params[0].dtype else None
-    unit = Unit(modules, Params(params, locations, mesh, param_dtype), reshard_after_forward, mp_policy)
+    unit = Unit(modules, Params(params, locations, mesh, param_dtype, offload_policy),
+                reshard_after_forward, mp_policy)
     for m in modules:
         m.__dict__[UNIT_ATTRIBUTE] = unit
         m.__class__ = _fsdp_class(type(m))
@@ -127,9 +132,11 @@ def _refuse_unsupported(modules: tuple[nn.Module, ...], reshard_after_forward: A
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward should be a bool or None, got {reshard_after_forward!r}: "
                          "phalanx does not support resharding to a smaller world size (an int) yet")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise ValueError("offload_policy should be an OffloadPolicy (OffloadPolicy() or "
+                         f"CPUOffloadPolicy()), got {offload_policy!r}")
     for name, value, refused in (
             ("shard_placement_fn", shard_placement_fn, shard_placement_fn is not None),
-            ("offload_policy", offload_policy, type(offload_policy) is not OffloadPolicy),
             ("dp_mesh_dims", dp_mesh_dims, dp_mesh_dims is not None)):
         if refused:
             raise ValueError(f"phalanx.fully_shard does not support {name}={value!r} yet: "
@@ -169,13 +176,15 @@ def _managed_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
 
 
 def _check_params(params: list[nn.Parameter], locations: list[list[tuple[nn.Module, str]]],
-                  mesh: DeviceMesh) -> None:
+                  mesh: DeviceMesh, offload: bool) -> None:
+    # offloaded shards live on the host: parameters may come from there (torch moves them)
+    devices = ("meta", mesh.device_type, "cpu") if offload else ("meta", mesh.device_type)
     for p, where in zip(params, locations):
         name = where[0][1]
         if p.dim() == 0:
             raise ValueError("fully_shard doesn't support scalar parameters. "
                              f"Change {name} to a 1D tensor with numel equal to 1.")
-        if p.device.type not in ("meta", mesh.device_type):
+        if p.device.type not in devices:
             raise ValueError(f"fully_shard: parameter {name} is on {p.device}, the mesh on "
                              f"{mesh.device_type}: move the module to the mesh's device first")
     dtypes = sorted({str(p.dtype) for p in params})

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..comm import LastWorks
 from .collectives import Pending
 from .compile import eager_hook
-from .params import Slot
+from .params import Params, Slot
 
 if TYPE_CHECKING:
     from .unit import Unit
@@ -54,11 +54,13 @@ class Reduction:
     zero: some rank had its gradient)."""
 
     def __init__(self, pending: Pending, output: torch.Tensor, slots: list[Slot],
-                 post_divide: float | Callable[[], float] | None, mesh: Any) -> None:
+                 post_divide: float | Callable[[], float] | None, params: Params) -> None:
         self.pending, self.output, self.slots = pending, output, slots
-        self.post_divide, self.mesh = post_divide, mesh
+        self.post_divide, self.params = post_divide, params
 
     def finish(self) -> None:
+        """Land the reduced shards in ``.grad`` (offloaded: copies to the host, asynchronous
+        from an accelerator into pinned memory: :func:`synchronize_offload` before use)."""
         self.pending.wait()
         # a join dividing by the ranks still active: known once the collective's sync point is
         divide = self.post_divide() if callable(self.post_divide) else self.post_divide
@@ -69,9 +71,10 @@ class Reduction:
             for s, flag in zip(self.slots, used):
                 if flag <= 0:
                     continue  # no rank had a gradient for it: .grad stays as it is (torch's)
-                grad = s.shard_of(self.output).to(s.sharded.dtype)
-                if s.sharded.grad is None:
-                    s.sharded.grad = DTensor.from_local(grad, self.mesh, [Shard(0)], run_check=False,
+                accumulate = s.sharded.grad is not None
+                grad = self.params.grad_shard(s.shard_of(self.output).to(s.sharded.dtype), accumulate)
+                if not accumulate:
+                    s.sharded.grad = DTensor.from_local(grad, self.params.mesh, [Shard(0)], run_check=False,
                                                         shape=s.shape, stride=s.sharded.stride())
                 else:
                     s.sharded.grad.to_local().add_(grad)
@@ -139,4 +142,14 @@ class Iteration:
         reductions, self.reductions = self.reductions, []
         for r in reductions:
             r.finish()
+        synchronize_offload(reductions)
         self.last.hold(*reductions[-1:])
+
+
+def synchronize_offload(reductions: list[Reduction]) -> None:
+    """Wait for the asynchronous copies of reduced gradients into pinned host memory (the
+    optimizer reads them next on the CPU), as torch's ``finalize_backward`` waits for its
+    ``grad_offload_event``: the copies run on the device's current stream."""
+    devices = {r.params.device for r in reductions if r.params.pinned}
+    for device in devices:
+        torch.accelerator.current_stream(device).synchronize()

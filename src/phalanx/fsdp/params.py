@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 from .collectives import padded_rows
@@ -59,19 +60,29 @@ class Params:
         mesh: the 1-D mesh the shards are placed on.
         param_dtype: the dtype of the unsharded parameters (mixed precision: the shards
             are cast before the all-gather); default ``None``: the parameters' own.
+        offload: ``CPUOffloadPolicy``: the shards (so their gradients and the optimizer
+            state) in host memory, pinned if asked and the mesh is on an accelerator;
+            default: on the mesh's device.
     """
 
     def __init__(self, params: Sequence[nn.Parameter],
                  locations: Sequence[list[tuple[nn.Module, str]]], mesh: DeviceMesh,
-                 param_dtype: torch.dtype | None = None) -> None:
+                 param_dtype: torch.dtype | None = None,
+                 offload: OffloadPolicy = OffloadPolicy()) -> None:
         self.mesh, self.world, self.rank = mesh, mesh.size(), mesh.get_local_rank()
         self.dtype = params[0].dtype if params else torch.get_default_dtype()
         self.compute_dtype = param_dtype or self.dtype
-        # (parameters on the meta device get shards on the mesh's: initialize() fills them)
+        self.offload = isinstance(offload, CPUOffloadPolicy)
+        # (parameters on the meta device get shards on the mesh's: initialize() fills them;
+        # offloaded ones may come from the host)
         on_meta = not params or params[0].is_meta
-        self.device = torch.device(mesh.device_type) if on_meta else params[0].device
+        self.device = torch.device(mesh.device_type) if on_meta or self.offload else params[0].device
+        # pinned host memory: asynchronous copies to and from an accelerator (none to make on
+        # a CPU mesh, where torch's pin_memory() raises for want of an accelerator)
+        self.pinned = self.offload and offload.pin_memory and self.device.type != "cpu"  # type: ignore[attr-defined]
         total = sum(padded_rows(p.shape[0], self.world) * p.shape[1:].numel() for p in params)
-        self.flat = torch.zeros(total, dtype=self.dtype, device=self.device)
+        self.flat = torch.zeros(total, dtype=self.dtype, device="cpu" if self.offload else self.device,
+                                pin_memory=self.pinned)
         self.unsharded_flat = torch.empty(total * self.world, dtype=self.compute_dtype, device=self.device)
         self.slots: list[Slot] = []
         offset = 0
@@ -101,8 +112,19 @@ class Params:
 
     # ---- the unsharded buffer ---------------------------------------------------------------
     def gather_input(self) -> torch.Tensor:
-        """What this rank sends in the all-gather: its flat shard, in the compute dtype."""
-        return self.flat.to(self.compute_dtype)
+        """What this rank sends in the all-gather: its flat shard on the compute device (an
+        offloaded shard copied there, asynchronously from pinned memory, as torch's), in the
+        compute dtype."""
+        return self.flat.to(self.device, non_blocking=self.pinned).to(self.compute_dtype)
+
+    def grad_shard(self, grad: torch.Tensor, accumulate: bool) -> torch.Tensor:
+        """A reduced gradient shard where the shards live: an offloaded one copied to the
+        host, asynchronously into pinned memory unless it is added to an existing gradient at
+        once (the caller then synchronises, :meth:`Iteration.end_of_backward`), as torch's
+        ``foreach_reduce``."""
+        if not self.offload:
+            return grad
+        return grad.to("cpu", non_blocking=self.pinned and not accumulate)
 
 
     def _free_unsharded(self) -> None:

@@ -42,7 +42,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .compile import eager_hook, refuse_compiled_autograd
 from .collectives import Pending, all_gather, chunk_cat, reduce_scatter
-from .iteration import Iteration, Reduction, Stage, division
+from .iteration import Iteration, Reduction, Stage, division, synchronize_offload
 from .joining import FSDPAction, JoinPart
 from .params import Params, Slot
 
@@ -156,7 +156,9 @@ class Unit:
         """Send zeros into the others' reduce-scatter; this rank's averaged rows go into its
         sharded ``.grad``, as on the others."""
         trainable = [(i, s) for i, s in enumerate(self.params.slots) if s.sharded.requires_grad]
-        self._reduce(trainable, announced=True).finish()
+        reduction = self._reduce(trainable, announced=True)
+        reduction.finish()
+        synchronize_offload([reduction])
 
     def clear_sharded_grads(self) -> None:
         for s in self.params.slots:
@@ -327,7 +329,7 @@ class Unit:
         output = torch.empty(numel, dtype=dtype, device=p.device)
         pending = reduce_scatter(output, flat, op, self.group, self.name, announced=announced,
                                  shadow=self._shadow(FSDPAction.REDUCE_SCATTER))
-        return Reduction(pending, output, slots, post_divide, p.mesh)
+        return Reduction(pending, output, slots, post_divide, p)
 
 
 def _relaid(slots: list[Slot]) -> list[Slot]:
