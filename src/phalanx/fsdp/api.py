@@ -46,8 +46,12 @@ def fully_shard(
     Args:
         module (nn.Module or list of nn.Module): the module to shard, or the modules of one
             unit (those nested in another of the list count once, as torch's).
-        mesh (DeviceMesh, optional): a 1-D mesh. Default: the default group's ranks, on the
-            accelerator if there is one, else the CPU.
+        mesh (DeviceMesh, optional): a 1-D mesh: parameters sharded across its ranks; or a
+            2-D mesh with named dimensions (replicate, shard), HSDP: sharded across the second
+            dimension, replicated across the first (``(Replicate(), Shard(0))``), each
+            reduce-scatter's result then averaged across the replicas by one all-reduce.
+            Default: the default group's ranks, on the accelerator if there is one, else
+            the CPU.
         reshard_after_forward (bool, optional): free the unsharded parameters after the
             forward and gather them again for the backward. Default ``None``: ``True``, but
             ``False`` for the root (the unit whose forward runs first).
@@ -83,9 +87,11 @@ def fully_shard(
     _refuse_unsupported(modules, reshard_after_forward, shard_placement_fn, offload_policy,
                         dp_mesh_dims)
     mesh = mesh or _default_mesh()
-    if mesh.ndim != 1:
-        raise ValueError(f"fully_shard expects a 1D DeviceMesh but got {mesh}: phalanx does not "
-                         "support HSDP (a 2D mesh) yet")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueError("Please init the 2D mesh for HSDP with mesh_dim_names specified "
+                         "(init_device_mesh(..., mesh_dim_names=(\"replicate\", \"shard\")))")
     params, locations = _managed_params(modules, ignored_params or set())
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     _check_params(params, locations, mesh, offload)

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from .collectives import padded_rows
 
@@ -47,6 +48,12 @@ class Slot:
         return flat[self.offset:self.offset + self.numel].view(self.padded, *self.shape[1:])[:self.rows]
 
 
+def placements(mesh: DeviceMesh) -> tuple[Placement, ...]:
+    """A shard's placements on ``mesh``: ``Shard(0)``, replicated across a 2-D mesh's first
+    dimension (HSDP), as torch's ``fully_shard`` places them."""
+    return (Replicate(), Shard(0)) if mesh.ndim == 2 else (Shard(0),)
+
+
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return torch.empty(shape, device="meta").stride()
 
@@ -57,7 +64,9 @@ class Params:
     Args:
         params: the parameters, in order (each once).
         locations: for each, every ``(module, name)`` that holds it (tied weights: several).
-        mesh: the 1-D mesh the shards are placed on.
+        mesh: the mesh the shards are placed on: 1-D (``Shard(0)``), or 2-D (HSDP:
+            ``(Replicate(), Shard(0))``, sharded across its second dimension, each shard
+            replicated across its first).
         param_dtype: the dtype of the unsharded parameters (mixed precision: the shards
             are cast before the all-gather); default ``None``: the parameters' own.
         offload: ``CPUOffloadPolicy``: the shards (so their gradients and the optimizer
@@ -69,7 +78,9 @@ class Params:
                  locations: Sequence[list[tuple[nn.Module, str]]], mesh: DeviceMesh,
                  param_dtype: torch.dtype | None = None,
                  offload: OffloadPolicy = OffloadPolicy()) -> None:
-        self.mesh, self.world, self.rank = mesh, mesh.size(), mesh.get_local_rank()
+        # (the shard dimension: the mesh's last; HSDP's replicas along the first)
+        self.mesh, self.world, self.rank = mesh, mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
+        self.placements = placements(mesh)
         self.dtype = params[0].dtype if params else torch.get_default_dtype()
         self.compute_dtype = param_dtype or self.dtype
         self.offload = isinstance(offload, CPUOffloadPolicy)
@@ -102,7 +113,7 @@ class Params:
         if not p.is_meta:
             with torch.no_grad():
                 local.copy_(p.detach()[start:start + rows])
-        dtensor = DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False,
+        dtensor = DTensor.from_local(local, self.mesh, self.placements, run_check=False,
                                      shape=p.shape, stride=_contiguous_stride(p.shape))
         sharded = nn.Parameter(dtensor, requires_grad=p.requires_grad)
         base = offset * self.world  # the unsharded buffer keeps the parameters in order

@@ -66,7 +66,9 @@ class Unit:
         reduce_dtype = mp_policy.reduce_dtype
         self.reduce_dtype = None if reduce_dtype == params.compute_dtype else reduce_dtype
         self._grad_sums: dict[int, torch.Tensor] = {}  # slot: gradient summed in reduce_dtype
-        self.group = params.mesh.get_group()
+        mesh = params.mesh  # (HSDP: shards across the last dimension, replicas across the first)
+        self.group = mesh.get_group(mesh.ndim - 1)
+        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.auto_reshard = reshard_after_forward is None
         self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
         self.reshard_after_backward = True
@@ -291,6 +293,9 @@ class Unit:
         if self._forward_since_reduce and trainable:
             self._forward_since_reduce = False
             assert self.iteration is not None
+            # HSDP: all-reduce the reduce-scatters before the last one (landed by now, most likely)
+            for earlier in self.iteration.reductions[:-1]:
+                earlier.start_all_reduce()
             self.iteration.reductions.append(self._reduce(trainable))
 
     def _accumulate(self, i: int, s: Slot) -> None:
@@ -321,7 +326,8 @@ class Unit:
         flat = torch.empty(numel * p.world, dtype=dtype, device=p.device)
         chunk_cat([*grads, flags], p.world, flat)
         grads.clear()  # the unsharded gradients are freed here
-        op, pre_divide, post_divide = division(dtype, p.world)
+        replicas = dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
+        op, pre_divide, post_divide = division(dtype, p.world * replicas)
         if self.join is not None and not self.join.divide_initial:  # by the ranks still active
             op, pre_divide, post_divide = dist.ReduceOp.SUM, pre_divide, self.join.divisor(pre_divide)
         if pre_divide not in (None, 1):
@@ -329,7 +335,8 @@ class Unit:
         output = torch.empty(numel, dtype=dtype, device=p.device)
         pending = reduce_scatter(output, flat, op, self.group, self.name, announced=announced,
                                  shadow=self._shadow(FSDPAction.REDUCE_SCATTER))
-        return Reduction(pending, output, slots, post_divide, p)
+        replicate = None if self.replicate_group is None else (self.replicate_group, op, self.name)
+        return Reduction(pending, output, slots, post_divide, p, replicate)
 
 
 def _relaid(slots: list[Slot]) -> list[Slot]:
