@@ -77,14 +77,16 @@ def _train(rank, world_size, case):
             opt.zero_grad()
     named = list(ours.named_parameters())
     out["placements"] = sorted({str(tuple(p.placements)) for p in ours.parameters()})
-    out["torch_equal"] = all(torch.equal(p.to_local(), q.to_local()) for (_, p), q in zip(named, theirs.parameters()))
+    out["torch_equal"] = all(torch.equal(p.to_local(), q.to_local())
+                             for (_, p), q in zip(named, theirs.parameters()))
     out["vs_torch"] = _max_diff(_without_key_bias(n, p.detach().full_tensor(), q.detach().full_tensor())
                                 for (n, p), q in zip(named, theirs.parameters()))
     out["vs_single"] = _max_diff(_without_key_bias(n, p.detach().full_tensor(), q.detach())
                                  for (n, p), q in zip(named, single.parameters()))
     out["torch_vs_single"] = _max_diff(_without_key_bias(n, p.detach().full_tensor(), q.detach())
                                        for (n, p), q in zip(theirs.named_parameters(), single.parameters()))
-    out["moved"] = _max_diff((p.detach().full_tensor(), q.detach()) for (_, p), q in zip(named, base.parameters()))
+    out["moved"] = _max_diff((p.detach().full_tensor(), q.detach())
+                             for (_, p), q in zip(named, base.parameters()))
     mine, torchs = ours.state_dict(), theirs.state_dict()
     out["state_dict"] = list(mine) == list(torchs) and all(
         mine[k].placements == torchs[k].placements and torch.equal(mine[k].to_local(), torchs[k].to_local())
@@ -165,7 +167,8 @@ def test_equal_to_torch_and_to_one_process(ranks, case):
         assert res["grad_diff"] <= (1e-2 if case == "bf16" else TOL), (case, rank, res["grad_diff"])
         # one process: as far as torch's own HSDP (3.4e-6 after 4 steps: Adam's normalisation
         # of the gradients' last bits, which two sums of four ranks round otherwise)
-        assert res["vs_single"] == res["torch_vs_single"], (case, rank, res["vs_single"], res["torch_vs_single"])
+        assert res["vs_single"] == res["torch_vs_single"], (case, rank, res["vs_single"],
+                                                            res["torch_vs_single"])
         if case != "bf16":
             assert res["vs_single"] <= 1e-5, (case, rank, res["vs_single"])
         assert res["norm_diff"] <= TOL, (case, rank, res["norm_diff"])

@@ -203,7 +203,8 @@ def test_offloaded_state_lives_on_the_host(ranks, case):
         assert out[case]["where"] == {"shards": [("cpu", False)], "grads": [("cpu", False)],
                                       "state": [("cpu", False)]}, out[case]["where"]
     e = results[0]["errors"]
-    assert e["torch_pinned"] == ("RuntimeError", "Cannot access accelerator device when none is available."), e
+    assert e["torch_pinned"] == ("RuntimeError",
+                                 "Cannot access accelerator device when none is available."), e
     assert e["bad_offload"] == ("ValueError", "offload_policy should be an OffloadPolicy (OffloadPolicy() "
                                 "or CPUOffloadPolicy()), got 'cpu'"), e
 

@@ -92,9 +92,11 @@ def fully_shard(
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
         raise ValueError("Please init the 2D mesh for HSDP with mesh_dim_names specified "
                          "(init_device_mesh(..., mesh_dim_names=(\"replicate\", \"shard\")))")
-    params, locations = _managed_params(modules, ignored_params or set())
+    params, locations, managed = _managed_params(modules, ignored_params or set())
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     _check_params(params, locations, mesh, offload)
+    if offload:  # parameters may come from the host: their modules' buffers go to the mesh's device
+        _move_buffers(managed, mesh)
     # torch's clamping: no cast for a parameter already in param_dtype (or not floating)
     floating = params and params[0].dtype.is_floating_point
     param_dtype = mp_policy.param_dtype if floating and mp_policy.param_dtype != params[0].dtype else None
@@ -131,7 +133,8 @@ def _refuse_unsupported(modules: tuple[nn.Module, ...], reshard_after_forward: A
                         shard_placement_fn: Any, offload_policy: Any, dp_mesh_dims: Any) -> None:
     for module in modules:
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
-            raise ValueError(f"fully_shard does not support containers that do not implement forward: {module}")
+            raise ValueError("fully_shard does not support containers that do not implement "
+                             f"forward: {module}")
         if isinstance(module, FSDPModule):
             raise ValueError("fully_shard has already been applied to this module "
                              f"({type(module).__name__}): each module can be sharded once")
@@ -158,15 +161,15 @@ def _default_mesh() -> DeviceMesh:
 
 
 def _managed_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
-                    ) -> tuple[list[nn.Parameter], list[list[tuple[nn.Module, str]]]]:
+                    ) -> tuple[list[nn.Parameter], list[list[tuple[nn.Module, str]]], list[nn.Module]]:
     """The parameters of ``modules`` and of their submodules not in a unit already (each once,
-    with every place it is held), as torch's ``_get_managed_states``."""
+    with every place it is held), and those modules, as torch's ``_get_managed_states``."""
     where: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
 
-    def visit(m: nn.Module, seen: set[nn.Module]) -> None:
+    def visit(m: nn.Module, seen: dict[nn.Module, None]) -> None:
         if m not in modules and isinstance(m, FSDPModule):
             return
-        seen.add(m)
+        seen[m] = None
         for name, p in m.named_parameters(recurse=False, remove_duplicate=False):
             if p not in ignored:
                 where.setdefault(p, []).append((m, name))
@@ -174,11 +177,11 @@ def _managed_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
             if child not in seen:
                 visit(child, seen)
 
-    seen: set[nn.Module] = set()
+    seen: dict[nn.Module, None] = {}  # (ordered)
     for module in modules:
         if module not in seen:
             visit(module, seen)
-    return list(where), list(where.values())
+    return list(where), list(where.values()), list(seen)
 
 
 def _check_params(params: list[nn.Parameter], locations: list[list[tuple[nn.Module, str]]],
@@ -197,6 +200,16 @@ def _check_params(params: list[nn.Parameter], locations: list[list[tuple[nn.Modu
     if len(dtypes) > 1:
         raise ValueError(f"phalanx.fully_shard needs one dtype per unit, got {', '.join(dtypes)}: "
                          "shard the modules of each dtype as units of their own")
+
+
+def _move_buffers(modules: list[nn.Module], mesh: DeviceMesh) -> None:
+    """The buffers of ``modules`` on the mesh's device, as torch's ``fully_shard`` moves a
+    unit's buffers (``_move_states_to_device``; meta ones stay for ``to_empty``)."""
+    device = torch.device(mesh.device_type)
+    for module in modules:
+        for b in module.buffers(recurse=False):
+            if not b.is_meta and b.device.type != device.type:
+                b.data = b.to(device)
 
 
 @functools.cache

@@ -91,8 +91,9 @@ class Reduction:
                 accumulate = s.sharded.grad is not None
                 grad = self.params.grad_shard(s.shard_of(self.output).to(s.sharded.dtype), accumulate)
                 if not accumulate:
-                    s.sharded.grad = DTensor.from_local(grad, self.params.mesh, self.params.placements, run_check=False,
-                                                        shape=s.shape, stride=s.sharded.stride())
+                    s.sharded.grad = DTensor.from_local(
+                        grad, self.params.mesh, self.params.placements, run_check=False,
+                        shape=s.shape, stride=s.sharded.stride())
                 else:
                     s.sharded.grad.to_local().add_(grad)
 

@@ -90,7 +90,8 @@ class Params:
         self.device = torch.device(mesh.device_type) if on_meta or self.offload else params[0].device
         # pinned host memory: asynchronous copies to and from an accelerator (none to make on
         # a CPU mesh, where torch's pin_memory() raises for want of an accelerator)
-        self.pinned = self.offload and offload.pin_memory and self.device.type != "cpu"  # type: ignore[attr-defined]
+        self.pinned = (isinstance(offload, CPUOffloadPolicy) and offload.pin_memory
+                       and self.device.type != "cpu")
         total = sum(padded_rows(p.shape[0], self.world) * p.shape[1:].numel() for p in params)
         self.flat = torch.zeros(total, dtype=self.dtype, device="cpu" if self.offload else self.device,
                                 pin_memory=self.pinned)
@@ -136,7 +137,6 @@ class Params:
         if not self.offload:
             return grad
         return grad.to("cpu", non_blocking=self.pinned and not accumulate)
-
 
     def _free_unsharded(self) -> None:
         self.unsharded_flat.untyped_storage().resize_(0)
