@@ -27,13 +27,15 @@ from phalanx.diagnostics import ledger
 from phalanx.fsdp import clip_grad_norm_, fully_shard
 from tests.dist.test_fully_shard import (BF16, STEPS, TOL, _batch, _chunk, _max_diff, _mine, _model,
                                          _shard, _without_key_bias)
+from tests.dist.test_fully_shard_units import _ends
 from tests.harness import error_of, run_ranks
 
 pytestmark = pytest.mark.slow
 
 WORLD = 4  # 2 replicas of 2 shards
-CASES = {"default": {}, "keep": {"reshard_after_forward": False}, "bf16": {"mp_policy": BF16},
-         "clip": {}}
+# name: (sharding, arguments); "grouped": the embedding and the final norm one unit
+CASES = {"default": (_shard, {}), "keep": (_shard, {"reshard_after_forward": False}),
+         "bf16": (_shard, {"mp_policy": BF16}), "clip": (_shard, {}), "grouped": (_ends, {})}
 MAX_NORM = 0.05  # below the gradients' norm (about 0.3 here): clipping changes every step
 
 
@@ -47,10 +49,11 @@ def _records():
 
 
 def _train(rank, world_size, case):
-    mesh, kwargs = _mesh(), CASES[case]
+    mesh, (shard, kwargs) = _mesh(), CASES[case]
     base = _model()
-    ours = _shard(copy.deepcopy(base), fully_shard, mesh=mesh, **kwargs)
-    theirs = _shard(copy.deepcopy(base), torch_fully_shard, mesh=mesh, **kwargs)
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    shard(ours, fully_shard, mesh=mesh, **kwargs)
+    shard(theirs, torch_fully_shard, mesh=mesh, **kwargs)
     single = copy.deepcopy(base)
     opts = [torch.optim.AdamW(m.parameters(), lr=5e-3, weight_decay=0.1) for m in (ours, theirs, single)]
     out = {"loss_diff": 0.0, "norm_diff": 0.0}
@@ -92,6 +95,25 @@ def _train(rank, world_size, case):
         mine[k].placements == torchs[k].placements and torch.equal(mine[k].to_local(), torchs[k].to_local())
         for k in mine)
     return out
+
+
+def _accumulation(rank, world_size):
+    """Two micro-batches, the first without gradient sync: no reduce-scatter and no all-reduce
+    in the first backward, the second reduces the sum; the gradients are torch's."""
+    mesh = _mesh()
+    models = [_shard(_model(1), fs, mesh=mesh) for fs in (fully_shard, torch_fully_shard)]
+    counts = []
+    for model in models:
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)
+            seen = _records()
+            x, y = _mine(_batch(50 + micro, world_size), rank)
+            F.cross_entropy(model(x), y).backward()
+            if model is models[0]:
+                counts.append(sum("reduce" in op for _, _, op in _records() - seen))
+    return {"reductions": counts, "grad_equal": all(
+        torch.equal(p.grad.to_local(), q.grad.to_local())
+        for p, q in zip(models[0].parameters(), models[1].parameters()))}
 
 
 def _whole(model, opt):
@@ -136,6 +158,7 @@ def _errors(rank, world_size):
 def _all_checks(rank, world_size, directory):
     out = {case: _train(rank, world_size, case) for case in CASES}
     out["errors"] = _errors(rank, world_size)
+    out["accumulation"] = _accumulation(rank, world_size)
     out["checkpoint"] = _save(rank, world_size, directory)
     return out
 
@@ -185,6 +208,13 @@ def test_one_all_reduce_across_the_replicas_per_unit(ranks):
         assert [op for op in ops if "reduce" in op[1]] == sorted(
             [(replicas, f"fully_shard all-reduce {u}") for u in units]
             + [(shards, f"fully_shard reduce-scatter {u}") for u in units]), ops
+
+
+def test_accumulation_without_sync_sends_nothing(ranks):
+    results, _ = ranks
+    for rank, out in enumerate(results):
+        # 4 units: a reduce-scatter and an all-reduce each, in the synchronising backward only
+        assert out["accumulation"] == {"reductions": [0, 8], "grad_equal": True}, (rank, out["accumulation"])
 
 
 def test_checkpoint_saved_under_hsdp_loads_into_hsdp_and_into_a_1d_mesh(ranks):
