@@ -16,7 +16,8 @@ The life of a unit in one iteration (torch's FSDP2 order):
   one flat buffer (torch's layout; zeros for a trainable parameter this rank has no
   gradient for, and a flag per parameter, so that every rank sends the same sizes), are
   freed, and one reduce-scatter (averaging over the ranks) starts; the parameters are
-  resharded.
+  resharded. HSDP (a 2-D mesh): the reduce-scatter runs within the replica, and once it has
+  landed (checked at the next unit's) one all-reduce averages its output across the replicas.
 * **end of backward** (an autograd-engine callback, queued by the first pre-backward):
   units whose backward did not finish (parameters without gradients) finish now; every
   reduce-scatter is waited for and its slices become the sharded ``.grad`` DTensors
