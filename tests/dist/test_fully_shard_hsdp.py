@@ -24,9 +24,11 @@ from torch.distributed.tensor import Replicate, Shard
 import phalanx
 from phalanx import Checkpointer
 from phalanx.diagnostics import ledger
-from phalanx.fsdp import clip_grad_norm_, fully_shard
+from phalanx.bench.engine import GPT
+from phalanx.fsdp import clip_grad_norm_, fully_shard, initialize
 from tests.dist.test_fully_shard import (BF16, STEPS, TOL, _batch, _chunk, _max_diff, _mine, _model,
                                          _shard, _without_key_bias)
+from tests.dist.test_fully_shard_models import _reset
 from tests.dist.test_fully_shard_units import _ends
 from tests.dist.test_reduce_scatter import _written
 from tests.harness import error_of, run_ranks
@@ -137,6 +139,21 @@ def _step_bytes(rank, world_size):
     return out
 
 
+def _meta_init(rank, world_size):
+    """Built on the meta device, sharded on the 2-D mesh, then initialize(): every replica's
+    shards are the rows (for the shard dimension) of the model one process initialises."""
+    with torch.device("meta"):
+        model = GPT(vocab=50, tokens=8, dim=18, depth=3, heads=3)
+    _shard(model, fully_shard, mesh=_mesh())
+    model.to_empty(device="cpu")
+    plain = GPT(vocab=50, tokens=8, dim=18, depth=3, heads=3)
+    torch.manual_seed(11)
+    initialize(model, _reset)
+    torch.manual_seed(11)
+    plain.apply(_reset)
+    return all(torch.equal(p.full_tensor(), q) for p, q in zip(model.parameters(), plain.parameters()))
+
+
 def _whole(model, opt):
     return {"params": [p.detach().full_tensor().tolist() for p in model.parameters()],
             "exp_avg": [s["exp_avg"].full_tensor().tolist() for s in opt.state.values()]}
@@ -181,6 +198,7 @@ def _all_checks(rank, world_size, directory):
     out["errors"] = _errors(rank, world_size)
     out["accumulation"] = _accumulation(rank, world_size)
     out["bytes"] = _step_bytes(rank, world_size)
+    out["meta"] = _meta_init(rank, world_size)
     out["checkpoint"] = _save(rank, world_size, directory)
     return out
 
@@ -249,6 +267,11 @@ def test_bytes_per_step(ranks):
         b = out["bytes"]
         assert 0.5 <= b["torch"] - b["phalanx"] <= 0.55, b
         assert 1.95 <= b["phalanx"] <= 2.1, b
+
+
+def test_meta_device_model_initialised_as_one_process(ranks):
+    results, _ = ranks
+    assert [out["meta"] for out in results] == [True] * WORLD
 
 
 def test_checkpoint_saved_under_hsdp_loads_into_hsdp_and_into_a_1d_mesh(ranks):
