@@ -238,7 +238,7 @@ class Unit:
             for unit in reversed(self.iteration.units):
                 if unit.to_run and unit is not self:
                     unit.to_run.clear()
-                    output = unit._complete_forward(output)
+                    output = unit._cast_output(unit._complete_forward(output))
         return self._cast_output(output)
 
     def _complete_forward(self, output: Any) -> Any:
