@@ -7,7 +7,8 @@ Each part is a subprocess with its own time limit (a hang costs that part, not t
 this order: ``preflight`` (versions, the GPU; refuses to go on without CUDA), ``one_gpu`` (NCCL
 at world size 1, ``phalanx run --nproc-per-node gpu``, the device rule live and its unit tests,
 the older one-GPU test), ``shared_gpu`` (two ranks on the GPU over
-Gloo against torch), then the benchmark (benchmarks/bench_gpu.py), eager before compiled. A
+Gloo against torch), ``fsdp_offload`` (``fully_shard`` with ``CPUOffloadPolicy`` against
+torch's), then the benchmark (benchmarks/bench_gpu.py), eager before compiled. A
 part that would start with less than ``MIN_PART_S`` left of ``--budget`` is not run.
 
 Writes ``OUT/gpu_check.json`` and ``OUT/gpu_check.txt`` (with each part's log under
@@ -49,6 +50,8 @@ PARTS = {
     "one_gpu": (150, PYTEST + ["tests/gpu/test_one_gpu.py", "tests/dist/test_ddp_single_gpu.py",
                                "tests/unit/test_device_rule.py"]),
     "shared_gpu": (150, PYTEST + ["tests/gpu/test_shared_gpu.py"]),
+    # fully_shard's CPU offload against torch's (its test's harness timeout: 90 s per case)
+    "fsdp_offload": (120, PYTEST + ["tests/gpu/test_fsdp_offload.py"]),
     "bench_gloo2_eager": (90, BENCH + ["--setups", "gloo2", "--modes", "eager"]),
     "bench_nccl1_eager": (45, BENCH + ["--setups", "nccl1", "--modes", "eager"]),
     "bench_gloo2_compiled": (150, BENCH + ["--setups", "gloo2", "--modes", "compiled"]),

@@ -1,17 +1,20 @@
 """Checkpoints of a model sharded by ``fully_shard`` (phalanx's or torch's): its parameters and
-its optimizer's state are DTensors, ``Shard(0)`` on a 1-D mesh.
+its optimizer's state are DTensors, ``Shard(0)`` on a 1-D mesh, or ``(Replicate(), Shard(0))``
+on a 2-D one (HSDP: the rows sharded across the second dimension, every replica alike).
 
 **Saving** writes one consolidated file, as for any model, without ever holding the whole
 state on one rank: the file's first frame is the state with every sharded tensor left out
 (``None``, its place listed under ``"sharded"``), and each sharded tensor follows as a frame of
-its own, whole. The writer receives the tensors' rows from every rank one tensor at a time
-(point to point, in the order of the list) and writes each before receiving the next: no
+its own, whole. The writer receives the tensors' rows from every rank of its replica (the
+whole mesh, 1-D) one tensor at a time (point to point, in the order of the list) and writes
+each before receiving the next; the other replicas send nothing: no
 rank holds more than its shards plus one tensor, one parameter or one optimizer state of
 one parameter, which is at most one unit (tested, with the process's peak memory).
 
 **Loading** at any world size: every rank decodes one frame at a time and keeps its
-``torch.chunk`` rows of it (the rows ``Shard(0)`` gives it at this world size, torch's
-padding rule), made a DTensor on the model's mesh; into a model that is not sharded (one
+``torch.chunk`` rows of it (the rows ``Shard(0)`` gives it at this world size, or at the
+shard dimension's size under HSDP, torch's padding rule), made a DTensor on the model's mesh
+with the model's placements; into a model that is not sharded (one
 process, DDP), the whole tensors.
 """
 
@@ -23,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..errors import CheckpointError
 
@@ -54,8 +57,8 @@ class ShardedState:
         group: the ranks that save together (``None``: the world); the mesh must span them.
 
     Raises:
-        TypeError: a DTensor placed otherwise than ``Shard(0)`` on a 1-D mesh, or on another
-            mesh than the first one's.
+        TypeError: a DTensor placed otherwise than ``Shard(0)`` on a 1-D mesh or
+            ``(Replicate(), Shard(0))`` on a 2-D one, or on another mesh than the first one's.
         ValueError: the mesh does not span the ranks of ``group``.
     """
 
@@ -68,11 +71,12 @@ class ShardedState:
                              for name, v in per_param.items() if isinstance(v, DTensor)]
         self.mesh = self.entries[0][1].device_mesh if self.entries else None
         for at, tensor in self.entries:
-            if tensor.device_mesh != self.mesh or tuple(tensor.placements) != (Shard(0),):
+            if tensor.device_mesh != self.mesh or tuple(tensor.placements) != _placements(self.mesh):
                 raise TypeError(
                     f"Checkpointer saves DTensors sharded as fully_shard shards them (Shard(0) on "
-                    f"one 1-D mesh), but {_name(at)} has placements {tuple(tensor.placements)} on "
-                    f"mesh {tensor.device_mesh} (the first sharded tensor's mesh: {self.mesh})")
+                    f"one 1-D mesh, (Replicate(), Shard(0)) on one 2-D mesh), but {_name(at)} has "
+                    f"placements {tuple(tensor.placements)} on mesh {tensor.device_mesh} (the first "
+                    f"sharded tensor's mesh: {self.mesh})")
         if self.mesh is not None:
             ranks = self.mesh.mesh.flatten().tolist()
             expected = dist.get_process_group_ranks(group or dist.group.WORLD)
@@ -94,10 +98,15 @@ class ShardedState:
                 for i, s in self.optim_state.get("state", {}).items()}}
         return model, optim, [(at, t.shape) for at, t in self.entries]
 
+    def _replica(self, writer: int) -> list[int]:
+        """The global ranks holding the writer's replica, in shard order (a 1-D mesh: all)."""
+        return next(row for row in self.mesh.mesh.view(-1, self.mesh.mesh.shape[-1]).tolist()
+                    if writer in row)
+
     def receive(self, writer: int) -> Iterator[torch.Tensor]:
         """On the writer (global rank ``writer``): each DTensor whole, one at a time; the
         previous one is released before the next is received."""
-        ranks = self.mesh.mesh.flatten().tolist()
+        ranks = self._replica(writer)
         for _, tensor in self.entries:
             out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.to_local().device)
             for rank, (start, rows) in zip(ranks, _spans(tensor.shape[0], len(ranks))):
@@ -111,7 +120,10 @@ class ShardedState:
             del out
 
     def send(self, writer: int) -> None:
-        """On every other rank: send the writer this rank's rows of each DTensor, in order."""
+        """On every other rank of the writer's replica: send the writer this rank's rows of
+        each DTensor, in order (the other replicas send nothing)."""
+        if dist.get_rank() not in self._replica(writer):
+            return
         for _, tensor in self.entries:
             local = tensor.to_local()
             if local.numel():
@@ -129,7 +141,7 @@ def rows_for(mesh: DeviceMesh | None) -> Callable[[torch.Tensor], torch.Tensor] 
     (a copy, so that the whole tensor can go), or all of it when the model is not sharded."""
     if mesh is None:
         return None
-    world, rank = mesh.size(), mesh.get_local_rank()
+    world, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)  # (HSDP: shard dim)
 
     def select(tensor: torch.Tensor) -> torch.Tensor:
         start, rows = _spans(tensor.shape[0], world)[rank]
@@ -149,12 +161,19 @@ def restore(state: dict, mesh: DeviceMesh | None, path: Any) -> None:
         value = local
         if mesh is not None:
             stride = torch.empty(shape, device="meta").stride()
-            value = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
+            value = DTensor.from_local(local, mesh, _placements(mesh), run_check=False, shape=shape,
                                        stride=stride)
         target = state
         for key in at[:-1]:
             target = target[key]
         target[at[-1]] = value
+
+
+def _placements(mesh: DeviceMesh) -> tuple:
+    """How ``fully_shard`` (torch's, phalanx's) places a shard on ``mesh``: ``Shard(0)``,
+    replicated across a 2-D mesh's first dimension (HSDP). (Not phalanx.fsdp's: a checkpoint
+    stands on torch's DTensors alone.)"""
+    return (Replicate(), Shard(0)) if mesh.ndim == 2 else (Shard(0),)
 
 
 def _name(at: At) -> str:

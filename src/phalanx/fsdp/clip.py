@@ -48,7 +48,8 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     if sharded:
         # recorded (hang reports name it); inside phalanx.join, refused on every rank once a rank
         # has joined: the norm needs that rank's shards, which it cannot announce
-        group = sharded[0].device_mesh.get_group()
+        mesh = sharded[0].device_mesh  # (HSDP: the norm's shares are summed across the shards)
+        group = mesh.get_group(mesh.ndim - 1)
         with ledger().collective("fully_shard clip_grad_norm_ all-reduce", (), group):
             norms.append(torch.nn.utils.get_total_norm(sharded, norm_type, False, foreach).full_tensor())
     if plain:

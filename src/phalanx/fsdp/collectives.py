@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import comm
@@ -56,6 +57,15 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, group: An
     with record.guard():
         pending = comm.reduce_scatter_async(output, input, op, group)
     return Pending(pending, record)
+
+
+def all_reduce(tensor: torch.Tensor, op: Any, group: Any, unit: str) -> Pending:
+    """Start reducing ``tensor`` in place across ``group`` (HSDP: a reduce-scatter's output
+    across the replicas), recorded as the others."""
+    record = ledger().collective(f"fully_shard all-reduce {unit}", (tensor,), group)
+    with record.guard():
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    return Pending(work, record)
 
 
 def padded_rows(rows: int, world: int) -> int:

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from ..comm import LastWorks
-from .collectives import Pending
+from .collectives import Pending, all_reduce
 from .compile import eager_hook
-from .params import Slot
+from .params import Params, Slot
 
 if TYPE_CHECKING:
     from .unit import Unit
@@ -51,15 +51,34 @@ def division(dtype: torch.dtype, world: int) -> tuple[Any, float | None, float |
 class Reduction:
     """One unit's reduce-scatter in flight and where its result goes: ``output`` is laid out
     like the shards of ``slots`` (their offsets count in it), then one flag per slot (above
-    zero: some rank had its gradient)."""
+    zero: some rank had its gradient). HSDP (``replicate``: the replicas' group, the reduce
+    op, the unit's name): once the reduce-scatter has landed, ``output`` is reduced across the
+    replicas with one all-reduce, as torch's ``foreach_reduce``."""
 
     def __init__(self, pending: Pending, output: torch.Tensor, slots: list[Slot],
-                 post_divide: float | Callable[[], float] | None, mesh: Any) -> None:
+                 post_divide: float | Callable[[], float] | None, params: Params,
+                 replicate: tuple[Any, Any, str] | None = None) -> None:
         self.pending, self.output, self.slots = pending, output, slots
-        self.post_divide, self.mesh = post_divide, mesh
+        self.post_divide, self.params = post_divide, params
+        self._replicate = replicate
+        self._all_reduce: Pending | None = None
+
+    def start_all_reduce(self) -> None:
+        """HSDP: wait for the reduce-scatter and start the all-reduce across the replicas
+        (once; nothing without replicas)."""
+        if self._replicate is None or self._all_reduce is not None:
+            return
+        self.pending.wait()
+        group, op, unit = self._replicate
+        self._all_reduce = all_reduce(self.output, op, group, unit)
 
     def finish(self) -> None:
+        """Land the reduced shards in ``.grad`` (offloaded: copies to the host, asynchronous
+        from an accelerator into pinned memory: :func:`synchronize_offload` before use)."""
         self.pending.wait()
+        self.start_all_reduce()
+        if self._all_reduce is not None:
+            self._all_reduce.wait()
         # a join dividing by the ranks still active: known once the collective's sync point is
         divide = self.post_divide() if callable(self.post_divide) else self.post_divide
         with torch.no_grad():
@@ -69,10 +88,12 @@ class Reduction:
             for s, flag in zip(self.slots, used):
                 if flag <= 0:
                     continue  # no rank had a gradient for it: .grad stays as it is (torch's)
-                grad = s.shard_of(self.output).to(s.sharded.dtype)
-                if s.sharded.grad is None:
-                    s.sharded.grad = DTensor.from_local(grad, self.mesh, [Shard(0)], run_check=False,
-                                                        shape=s.shape, stride=s.sharded.stride())
+                accumulate = s.sharded.grad is not None
+                grad = self.params.grad_shard(s.shard_of(self.output).to(s.sharded.dtype), accumulate)
+                if not accumulate:
+                    s.sharded.grad = DTensor.from_local(
+                        grad, self.params.mesh, self.params.placements, run_check=False,
+                        shape=s.shape, stride=s.sharded.stride())
                 else:
                     s.sharded.grad.to_local().add_(grad)
 
@@ -135,7 +156,18 @@ class Iteration:
                 unit.post_backward()
             unit.wait_for_unshard()  # a prefetch its backward did not use lands now, not stale later
             unit.stage = Stage.IDLE
+            unit.to_run.clear()  # (modules of a unit called on their own after the root's forward)
         reductions, self.reductions = self.reductions, []
         for r in reductions:
             r.finish()
+        synchronize_offload(reductions)
         self.last.hold(*reductions[-1:])
+
+
+def synchronize_offload(reductions: list[Reduction]) -> None:
+    """Wait for the asynchronous copies of reduced gradients into pinned host memory (the
+    optimizer reads them next on the CPU), as torch's ``finalize_backward`` waits for its
+    ``grad_offload_event``: the copies run on the device's current stream."""
+    devices = {r.params.device for r in reductions if r.params.pinned}
+    for device in devices:
+        torch.accelerator.current_stream(device).synchronize()

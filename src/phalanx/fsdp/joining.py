@@ -120,6 +120,10 @@ class JoinPart:
 def begin(root: Any, units: list[Unit], join: Any) -> JoinPart:
     """``root`` enters ``join`` (every rank): refuse what a joined rank cannot shadow. Its
     optimizers: those of the join that step some of its parameters (a joined rank steps them)."""
+    hsdp = [unit.name for unit in units if unit.replicate_group is not None]
+    if hsdp:
+        raise UsageError(f"phalanx.join does not support HSDP (a 2-D mesh) yet: fully_shard unit "
+                         f"{hsdp[0]} is replicated across a mesh dimension; shard it on a 1-D mesh")
     twice = [unit.name for unit in units if unit.join is not None]
     if twice:
         raise UsageError(f"fully_shard unit {twice[0]} is in phalanx.join twice (list only the "

@@ -111,7 +111,7 @@ class FSDPModule:
 
     def _units(self, recurse: bool) -> list[Unit]:
         modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
-        return [u for u in map(unit_of, modules) if u is not None]
+        return [u for u in dict.fromkeys(map(unit_of, modules)) if u is not None]
 
     def reshard(self) -> None:
         """Free the unsharded parameters and put the sharded ones back on the module (not

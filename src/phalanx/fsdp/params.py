@@ -19,7 +19,9 @@ from typing import Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from .collectives import padded_rows
 
@@ -46,6 +48,12 @@ class Slot:
         return flat[self.offset:self.offset + self.numel].view(self.padded, *self.shape[1:])[:self.rows]
 
 
+def placements(mesh: DeviceMesh) -> tuple[Placement, ...]:
+    """A shard's placements on ``mesh``: ``Shard(0)``, replicated across a 2-D mesh's first
+    dimension (HSDP), as torch's ``fully_shard`` places them."""
+    return (Replicate(), Shard(0)) if mesh.ndim == 2 else (Shard(0),)
+
+
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return torch.empty(shape, device="meta").stride()
 
@@ -56,22 +64,37 @@ class Params:
     Args:
         params: the parameters, in order (each once).
         locations: for each, every ``(module, name)`` that holds it (tied weights: several).
-        mesh: the 1-D mesh the shards are placed on.
+        mesh: the mesh the shards are placed on: 1-D (``Shard(0)``), or 2-D (HSDP:
+            ``(Replicate(), Shard(0))``, sharded across its second dimension, each shard
+            replicated across its first).
         param_dtype: the dtype of the unsharded parameters (mixed precision: the shards
             are cast before the all-gather); default ``None``: the parameters' own.
+        offload: ``CPUOffloadPolicy``: the shards (so their gradients and the optimizer
+            state) in host memory, pinned if asked and the mesh is on an accelerator;
+            default: on the mesh's device.
     """
 
     def __init__(self, params: Sequence[nn.Parameter],
                  locations: Sequence[list[tuple[nn.Module, str]]], mesh: DeviceMesh,
-                 param_dtype: torch.dtype | None = None) -> None:
-        self.mesh, self.world, self.rank = mesh, mesh.size(), mesh.get_local_rank()
+                 param_dtype: torch.dtype | None = None,
+                 offload: OffloadPolicy = OffloadPolicy()) -> None:
+        # (the shard dimension: the mesh's last; HSDP's replicas along the first)
+        self.mesh, self.world, self.rank = mesh, mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
+        self.placements = placements(mesh)
         self.dtype = params[0].dtype if params else torch.get_default_dtype()
         self.compute_dtype = param_dtype or self.dtype
-        # (parameters on the meta device get shards on the mesh's: initialize() fills them)
+        self.offload = isinstance(offload, CPUOffloadPolicy)
+        # (parameters on the meta device get shards on the mesh's: initialize() fills them;
+        # offloaded ones may come from the host)
         on_meta = not params or params[0].is_meta
-        self.device = torch.device(mesh.device_type) if on_meta else params[0].device
+        self.device = torch.device(mesh.device_type) if on_meta or self.offload else params[0].device
+        # pinned host memory: asynchronous copies to and from an accelerator (none to make on
+        # a CPU mesh, where torch's pin_memory() raises for want of an accelerator)
+        self.pinned = (isinstance(offload, CPUOffloadPolicy) and offload.pin_memory
+                       and self.device.type != "cpu")
         total = sum(padded_rows(p.shape[0], self.world) * p.shape[1:].numel() for p in params)
-        self.flat = torch.zeros(total, dtype=self.dtype, device=self.device)
+        self.flat = torch.zeros(total, dtype=self.dtype, device="cpu" if self.offload else self.device,
+                                pin_memory=self.pinned)
         self.unsharded_flat = torch.empty(total * self.world, dtype=self.compute_dtype, device=self.device)
         self.slots: list[Slot] = []
         offset = 0
@@ -91,7 +114,7 @@ class Params:
         if not p.is_meta:
             with torch.no_grad():
                 local.copy_(p.detach()[start:start + rows])
-        dtensor = DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False,
+        dtensor = DTensor.from_local(local, self.mesh, self.placements, run_check=False,
                                      shape=p.shape, stride=_contiguous_stride(p.shape))
         sharded = nn.Parameter(dtensor, requires_grad=p.requires_grad)
         base = offset * self.world  # the unsharded buffer keeps the parameters in order
@@ -101,9 +124,19 @@ class Params:
 
     # ---- the unsharded buffer ---------------------------------------------------------------
     def gather_input(self) -> torch.Tensor:
-        """What this rank sends in the all-gather: its flat shard, in the compute dtype."""
-        return self.flat.to(self.compute_dtype)
+        """What this rank sends in the all-gather: its flat shard on the compute device (an
+        offloaded shard copied there, asynchronously from pinned memory, as torch's), in the
+        compute dtype."""
+        return self.flat.to(self.device, non_blocking=self.pinned).to(self.compute_dtype)
 
+    def grad_shard(self, grad: torch.Tensor, accumulate: bool) -> torch.Tensor:
+        """A reduced gradient shard where the shards live: an offloaded one copied to the
+        host, asynchronously into pinned memory unless it is added to an existing gradient at
+        once (the caller then synchronises, :meth:`Iteration.end_of_backward`), as torch's
+        ``foreach_reduce``."""
+        if not self.offload:
+            return grad
+        return grad.to("cpu", non_blocking=self.pinned and not accumulate)
 
     def _free_unsharded(self) -> None:
         self.unsharded_flat.untyped_storage().resize_(0)

@@ -16,11 +16,17 @@ The life of a unit in one iteration (torch's FSDP2 order):
   one flat buffer (torch's layout; zeros for a trainable parameter this rank has no
   gradient for, and a flag per parameter, so that every rank sends the same sizes), are
   freed, and one reduce-scatter (averaging over the ranks) starts; the parameters are
-  resharded.
+  resharded. HSDP (a 2-D mesh): the reduce-scatter runs within the replica, and once it has
+  landed (checked at the next unit's) one all-reduce averages its output across the replicas.
 * **end of backward** (an autograd-engine callback, queued by the first pre-backward):
   units whose backward did not finish (parameters without gradients) finish now; every
   reduce-scatter is waited for and its slices become the sharded ``.grad`` DTensors
   (accumulated into existing ones).
+
+A unit of several modules (``fully_shard([a, b])``) hooks each of them: the first to run
+in a pass does the pre-forward, the last the post-forward (the others only cast inputs and
+outputs); modules that did not run when the root's forward ends complete then, with the
+root's output (torch's grouped hooks: a head called by itself on chunks of the output).
 
 ``set_requires_gradient_sync(False)`` keeps the unsharded gradients (on every rank, the
 whole unit's) instead of reducing them; the next synchronised backward reduces their sum.
@@ -37,7 +43,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .compile import eager_hook, refuse_compiled_autograd
 from .collectives import Pending, all_gather, chunk_cat, reduce_scatter
-from .iteration import Iteration, Reduction, Stage, division
+from .iteration import Iteration, Reduction, Stage, division, synchronize_offload
 from .joining import FSDPAction, JoinPart
 from .params import Params, Slot
 
@@ -54,14 +60,16 @@ def unit_of(module: nn.Module) -> Unit | None:
 class Unit:
     """The state of one ``fully_shard`` call (see the module notes)."""
 
-    def __init__(self, module: nn.Module, params: Params, reshard_after_forward: bool | None,
-                 mp_policy: MixedPrecisionPolicy) -> None:
-        self.module, self.params, self.mp_policy = module, params, mp_policy
+    def __init__(self, modules: tuple[nn.Module, ...], params: Params,
+                 reshard_after_forward: bool | None, mp_policy: MixedPrecisionPolicy) -> None:
+        self.modules, self.params, self.mp_policy = modules, params, mp_policy
         # torch's clamping (FSDPParam.init_dtype_attrs): no cast where none is needed
         reduce_dtype = mp_policy.reduce_dtype
         self.reduce_dtype = None if reduce_dtype == params.compute_dtype else reduce_dtype
         self._grad_sums: dict[int, torch.Tensor] = {}  # slot: gradient summed in reduce_dtype
-        self.group = params.mesh.get_group()
+        mesh = params.mesh  # (HSDP: shards across the last dimension, replicas across the first)
+        self.group = mesh.get_group(mesh.ndim - 1)
+        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.auto_reshard = reshard_after_forward is None
         self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
         self.reshard_after_backward = True
@@ -69,7 +77,8 @@ class Unit:
         self.reduce_unused = False  # set_reduce_scatter_unused_params: zeros for missing gradients
         self.stage = Stage.IDLE
         self.is_root: bool | None = None
-        self.name = type(module).__name__  # its path under the root, from lazy_init on
+        # its path under the root (the paths, several modules), from lazy_init on
+        self.name = ", ".join(type(m).__name__ for m in modules)
         self.iteration: Iteration | None = None
         self._gathering: tuple[Pending, torch.Tensor] | None = None
         self._remaining = 0
@@ -79,8 +88,13 @@ class Unit:
         self.forward_prefetch: list[Unit] | None = None
         self.backward_prefetch: list[Unit] | None = None
         self.join: JoinPart | None = None  # inside phalanx.join (joining.py)
-        module.register_forward_pre_hook(eager_hook(self.pre_forward), prepend=True, with_kwargs=True)
-        module.register_forward_hook(eager_hook(self.post_forward))
+        # fully_shard([a, b]): the modules that have not run forward yet in this pass (torch's
+        # _modules_to_run_forward); the unit's post-forward runs after the last of them
+        self.to_run: set[nn.Module] = set()
+        for module in modules:
+            module.register_forward_pre_hook(eager_hook(self._group_pre_forward), prepend=True,
+                                             with_kwargs=True)
+            module.register_forward_hook(eager_hook(self._group_post_forward), always_call=len(modules) > 1)
         for s in params.slots:
             if s.sharded.requires_grad:
                 s.unsharded.register_post_accumulate_grad_hook(eager_hook(self._accumulated))
@@ -93,16 +107,23 @@ class Unit:
         """The first unit to run forward becomes the root of the units below it."""
         if self.is_root is not None:
             return
-        units: list[Unit] = []
-        for name, module in self.module.named_modules():
+        if len(self.modules) > 1:
+            raise RuntimeError(f"FSDP requires a single root module but got {self.modules}: a unit "
+                               "of several modules (fully_shard([a, b])) runs inside a root; "
+                               "fully_shard the model that calls them too")
+        names: dict[Unit, list[str]] = {}
+        for name, module in self.modules[0].named_modules():
             unit = unit_of(module)
-            if unit is None or unit in units:
+            if unit is None:
                 continue
-            if unit is not self and unit.is_root is not None:
+            if unit not in names and unit is not self and unit.is_root is not None:
                 raise RuntimeError(f"FSDP state has already been lazily initialized for {name}\n"
                                    "FSDP requires running forward through the root module first")
-            unit.is_root, unit.name = unit is self, name or "(root)"
-            units.append(unit)
+            unit.is_root = unit is self
+            names.setdefault(unit, []).append(name or "(root)")
+        units = list(names)
+        for unit, paths in names.items():
+            unit.name = ", ".join(paths)
         if self.auto_reshard:  # the root's parameters are needed again at once by the backward
             self.reshard_after_forward = False
         iteration = Iteration(units)
@@ -138,7 +159,9 @@ class Unit:
         """Send zeros into the others' reduce-scatter; this rank's averaged rows go into its
         sharded ``.grad``, as on the others."""
         trainable = [(i, s) for i, s in enumerate(self.params.slots) if s.sharded.requires_grad]
-        self._reduce(trainable, announced=True).finish()
+        reduction = self._reduce(trainable, announced=True)
+        reduction.finish()
+        synchronize_offload([reduction])
 
     def clear_sharded_grads(self) -> None:
         for s in self.params.slots:
@@ -163,28 +186,63 @@ class Unit:
         self.reshard()
 
     # ---- hooks ----------------------------------------------------------------------------
+    def _group_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        if not self.to_run:  # a new pass through the unit's modules
+            self.to_run.update(self.modules)
+        return self.pre_forward(module, args, kwargs)
+
+    def _group_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        """The unit's post-forward after the last of its modules to run (one module: each
+        time); after the others, only the output cast (torch's grouped hooks)."""
+        if module in self.to_run:
+            self.to_run.discard(module)
+            if not self.to_run:
+                return self.post_forward(module, args, output)
+        return self._cast_output(output)
+
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         self.lazy_init()
         assert self.iteration is not None
         if self.stage is Stage.PRE_BACKWARD:  # a recomputation (activation checkpointing)
             self.unshard()
             self.wait_for_unshard()
-            return args, kwargs
+            return self._cast_inputs(args, kwargs)
+        first = self.stage is not Stage.FORWARD  # (a unit of several modules: the first of them)
         self.stage = Stage.FORWARD
-        if self.is_root:
+        if first and self.is_root:
             self.iteration.begin()
         self.unshard()
         self.wait_for_unshard()
-        following = self.iteration.forward_next(self)
-        for unit in following if self.forward_prefetch is None else self.forward_prefetch:
-            unit.unshard()  # travels while this unit computes
+        if first:
+            following = self.iteration.forward_next(self)
+            for unit in following if self.forward_prefetch is None else self.forward_prefetch:
+                unit.unshard()  # travels while this unit computes
+        return self._cast_inputs(args, kwargs)
+
+    def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             return _cast(args, self.mp_policy.param_dtype), _cast(kwargs, self.mp_policy.param_dtype)
         return args, kwargs
 
+    def _cast_output(self, output: Any) -> Any:
+        if self.mp_policy.output_dtype is not None:
+            return _cast(output, self.mp_policy.output_dtype)
+        return output
+
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.stage is Stage.PRE_BACKWARD:
-            return output
+            return self._cast_output(output)
+        assert self.iteration is not None
+        output = self._complete_forward(output)
+        if self.is_root:  # units of several modules not all run (torch's force-complete)
+            for unit in reversed(self.iteration.units):
+                if unit.to_run and unit is not self:
+                    unit.to_run.clear()
+                    output = unit._cast_output(unit._complete_forward(output))
+        return self._cast_output(output)
+
+    def _complete_forward(self, output: Any) -> Any:
+        """The forward of the unit is over: reshard, and hook ``output`` to start its backward."""
         assert self.iteration is not None
         self.iteration.finished.append(self)
         if self.reshard_after_forward:
@@ -197,8 +255,6 @@ class Unit:
             for t in _grad_tensors(output):
                 t.register_hook(eager_hook(self._pre_backward))
         self.stage = Stage.IDLE
-        if self.mp_policy.output_dtype is not None:
-            return _cast(output, self.mp_policy.output_dtype)
         return output
 
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
@@ -238,6 +294,9 @@ class Unit:
         if self._forward_since_reduce and trainable:
             self._forward_since_reduce = False
             assert self.iteration is not None
+            # HSDP: all-reduce the reduce-scatters before the last one (landed by now, most likely)
+            for earlier in self.iteration.reductions[:-1]:
+                earlier.start_all_reduce()
             self.iteration.reductions.append(self._reduce(trainable))
 
     def _accumulate(self, i: int, s: Slot) -> None:
@@ -268,7 +327,8 @@ class Unit:
         flat = torch.empty(numel * p.world, dtype=dtype, device=p.device)
         chunk_cat([*grads, flags], p.world, flat)
         grads.clear()  # the unsharded gradients are freed here
-        op, pre_divide, post_divide = division(dtype, p.world)
+        replicas = dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
+        op, pre_divide, post_divide = division(dtype, p.world * replicas)
         if self.join is not None and not self.join.divide_initial:  # by the ranks still active
             op, pre_divide, post_divide = dist.ReduceOp.SUM, pre_divide, self.join.divisor(pre_divide)
         if pre_divide not in (None, 1):
@@ -276,7 +336,8 @@ class Unit:
         output = torch.empty(numel, dtype=dtype, device=p.device)
         pending = reduce_scatter(output, flat, op, self.group, self.name, announced=announced,
                                  shadow=self._shadow(FSDPAction.REDUCE_SCATTER))
-        return Reduction(pending, output, slots, post_divide, p.mesh)
+        replicate = None if self.replicate_group is None else (self.replicate_group, op, self.name)
+        return Reduction(pending, output, slots, post_divide, p, replicate)
 
 
 def _relaid(slots: list[Slot]) -> list[Slot]:
