@@ -80,13 +80,17 @@ def test_memory_per_rank_of_each_variant(tmp_path):
     assert all(rows[v]["peak_mib"] > 4 * psi for v in ("torch DDP", "phalanx DDP"))
     ddp_low = min(rows[v]["peak_mib"] for v in ("torch DDP", "phalanx DDP"))
     assert all(2 * psi < rows[v]["peak_mib"] < ddp_low for v in ("phalanx fully_shard", "torch fully_shard"))
+    # one unit's reduce-scatter in flight at a time, as torch's (every unit's until the end of
+    # the backward peaked at 1.66x torch's); measured 1.11x at width 512 (the all-to-all's
+    # receive buffer: one unit more)
+    assert rows["phalanx fully_shard"]["peak_mib"] <= 1.25 * rows["torch fully_shard"]["peak_mib"], rows
     assert all(r["loss"][1] < r["loss"][0] for r in rows.values())
 
 
 def test_a_model_that_does_not_fit_under_ddp_trains_under_fully_shard(tmp_path):
     out = tmp_path / "limit.json"
     # Ψ = 24.6 MiB: DDP holds 4Ψ = 98 MiB of state and peaks near 6Ψ; fully_shard at world 2
-    # holds 2Ψ = 49 MiB and peaks near 4Ψ (docs-pending: its reduce-scatters in flight)
+    # holds 2Ψ = 49 MiB, plus a unit or two in flight
     done = _script("bench_fsdp_memory.py", "--world-size", "2", "--dim", "256", "--steps", "3",
                    "--limit-mib", "125", "--json", str(out))
     assert done.code == 0, done.out[-3000:] + done.err[-3000:]

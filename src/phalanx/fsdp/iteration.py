@@ -63,6 +63,11 @@ class Reduction:
         self._replicate = replicate
         self._all_reduce: Pending | None = None
 
+    @property
+    def replicated(self) -> bool:
+        """HSDP: an all-reduce across the replicas follows the reduce-scatter."""
+        return self._replicate is not None
+
     def start_all_reduce(self) -> None:
         """HSDP: wait for the reduce-scatter and start the all-reduce across the replicas
         (once; nothing without replicas)."""
@@ -103,7 +108,8 @@ class Iteration:
 
     def __init__(self, units: list[Unit]) -> None:
         self.units = units
-        self.reductions: list[Reduction] = []
+        self.reductions: list[Reduction] = []  # in flight: the last unit's (HSDP: two units')
+        self._pinned: set[torch.device] = set()  # devices copying reduced gradients to pinned memory
         self.callback_queued = False
         self.started: list[Unit] = []  # this iteration's units, as their forwards began
         self.previous: list[Unit] = []  # the last iteration's
@@ -140,6 +146,26 @@ class Iteration:
                 return self._backward[i - 1:i] if i else []
         return []
 
+    # ---- reduce-scatters ------------------------------------------------------------------
+    def add(self, reduction: Reduction) -> None:
+        """A unit's reduce-scatter has started: the ones before it land in ``.grad`` now, so
+        that one unit's buffers travel at a time, not every unit's until the end of the
+        backward (torch's FSDP2 waits for the previous reduce-scatter when the next starts).
+        HSDP: the previous one's all-reduce across the replicas starts instead, and lands at
+        the next unit's."""
+        keep = [r for r in self.reductions[-1:] if r.replicated]
+        self._land(self.reductions[:len(self.reductions) - len(keep)])
+        for r in keep:
+            r.start_all_reduce()
+        self.reductions = keep + [reduction]
+
+    def _land(self, reductions: list[Reduction]) -> None:
+        for r in reductions:
+            r.finish()
+            if r.params.pinned:
+                self._pinned.add(r.params.device)
+        self.last.hold(*reductions[-1:])
+
     # ---- the end of the backward ----------------------------------------------------------
     def queue_end_of_backward(self) -> None:
         if not self.callback_queued:
@@ -158,16 +184,14 @@ class Iteration:
             unit.stage = Stage.IDLE
             unit.to_run.clear()  # (modules of a unit called on their own after the root's forward)
         reductions, self.reductions = self.reductions, []
-        for r in reductions:
-            r.finish()
-        synchronize_offload(reductions)
-        self.last.hold(*reductions[-1:])
+        self._land(reductions)
+        devices, self._pinned = self._pinned, set()
+        synchronize_offload(devices)
 
 
-def synchronize_offload(reductions: list[Reduction]) -> None:
-    """Wait for the asynchronous copies of reduced gradients into pinned host memory (the
-    optimizer reads them next on the CPU), as torch's ``finalize_backward`` waits for its
-    ``grad_offload_event``: the copies run on the device's current stream."""
-    devices = {r.params.device for r in reductions if r.params.pinned}
+def synchronize_offload(devices: set[torch.device]) -> None:
+    """Wait for the asynchronous copies of reduced gradients into pinned host memory from
+    ``devices`` (the optimizer reads them next on the CPU), as torch's ``finalize_backward``
+    waits for its ``grad_offload_event``: the copies run on the device's current stream."""
     for device in devices:
         torch.accelerator.current_stream(device).synchronize()

@@ -159,9 +159,9 @@ class Unit:
         """Send zeros into the others' reduce-scatter; this rank's averaged rows go into its
         sharded ``.grad``, as on the others."""
         trainable = [(i, s) for i, s in enumerate(self.params.slots) if s.sharded.requires_grad]
-        reduction = self._reduce(trainable, announced=True)
-        reduction.finish()
-        synchronize_offload([reduction])
+        self._reduce(trainable, announced=True).finish()
+        if self.params.pinned:
+            synchronize_offload({self.params.device})
 
     def clear_sharded_grads(self) -> None:
         for s in self.params.slots:
@@ -294,10 +294,7 @@ class Unit:
         if self._forward_since_reduce and trainable:
             self._forward_since_reduce = False
             assert self.iteration is not None
-            # HSDP: all-reduce the reduce-scatters before the last one (landed by now, most likely)
-            for earlier in self.iteration.reductions[:-1]:
-                earlier.start_all_reduce()
-            self.iteration.reductions.append(self._reduce(trainable))
+            self.iteration.add(self._reduce(trainable))
 
     def _accumulate(self, i: int, s: Slot) -> None:
         """Move slot ``i``'s unsharded gradient into the running sum (in ``reduce_dtype``)."""
