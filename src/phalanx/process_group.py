@@ -18,6 +18,7 @@ Every collective is torch.distributed's (c10d); the rendezvous store is its ``TC
 
 from __future__ import annotations
 
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -37,6 +38,7 @@ from .errors import (
     EnvironmentConfigError,
     NotInitializedError,
     RendezvousError,
+    UsageError,
 )
 from .gate import ranks
 from .gate.handshake import Refused
@@ -313,13 +315,24 @@ _GLOO_SETTLE_S = 0.05
 
 
 def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
-    """Leave the job (or destroy ``group``). A no-op when nothing is initialised."""
+    """Leave the job (or destroy ``group``). A no-op when nothing is initialised.
+
+    Collectives still under way raise :class:`~phalanx.errors.UsageError` (their results would
+    never land), unless this is called while an exception is on its way out of the caller (a
+    ``finally`` of a failing script): that exception is the story, and the collectives it cut
+    short are logged as a warning instead of replacing it."""
     if not dist.is_initialized():
         return
+    failing = sys.exc_info()[1]  # (a finally during an exception sees it here)
     try:
         if group is None:
             look_back()  # a straggler in the steps since the last report, named by rank 0
-            detach()  # raises when collectives are still under way, once the group is gone
+            try:
+                detach()  # raises when collectives are still under way, once the group is gone
+            except UsageError as e:
+                if failing is None:
+                    raise
+                _log.warning("%s (not raised: the %s on its way out came first)", e, type(failing).__name__)
     finally:
         time.sleep(_GLOO_SETTLE_S)  # releases the GIL: see _GLOO_SETTLE_S
         dist.destroy_process_group(group)

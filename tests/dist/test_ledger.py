@@ -225,9 +225,17 @@ def _overlapped_meeting_left_under_way(rank, world_size, finish):
         opt.zero_grad()
         model(torch.randn(3, 4) + rank).sum().backward()
         local.step()
-    if finish:
+    if finish is True:
         local.finish_meeting()
     weights = [p.tolist() for p in model.parameters()]
+    if finish == "failing":  # the script fails with the meeting under way; it leaves in a finally
+        try:
+            try:
+                raise ValueError("the script's own error")
+            finally:
+                phalanx.destroy_process_group()
+        except Exception as e:
+            return (type(e).__name__, str(e)), weights, dist.is_initialized()
     return error_of(phalanx.destroy_process_group), weights, dist.is_initialized()
 
 
@@ -240,3 +248,13 @@ def test_leaving_with_an_overlapped_meeting_under_way_is_refused_on_every_rank()
     finished = run_ranks(_overlapped_meeting_left_under_way, 2, True, init=False)
     assert [error for error, _, _ in finished] == [None, None]
     assert finished[0][1] == finished[1][1]  # every rank holds the average
+
+
+@pytest.mark.slow
+def test_leaving_in_a_finally_of_a_failing_script_keeps_its_error():
+    """destroy_process_group() in a ``finally`` while the script's own exception propagates:
+    that exception comes out, not the UsageError about the collectives it cut short (which
+    would become the launcher's root cause), and the group is gone."""
+    for error, _, initialised in run_ranks(_overlapped_meeting_left_under_way, 2, "failing", init=False):
+        assert error == ("ValueError", "the script's own error"), error
+        assert not initialised
