@@ -103,17 +103,26 @@ def _train(rank, world_size, reshard, **kwargs):
             opt.zero_grad()
     params = list(ours.parameters())
     out["types"] = sorted({type(p).__name__ for p in params}), type(ours).__name__
-    out["vs_torch"] = _max_diff(_without_key_bias(n, p.detach().full_tensor(), q.detach().full_tensor())
-                                for (n, p), q in zip(ours.named_parameters(), theirs.parameters()))
-    out["torch_equal"] = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(params, theirs.parameters()))
-    out["vs_single"] = _max_diff(_without_key_bias(n, p.detach().full_tensor(), q.detach())
-                                 for (n, p), q in zip(ours.named_parameters(), single.parameters()))
-    out["torch_vs_single"] = _max_diff(_without_key_bias(n, p.detach().full_tensor(), q.detach())
-                                       for (n, p), q in zip(theirs.named_parameters(), single.parameters()))
+    out.update(_compared(ours, theirs, single))
     out["moved"] = _max_diff((p.to_local(), _chunk(q.detach(), world_size, rank))
                              for p, q in zip(params, base.parameters()))
     out["state_dict"] = _state_dicts(ours, theirs)
     return out
+
+
+def _compared(ours, theirs, single):
+    """Trained models side by side: whether ours equals torch's every element (the local
+    shards), the largest difference from torch's and from one process, and torch's own from
+    one process (the key bias left out of the differences: :func:`_without_key_bias`)."""
+    def diff(pairs):
+        return _max_diff(_without_key_bias(n, p.detach().full_tensor(), q.detach())
+                         for (n, p), q in pairs)
+
+    named, torchs = list(ours.named_parameters()), list(theirs.parameters())
+    return {"torch_equal": all(torch.equal(p.to_local(), q.to_local()) for (_, p), q in zip(named, torchs)),
+            "vs_torch": diff(zip(named, [q.full_tensor() for q in torchs])),
+            "vs_single": diff(zip(named, single.parameters())),
+            "torch_vs_single": diff(zip(theirs.named_parameters(), single.parameters()))}
 
 
 def _without_key_bias(name, a, b):

@@ -26,8 +26,8 @@ from phalanx import Checkpointer
 from phalanx.diagnostics import ledger
 from phalanx.bench.engine import GPT
 from phalanx.fsdp import clip_grad_norm_, fully_shard, initialize
-from tests.dist.test_fully_shard import (BF16, STEPS, TOL, _batch, _chunk, _max_diff, _mine, _model,
-                                         _shard, _without_key_bias)
+from tests.dist.test_fully_shard import (BF16, STEPS, TOL, _batch, _chunk, _compared, _max_diff, _mine,
+                                         _model, _shard)
 from tests.dist.test_fully_shard_models import _reset
 from tests.dist.test_fully_shard_units import _ends
 from tests.dist.test_reduce_scatter import _written
@@ -81,18 +81,10 @@ def _train(rank, world_size, case):
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    named = list(ours.named_parameters())
     out["placements"] = sorted({str(tuple(p.placements)) for p in ours.parameters()})
-    out["torch_equal"] = all(torch.equal(p.to_local(), q.to_local())
-                             for (_, p), q in zip(named, theirs.parameters()))
-    out["vs_torch"] = _max_diff(_without_key_bias(n, p.detach().full_tensor(), q.detach().full_tensor())
-                                for (n, p), q in zip(named, theirs.parameters()))
-    out["vs_single"] = _max_diff(_without_key_bias(n, p.detach().full_tensor(), q.detach())
-                                 for (n, p), q in zip(named, single.parameters()))
-    out["torch_vs_single"] = _max_diff(_without_key_bias(n, p.detach().full_tensor(), q.detach())
-                                       for (n, p), q in zip(theirs.named_parameters(), single.parameters()))
+    out.update(_compared(ours, theirs, single))
     out["moved"] = _max_diff((p.detach().full_tensor(), q.detach())
-                             for (_, p), q in zip(named, base.parameters()))
+                             for p, q in zip(ours.parameters(), base.parameters()))
     mine, torchs = ours.state_dict(), theirs.state_dict()
     out["state_dict"] = list(mine) == list(torchs) and all(
         mine[k].placements == torchs[k].placements and torch.equal(mine[k].to_local(), torchs[k].to_local())

@@ -29,8 +29,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from phalanx.bench.engine import GPT
 from phalanx.diagnostics import ledger
 from phalanx.fsdp import FSDPModule, fully_shard
-from tests.dist.test_fully_shard import (BF16, STEPS, TOL, _batch, _chunk, _max_diff, _mine, _model,
-                                         _without_key_bias)
+from tests.dist.test_fully_shard import BF16, STEPS, TOL, _batch, _chunk, _compared, _max_diff, _mine, _model
 from tests.harness import error_of, run_ranks
 
 pytestmark = pytest.mark.slow
@@ -124,15 +123,9 @@ def _train(rank, world_size, case):
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    named = list(ours.named_parameters())
-    out["torch_equal"] = all(torch.equal(p.to_local(), q.to_local())
-                             for (_, p), q in zip(named, theirs.parameters()))
-    out["vs_torch"] = _max_diff(_without_key_bias(n, p.detach().full_tensor(), q.detach().full_tensor())
-                                for (n, p), q in zip(named, theirs.parameters()))
-    out["vs_single"] = _max_diff(_without_key_bias(n, p.detach().full_tensor(), q.detach())
-                                 for (n, p), q in zip(named, single.parameters()))
+    out.update(_compared(ours, theirs, single))
     out["moved"] = _max_diff((p.to_local(), _chunk(q.detach(), world_size, rank))
-                             for (_, p), q in zip(named, base.parameters()))
+                             for p, q in zip(ours.parameters(), base.parameters()))
     out["sharded"] = sorted({type(p).__name__ for p in ours.parameters()})
     if case.startswith("offload"):
         out["where"] = _where(ours, opts[0])
