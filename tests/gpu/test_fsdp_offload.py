@@ -91,12 +91,12 @@ def _run(rank, world_size, pin):
         phalanx.destroy_process_group()
 
 
-@pytest.mark.parametrize("pin", [True, False], ids=["pinned", "unpinned"])
 # world size 2 needs two GPUs (one rank per GPU); where there is one, the cases are not made at
 # all rather than skipped: tools/gpu_check.py fails a part in which anything skips on a GPU
 WORLD_SIZES = [1, 2] if ON_CPU or torch.cuda.device_count() >= 2 else [1]
 
 
+@pytest.mark.parametrize("pin", [True, False], ids=["pinned", "unpinned"])
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_offload_equals_torchs_and_keeps_state_on_the_host(world_size, pin):
     results = run_ranks(_run, world_size, pin, init=False, env=DETERMINISTIC_ENV, timeout=TIMEOUT_S)
