@@ -293,14 +293,24 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = d
 # destination's empty) and sums there, in rank order.
 class PendingReduce:
     """A reduce in flight (:func:`reduce_async`); :meth:`wait` completes it and, on the
-    destination, leaves the sum in the tensor. Hold it in a :class:`LastWorks` after ``wait()``
-    when it may be a script's last collective."""
+    destination, leaves the sum in the tensor.
+
+    Waited for, it lets go of its work handle, which holds the received copies (``world - 1``
+    times the tensor) for as long as it lives: unlike the other helpers' results, do not
+    count on it to hold a script's last collective (see :class:`LastWorks`)."""
 
     def __init__(self, work: Any, received: torch.Tensor | None, tensor: torch.Tensor, dst: int) -> None:
         self._work, self._received, self._tensor, self._dst = work, received, tensor, dst
 
+    def is_completed(self) -> bool:
+        """Whether the collective has finished (:meth:`wait` then only sums, on ``dst``)."""
+        return self._work is None or self._work.is_completed()
+
     def wait(self) -> None:
+        if self._work is None:
+            return
         self._work.wait()
+        self._work = None
         if self._received is None:  # the backend's own reduce, or not the destination
             return
         others = self._received.view(-1, self._tensor.numel())

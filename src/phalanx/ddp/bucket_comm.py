@@ -112,11 +112,21 @@ class ReduceToOwner:
         self._keeps = [spec.owner is None or spec.owner == rank for spec in plan]
         # None: all-reduce; else the owner (a rank of the group).
         self._dst = [s.owner for s in plan[:-1]] + [None]
+        # reduces in flight, oldest first: each holds, on the owner, the others' copies of its
+        # bucket until it is waited for (comm.reduce_async)
+        self._landing: list[comm.PendingReduce] = []
 
     def launch(self, b: int, flat: torch.Tensor) -> Any:
+        # The reduces that have arrived are summed now, not at the end of the backward, so
+        # that their receive buffers go (measured at world 2, 8 buckets of 4 MiB: the
+        # backward's peak 10 MiB above Gloo's own reduce otherwise)
+        while self._landing and self._landing[0].is_completed():
+            self._landing.pop(0).wait()
         if self._dst[b] is None:
             return dist.all_reduce(flat, group=self.group, async_op=True)
-        return comm.reduce_async(flat, self._dst[b], group=self.group)
+        pending = comm.reduce_async(flat, self._dst[b], group=self.group)
+        self._landing.append(pending)
+        return pending
 
     def keeps(self, b: int) -> bool:
         return self._keeps[b]
