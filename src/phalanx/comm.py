@@ -310,11 +310,12 @@ class PendingReduce:
         if self._work is None:
             return
         self._work.wait()
-        self._work = None
-        if self._received is None:  # the backend's own reduce, or not the destination
+        # done: nothing of the tensors is kept (a caller may hold this past the tensor's use)
+        received, flat = self._received, self._tensor.view(-1)
+        self._work = self._received = self._tensor = None
+        if received is None:  # the backend's own reduce, or not the destination
             return
-        others = self._received.view(-1, self._tensor.numel())
-        flat = self._tensor.view(-1)
+        others = received.view(-1, flat.numel())
         with torch.no_grad():  # in rank order (this rank's own tensor at its place)
             rows = [*others[:self._dst], flat, *others[self._dst:]]
             acc = rows[0]  # flat itself on rank 0, else a received copy, free to overwrite
@@ -322,7 +323,6 @@ class PendingReduce:
                 acc.add_(row)
             if acc is not flat:
                 flat.copy_(acc)
-        self._received = None
 
 
 def reduce_async(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> PendingReduce:

@@ -164,7 +164,8 @@ class Iteration:
             r.finish()
             if r.params.pinned:
                 self._pinned.add(r.params.device)
-        self.last.hold(*reductions[-1:])
+        if reductions:
+            self.last.hold(reductions[-1])
 
     # ---- the end of the backward ----------------------------------------------------------
     def queue_end_of_backward(self) -> None:
