@@ -216,6 +216,8 @@ def _refusals(rank, world_size):
     fine = ddp(copy.deepcopy(net))
     _forward_under_compiled_autograd(fine, torch.full((4, 16), float(rank)))
     out["after"] = [p.grad.tolist() for p in fine.parameters()]  # tensors do not travel back
+    # the eager forward's sync point, then the record of the compiled backward's all-reduces
+    out["after, logged"] = [r.op for r in list(phalanx.diagnostics.ledger().log(None).records)[-2:]]
     # without compiled autograd, torch.compile(ddp) still skips the eager forward whole
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -291,9 +293,76 @@ def test_the_group_still_trains_after_the_refusals(refusals):
         net(torch.full((4, 16), float(rank))).sum().backward()
     for p, got in zip(net.parameters(), refusals[0]["after"]):
         assert torch.allclose(p.grad / 2, torch.tensor(got), atol=1e-6)
+    for out in refusals:
+        assert out["after, logged"] == ["check before DistributedDataParallel forward",
+                                        "DDP gradient all-reduces (compiled autograd)"], out["after, logged"]
 
 
 def test_torch_compile_of_the_model_without_compiled_autograd_has_no_graph_break(refusals):
     for out in refusals:
         assert out["torch.compile(ddp) graph breaks"] == {}, out["torch.compile(ddp) graph breaks"]
         assert out["torch.compile(ddp) graphs"] == 1  # the user's module, compiled under the wrapper
+
+
+# ---- the collective log and the sync point, recorded by the compiled graph ------------------
+def _line(marker: str) -> str:
+    """``test_compiled_autograd.py:N`` of the line in this file that ends with ``# marker``."""
+    with open(__file__) as f:
+        for number, text in enumerate(f, 1):
+            if text.rstrip().endswith(f"# {marker}"):
+                return f"test_compiled_autograd.py:{number}"
+    raise LookupError(marker)
+
+
+def _compiled_step(model, x):  # the compiled step
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def _ledgered(rank, world_size, backend):
+    from phalanx.diagnostics import ledger
+
+    torch._dynamo.config.optimize_ddp = "python_reducer"
+    torch._dynamo.config.compiled_autograd = True
+    torch.manual_seed(0)
+    model = phalanx.DistributedDataParallel(_Net(norm=True))  # buffers: broadcast each forward
+    step = torch.compile(_compiled_step, backend=backend)
+    log = ledger().log(None)
+    before = log.next_seq
+    for i in range(3):
+        step(model, _batch(rank, i))
+    out = {"log": [(r.op, r.dtype, r.shape, r.site, r.end is not None) for r in log.records if r.seq >= before]}
+    # rank 0 runs out of batches first and evaluates; rank 1 runs a compiled step more
+    try:
+        for i in range(1 + rank):
+            step(model, _batch(rank, 10 + i))
+        phalanx.all_reduce(torch.ones(1))  # evaluation
+    except phalanx.CollectiveMismatchError as e:
+        out["error"] = str(e)
+    # named before any gradient reached Gloo: the ranks can still talk, and train on
+    out["after"] = phalanx.all_reduce(torch.ones(1)) or True
+    step(model, _batch(rank, 20))
+    out["trained on"] = [p.grad.tolist() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.slow  # compiles
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_the_compiled_graph_records_its_step_and_the_sync_point_names_a_rank_that_parted(backend):
+    results = run_ranks(_ledgered, 2, backend, timeout=200)
+    site = _line("the compiled step")  # a compiled function's frames stand at its first line
+    params = (10, 16 * 32 + 32 + 2 * (32 * 32 + 32) + 32 * 4 + 4 + 2 * 32)  # with BatchNorm's affine
+    step = [("check before DistributedDataParallel forward (compiled)", "-", (), site, True),
+            ("DDP buffer broadcast (compiled)", "float32", (3, 2 * 32 + 1), site, True),
+            ("DDP gradient all-reduces (compiled autograd)", "float32", params, site, True)]
+    for out in results:
+        assert out["log"] == step * 3, out["log"]
+        assert out["error"] == (
+            "The ranks are at different collectives: rank 0 is at all_reduce float32[1] "
+            f"({_line('evaluation')}); rank 1 is at DistributedDataParallel forward (compiled) ({site}). "
+            "A rank that runs out of batches before the others stops joining DDP's steps: give every "
+            "rank as many batches (DistributedSampler, drop_last) or wrap the loop in "
+            "`with model.join():`"), out["error"]
+        assert out["after"]
+    assert results[0]["trained on"] == results[1]["trained on"]

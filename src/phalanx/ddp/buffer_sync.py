@@ -12,6 +12,9 @@ from .. import comm
 from ..diagnostics import ledger
 
 
+BUFFERS = "DDP buffer broadcast"  # its name in the collective log
+
+
 class BufferSync:
     """Overwrites every rank's buffers with rank ``src``'s.
 
@@ -32,7 +35,7 @@ class BufferSync:
         self._last = comm.LastWorks()
 
     def _broadcast(self, tensors: list[torch.Tensor], src: int, shadow: Any) -> None:
-        with ledger().collective("DDP buffer broadcast", tensors, self.group, shadow=shadow) as c:
+        with ledger().collective(BUFFERS, tensors, self.group, shadow=shadow) as c:
             pending = comm.broadcast_async(tensors, src=src, group=self.group)
             c.wait(pending)
         self._last.hold(pending)

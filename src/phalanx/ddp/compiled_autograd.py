@@ -21,10 +21,17 @@ That forward arms :class:`CompiledAutogradReduction` instead of the reducer. Its
 from the reducer's own per-parameter hook (one hook per parameter, not two: the eager path's cost
 is unchanged), so whichever path the last forward chose acts in the backward. The forward traces
 without a graph break: inputs to the device, rank 0's buffers broadcast with a functional
-broadcast, the module's forward. While it is traced, the ledger steps aside (no sync point, no
-record: nothing in a compiled graph may wait on a ``Work`` or inspect frames); a forward on this
-path that runs eagerly (compiled autograd enabled around an uncompiled forward) keeps the sync
-point and the recorded buffer broadcast of the eager path.
+broadcast, the module's forward. Nothing in a compiled graph may wait on a ``Work`` or inspect
+frames, so the ledger records at the graph's boundary instead: the traced forward calls
+:func:`step_boundary`, an opaque custom op (``phalanx::ddp_compiled_step``) with an ordered
+side effect, which the compiled graph keeps and runs eagerly at every step. It runs the step's
+sync point, waited for (the compiled backward's all-reduces cannot wait for it, as the eager
+buckets do), so ranks that parted (one out of batches, one evaluating) name each other there, as
+in eager mode, before any gradient reaches Gloo; then it records what the graph issues this step
+(the buffer broadcast, and the gradients' all-reduces as one record, each ended at once: their
+timing is the graph's). A forward on this path that runs eagerly (compiled autograd enabled
+around an uncompiled forward) keeps the sync point and the recorded buffer broadcast of the
+eager path and records the gradients' all-reduces after them.
 
 Refused, each with :class:`~phalanx.errors.UsageError` naming the option and the alternative
 (:func:`refusal`): compiled autograd without ``optimize_ddp="python_reducer"`` (torch's reducer
@@ -37,8 +44,10 @@ uneven inputs (``join``). An eager forward followed by a backward under compiled
 
 from __future__ import annotations
 
+import itertools
 import sys
-from typing import Any, Sequence
+import weakref
+from typing import Any, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,6 +60,8 @@ TORCH_WORDS = ("Compiled autograd is not compatible with C++ DDP Reducer, please
 # torch's default bucket size (torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB), which
 # its DDP hands to inductor's DDP fusion when bucket_cap_mb is not given
 DEFAULT_FUSION_MB = 25
+# the collective log's name for the per-parameter all-reduces of a compiled autograd backward
+TRACED_REDUCTION = "DDP gradient all-reduces (compiled autograd)"
 ELSEWHERE = "or train without compiled autograd (eager, or torch.compile of the model alone)"
 EAGER_REDUCER_TRACED = (
     "compiled autograd is tracing phalanx's eager gradient reducer: the forward of this backward ran "
@@ -143,6 +154,46 @@ def enable_inductor_bucketing(bucket_cap_mb: float | None) -> None:
 
     inductor_config._fuse_ddp_communication = True
     inductor_config._fuse_ddp_bucket_size = DEFAULT_FUSION_MB if bucket_cap_mb is None else bucket_cap_mb
+
+
+class _Boundary(Protocol):
+    def compiled_boundary(self, what: str, sync: bool, broadcasts: bool) -> None: ...
+
+
+_BOUNDARIES: weakref.WeakValueDictionary[int, _Boundary] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+def boundary_key(owner: _Boundary) -> int:
+    """A key for :func:`step_boundary` to find ``owner`` by (held weakly)."""
+    key = next(_KEYS)
+    _BOUNDARIES[key] = owner
+    return key
+
+
+@torch.library.custom_op("phalanx::ddp_compiled_step", mutates_args=())
+def step_boundary(anchor: torch.Tensor, key: int, what: str, sync: bool, broadcasts: bool) -> None:
+    """Called by a traced forward, run by its compiled graph at every step: the owner of ``key``
+    records the step (see the module notes). ``anchor``: any tensor of the model (an op's input)."""
+    owner = _BOUNDARIES.get(key)
+    if owner is not None:
+        owner.compiled_boundary(what, sync, broadcasts)
+
+
+@step_boundary.register_fake
+def _step_boundary_fake(anchor: torch.Tensor, key: int, what: str, sync: bool, broadcasts: bool) -> None:
+    return None
+
+
+def _keep_in_order() -> None:
+    """Mark :func:`step_boundary` as having an ordered side effect: the graph keeps it (it has no
+    output) and runs it where the forward called it, as torch's own ``print`` op."""
+    from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+
+    _register_effectful_op(torch.ops.phalanx.ddp_compiled_step.default, _EffectType.ORDERED)
+
+
+_keep_in_order()
 
 
 class CompiledAutogradReduction:

@@ -24,12 +24,14 @@ from .. import comm
 from .._logging import get_logger
 from ..diagnostics import ledger
 from ..errors import UsageError
+from ..ledger.log import call_site
 from .bucket_comm import AllReduceMean, ReduceToOwner
 from .bucketing import BucketSpec, describe, plan_buckets
-from .buffer_sync import BufferSync
-from .checkin import StepCheck
+from .buffer_sync import BUFFERS, BufferSync
+from .checkin import CHECK, EVALUATION, StepCheck
 from .checks import GradientOwners, agree_on_owners, refuse_distributed_autograd
-from .compiled_autograd import PYTHON_REDUCER, enable_inductor_bucketing, optimize_ddp_mode, refusal
+from .compiled_autograd import (PYTHON_REDUCER, TRACED_REDUCTION, boundary_key, enable_inductor_bucketing, optimize_ddp_mode,
+                                refusal, step_boundary)
 from .devices import to_device
 from .hook_comm import HookComm
 from .hook_registration import SHARDED_WITH_HOOK, check_registration
@@ -78,6 +80,8 @@ class Runtime:
         if dist.get_world_size(group) == 1:
             return
         self.build_reducer(None)
+        # under compiled autograd a compiled graph records its collectives (compiled_boundary)
+        self.ledgered, self.key = ledger().enabled, boundary_key(self)
         if optimize_ddp_mode() == PYTHON_REDUCER:  # as torch's DDP, at construction
             enable_inductor_bucketing(bucket_cap_mb)
         if any(b.numel() for b in module.buffers()):
@@ -178,20 +182,41 @@ class Runtime:
         why = refusal(optimize_ddp_mode(), settings, self.sparse_names, self.join.index is not None)
         if why is not None:
             raise UsageError(why)
-        if torch.compiler.is_compiling():  # the ledger steps aside: no sync point, no record
+        if torch.compiler.is_compiling():  # the graph records the step at its boundary
             self.forwarded = True
             sync = torch.is_grad_enabled() and require_sync
+            broadcasts = self.sync_buffers_next and sync_buffers and self.buffer_sync is not None
+            if self.ledgered and (sync or broadcasts):
+                what = CHECK if torch.is_grad_enabled() else EVALUATION
+                step_boundary(self.reducer.params[0], self.key, what, sync, broadcasts)
             if self.device is not None:
                 inputs, kwargs = to_device(inputs, self.device), to_device(kwargs, self.device)
-            if self.sync_buffers_next and sync_buffers and self.buffer_sync is not None:
+            if broadcasts:
                 with torch.no_grad():
                     self.reducer.traced.broadcast_buffers(list(self.module.buffers()))
         else:  # compiled autograd around an eager forward: the eager checks and broadcast
             inputs, kwargs, sync = self.before_forward(inputs, kwargs, require_sync, sync_buffers)
+            if sync and self.ledgered:
+                self.record_traced_reduction(call_site(2))
         output = self.module(*inputs, **kwargs)
         self.sync_buffers_next = sync
         self.reducer.traced.armed = sync
         return output
+
+    def compiled_boundary(self, what: str, sync: bool, broadcasts: bool) -> None:
+        """A compiled forward's graph at its start (:func:`step_boundary`): the step's sync point,
+        waited for (the backward graph's all-reduces cannot wait for it), then a record of what
+        the graph issues this step. No step clock: the graph's waits are not seen."""
+        book, site = ledger(), call_site(1)
+        book.sync_point(f"{what} (compiled)", self.group, site=site)
+        if broadcasts:
+            book.collective(f"{BUFFERS} (compiled)", list(self.module.buffers()), self.group, site=site).end()
+        if sync:
+            self.record_traced_reduction(site)
+
+    def record_traced_reduction(self, site: str) -> None:
+        """Record the per-parameter all-reduces a compiled autograd backward issues, as one."""
+        ledger().collective(TRACED_REDUCTION, self.reducer.params, self.group, site=site).end()
 
     def backward_done(self) -> None:
         """The reducer's end of a synchronising backward: the step clock, the masters back."""

@@ -32,7 +32,14 @@ _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 def _is_plumbing(path: str, torch_dir: str | None) -> bool:
     return (path.startswith(_PHALANX) or path.startswith("<")
             or (torch_dir is not None and path.startswith(torch_dir))
-            or (path.startswith(_STDLIB) and "site-packages" not in path))
+            or (path.startswith(_STDLIB) and "site-packages" not in path)
+            or _inductor_generated(path))
+
+
+def _inductor_generated(path: str) -> bool:
+    """Code inductor wrote (a compiled graph calling phalanx's op), in its cache directory."""
+    cache = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    return cache is not None and path.startswith(cache.cache_dir() + os.sep)
 
 
 def call_site(depth: int = 2) -> str:
