@@ -19,6 +19,13 @@ from .bucketing import Bucket
 from .unusual import copy_unusual, is_unusual
 
 
+# A gradient of at least this many elements is divided on its way into its slot
+# (``torch.div(grad, n, out=slot)``: one pass over it, as torch's reducer's ``mul_out``); smaller
+# ones are copied in one batched copy and divided with the rest of the bucket (a call per
+# gradient would cost more than the pass it saves).
+DIVIDE_INTO_SLOT = 1 << 16
+
+
 def grad_dtype(param: torch.Tensor) -> torch.dtype:
     """The dtype ``param.grad`` has: its ``grad_dtype`` (mixed precision pins the master's),
     or, where any is allowed (``None``), its own."""
@@ -42,32 +49,45 @@ def fill(bucket: Bucket, params: Sequence[torch.Tensor], seats: Sequence[bool], 
     unusual = torch.is_grad_enabled()
     sources: list[torch.Tensor] = []
     slots: list[torch.Tensor] = []
+    undivided: list[torch.Tensor] = []  # the slots to divide, where some are divided already
+    divided = False
     for k, view in zip(bucket.positions, bucket.views):
         param = params[k]
         grad = param.grad
-        if grad is view:
-            continue
         if grad is None:
             had_grad[k] = False
             view.zero_()
+            continue
+        if grad is view:
+            pass
         elif unusual and is_unusual(grad):
             graph = copy_unusual(grad, view)
             if graph is not None:  # kept out of .grad, which the write-back copies into
                 graphs[k] = graph
                 param.grad = None
+        elif divisor != 1 and view.numel() >= DIVIDE_INTO_SLOT and grad.dtype == view.dtype \
+                and grad.layout == torch.strided:
+            torch.div(grad, divisor, out=view)  # one pass, not a copy then a division
+            divided = True
+            if seats[k]:
+                param.grad = view
+            continue
         else:
             sources.append(grad)
             slots.append(view)
             if seats[k]:
                 param.grad = view
+        undivided.append(view)
     if sources:
         try:
             torch._foreach_copy_(slots, sources)
         except RuntimeError:  # a sparse gradient for a parameter bucketed as dense
             for slot, grad in zip(slots, sources):
                 slot.copy_(grad.to_dense() if grad.layout != torch.strided else grad)
-    if divisor != 1:
-        bucket.grads.div_(divisor)
+    if divisor != 1 and not divided:
+        bucket.grads.div_(divisor)  # the whole buffer at once
+    elif divisor != 1 and undivided:
+        torch._foreach_div_(undivided, divisor)
     if not bucket.keep:
         for k in bucket.positions:
             params[k].grad = None
