@@ -37,9 +37,10 @@ def _is_plumbing(path: str, torch_dir: str | None) -> bool:
 
 
 def _inductor_generated(path: str) -> bool:
-    """Code inductor wrote (a compiled graph calling phalanx's op), in its cache directory."""
-    cache = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
-    return cache is not None and path.startswith(cache.cache_dir() + os.sep)
+    """Code inductor wrote (a compiled graph calling phalanx's op), in its cache directory
+    (which inductor pins in the environment when it first writes there)."""
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return cache is not None and path.startswith(os.path.join(os.path.abspath(cache), ""))
 
 
 def call_site(depth: int = 2) -> str:
