@@ -22,16 +22,18 @@ from the reducer's own per-parameter hook (one hook per parameter, not two: the 
 is unchanged), so whichever path the last forward chose acts in the backward. The forward traces
 without a graph break: inputs to the device, rank 0's buffers broadcast with a functional
 broadcast, the module's forward. Nothing in a compiled graph may wait on a ``Work`` or inspect
-frames, so the ledger records at the graph's boundary instead: the traced forward calls
+frames, so the ledger works at the graph's boundaries instead: the traced forward calls
 :func:`step_boundary`, an opaque custom op (``phalanx::ddp_compiled_step``) with an ordered
-side effect, which the compiled graph keeps and runs eagerly at every step. It runs the step's
-sync point, waited for (the compiled backward's all-reduces cannot wait for it, as the eager
-buckets do), so ranks that parted (one out of batches, one evaluating) name each other there, as
-in eager mode, before any gradient reaches Gloo; then it records what the graph issues this step
-(the buffer broadcast, and the gradients' all-reduces as one record, each ended at once: their
-timing is the graph's). A forward on this path that runs eagerly (compiled autograd enabled
-around an uncompiled forward) keeps the sync point and the recorded buffer broadcast of the
-eager path and records the gradients' all-reduces after them.
+side effect, which the compiled graph keeps and runs eagerly at every step, at the forward's
+start and at its end (after an output: inductor cannot move it up). The start starts the step's
+sync point; the end waits for it (so its latency hides behind the forward, as in eager mode;
+with buffers the start waits, for the buffer broadcast follows it) and records what the graph
+issues this step: the buffer broadcast, and the gradients' all-reduces as one record, each ended
+at once (their timing is the graph's). Ranks that parted (one out of batches, one evaluating)
+name each other there, as in eager mode, before any gradient reaches Gloo. A forward on this
+path that runs eagerly (compiled autograd enabled around an uncompiled forward) keeps the sync
+point and the recorded buffer broadcast of the eager path and records the gradients'
+all-reduces after them.
 
 Refused, each with :class:`~phalanx.errors.UsageError` naming the option and the alternative
 (:func:`refusal`): compiled autograd without ``optimize_ddp="python_reducer"`` (torch's reducer
@@ -157,7 +159,7 @@ def enable_inductor_bucketing(bucket_cap_mb: float | None) -> None:
 
 
 class _Boundary(Protocol):
-    def compiled_boundary(self, what: str, sync: bool, broadcasts: bool) -> None: ...
+    def compiled_boundary(self, at_end: bool, what: str, sync: bool, broadcasts: bool) -> None: ...
 
 
 _BOUNDARIES: weakref.WeakValueDictionary[int, _Boundary] = weakref.WeakValueDictionary()
@@ -172,16 +174,18 @@ def boundary_key(owner: _Boundary) -> int:
 
 
 @torch.library.custom_op("phalanx::ddp_compiled_step", mutates_args=())
-def step_boundary(anchor: torch.Tensor, key: int, what: str, sync: bool, broadcasts: bool) -> None:
-    """Called by a traced forward, run by its compiled graph at every step: the owner of ``key``
-    records the step (see the module notes). ``anchor``: any tensor of the model (an op's input)."""
+def step_boundary(anchor: torch.Tensor, key: int, at_end: bool, what: str, sync: bool, broadcasts: bool) -> None:
+    """Called by a traced forward at its start and at its end (``at_end``), run by its compiled
+    graph at every step: the owner of ``key`` checks and records the step (see the module
+    notes). ``anchor``: a tensor the call must come after (a parameter; at the end, an output)."""
     owner = _BOUNDARIES.get(key)
     if owner is not None:
-        owner.compiled_boundary(what, sync, broadcasts)
+        owner.compiled_boundary(at_end, what, sync, broadcasts)
 
 
 @step_boundary.register_fake
-def _step_boundary_fake(anchor: torch.Tensor, key: int, what: str, sync: bool, broadcasts: bool) -> None:
+def _step_boundary_fake(anchor: torch.Tensor, key: int, at_end: bool, what: str, sync: bool,
+                        broadcasts: bool) -> None:
     return None
 
 

@@ -19,12 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from .. import comm
 from .._logging import get_logger
 from ..diagnostics import ledger
 from ..errors import UsageError
-from ..ledger.log import call_site
+from ..ledger.log import call_site, describe_tensors
 from .bucket_comm import AllReduceMean, ReduceToOwner
 from .bucketing import BucketSpec, describe, plan_buckets
 from .buffer_sync import BUFFERS, BufferSync
@@ -82,6 +83,8 @@ class Runtime:
         self.build_reducer(None)
         # under compiled autograd a compiled graph records its collectives (compiled_boundary)
         self.ledgered, self.key = ledger().enabled, boundary_key(self)
+        self.described = {BUFFERS: describe_tensors(module.buffers()),
+                          TRACED_REDUCTION: describe_tensors(self.reducer.params)}
         if optimize_ddp_mode() == PYTHON_REDUCER:  # as torch's DDP, at construction
             enable_inductor_bucketing(bucket_cap_mb)
         if any(b.numel() for b in module.buffers()):
@@ -186,37 +189,49 @@ class Runtime:
             self.forwarded = True
             sync = torch.is_grad_enabled() and require_sync
             broadcasts = self.sync_buffers_next and sync_buffers and self.buffer_sync is not None
-            if self.ledgered and (sync or broadcasts):
-                what = CHECK if torch.is_grad_enabled() else EVALUATION
-                step_boundary(self.reducer.params[0], self.key, what, sync, broadcasts)
+            checked = self.ledgered and (sync or broadcasts)
+            what = CHECK if torch.is_grad_enabled() else EVALUATION
+            if checked:
+                step_boundary(self.reducer.params[0], self.key, False, what, sync, broadcasts)
             if self.device is not None:
                 inputs, kwargs = to_device(inputs, self.device), to_device(kwargs, self.device)
             if broadcasts:
                 with torch.no_grad():
                     self.reducer.traced.broadcast_buffers(list(self.module.buffers()))
+            output = self.module(*inputs, **kwargs)
+            if checked:
+                after = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor)), self.reducer.params[0])
+                step_boundary(after, self.key, True, what, sync, broadcasts)
         else:  # compiled autograd around an eager forward: the eager checks and broadcast
             inputs, kwargs, sync = self.before_forward(inputs, kwargs, require_sync, sync_buffers)
             if sync and self.ledgered:
                 self.record_traced_reduction(call_site(2))
-        output = self.module(*inputs, **kwargs)
+            output = self.module(*inputs, **kwargs)
         self.sync_buffers_next = sync
         self.reducer.traced.armed = sync
         return output
 
-    def compiled_boundary(self, what: str, sync: bool, broadcasts: bool) -> None:
-        """A compiled forward's graph at its start (:func:`step_boundary`): the step's sync point,
-        waited for (the backward graph's all-reduces cannot wait for it), then a record of what
-        the graph issues this step. No step clock: the graph's waits are not seen."""
-        book, site = ledger(), call_site(1)
-        book.sync_point(f"{what} (compiled)", self.group, site=site)
+    def compiled_boundary(self, at_end: bool, what: str, sync: bool, broadcasts: bool) -> None:
+        """A compiled forward's graph at its start and end (:func:`step_boundary`): start the
+        step's sync point (waited for at once before a buffer broadcast); at the end, wait for
+        it (a mismatch raises before the backward graph's all-reduces, which cannot wait for it)
+        and record what the graph issues this step. No step clock: the graph's waits are not seen."""
+        book = ledger()
+        if not at_end:
+            book.sync_point(f"{what} (compiled)", self.group, site=call_site(1), wait=broadcasts)
+            return
+        book.settle()
+        site = call_site(1)
         if broadcasts:
-            book.collective(f"{BUFFERS} (compiled)", list(self.module.buffers()), self.group, site=site).end()
+            book.collective(f"{BUFFERS} (compiled)", group=self.group, site=site,
+                            described=self.described[BUFFERS]).end()
         if sync:
             self.record_traced_reduction(site)
 
     def record_traced_reduction(self, site: str) -> None:
         """Record the per-parameter all-reduces a compiled autograd backward issues, as one."""
-        ledger().collective(TRACED_REDUCTION, self.reducer.params, self.group, site=site).end()
+        ledger().collective(TRACED_REDUCTION, group=self.group, site=site,
+                            described=self.described[TRACED_REDUCTION]).end()
 
     def backward_done(self) -> None:
         """The reducer's end of a synchronising backward: the step clock, the masters back."""

@@ -190,7 +190,7 @@ class Ledger:
     def collective(self, op: str, tensors: Sequence[Any] = (), group: Any = None, *,
                    check: bool = False, shadow: tuple[int, ...] | None = None,
                    site: str | None = None, announced: bool = False,
-                   diagnosed: bool = False) -> Collective:
+                   diagnosed: bool = False, described: tuple[str, tuple[int, ...]] | None = None) -> Collective:
         """Record a collective about to be issued (see the module notes).
 
         Args:
@@ -203,6 +203,8 @@ class Ledger:
             announced: the caller's own sync point announced it already.
             diagnosed: its failure says what went wrong already (``monitored_barrier`` names
                 the ranks that did not arrive): the observers are not asked.
+            described: ``tensors``' dtype and shape as :func:`~phalanx.ledger.log.describe_tensors`
+                gives them, worked out before (the tensors need not be passed then).
         """
         if not self.enabled:
             return Collective(None, None)
@@ -212,7 +214,7 @@ class Ledger:
             announced = True
         if self._pending is not None:
             self.settle()  # nothing goes out before the ranks are known to agree
-        dtype, shape = describe_tensors(tensors)
+        dtype, shape = described or describe_tensors(tensors)
         if self.join is not None and not announced:
             if self.group_name(group) != "world":
                 raise UsageError(f"{op} on {self.group_name(group)} inside phalanx.join: a join "
