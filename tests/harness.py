@@ -67,6 +67,16 @@ def error_of(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, st
     return None
 
 
+def marked_line(path: str, marker: str) -> str:
+    """``name.py:N`` of the line in file ``path`` that ends with ``# marker`` (the call site
+    phalanx's messages name)."""
+    with open(path) as f:
+        for number, text in enumerate(f, 1):
+            if text.rstrip().endswith(f"# {marker}"):
+                return f"{os.path.basename(path)}:{number}"
+    raise LookupError(marker)
+
+
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on right now."""
     with socket.socket() as s:

@@ -25,6 +25,7 @@ rebuilt one of its type, or of its nearest base among phalanx's errors, ``ValueE
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 import torch
@@ -80,11 +81,11 @@ def agree(
     problems = {rank: p for rank, (p, _) in enumerate(everyone) if p is not None}
     if not problems:
         return
-    if len(problems) == len(everyone) and len(set(problems.values())) == 1:
+    if len(problems) == len(everyone) and len({_alike(p) for p in problems.values()}) == 1:
         raise problem  # every rank has this same problem: its own, as it is
     by_message: dict[str, list[int]] = {}
-    for rank, (_, message) in problems.items():
-        by_message.setdefault(message, []).append(rank)
+    for rank, described in problems.items():
+        by_message.setdefault(_alike(described)[1], []).append(rank)
     parts = [f"on rank(s) {', '.join(map(str, ranks))}: {msg}" for msg, ranks in by_message.items()]
     first_type = next(iter(problems.values()))[0]
     raise _rebuild((first_type, f"{what} failed " + "; ".join(parts))) from problem
@@ -120,6 +121,13 @@ def _describe(problem: BaseException | None) -> tuple[str, str] | None:
     if kind is None:
         return RuntimeError.__name__, f"{type(problem).__name__}: {problem}"
     return kind.__name__, str(problem)
+
+
+def _alike(described: tuple[str, str]) -> tuple[str, str]:
+    """A problem as compared between ranks: memory addresses in its message (an object's
+    default repr, ``<object object at 0x7f...>``) differ from rank to rank, the problem does not."""
+    name, message = described
+    return name, re.sub(r"\b0x[0-9a-fA-F]+", "0x...", message)
 
 
 def _rebuild(described: tuple[str, str]) -> BaseException:

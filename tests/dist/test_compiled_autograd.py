@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.nn.parallel.distributed import _MixedPrecision
 
 import phalanx
-from tests.harness import error_of, run_ranks
+from tests.harness import error_of, marked_line, run_ranks
 
 STEPS = 3
 # Training: two 1 MiB layers (512 x 512 float32) and inductor's DDP fusion, whose first bucket
@@ -306,12 +306,7 @@ def test_torch_compile_of_the_model_without_compiled_autograd_has_no_graph_break
 
 # ---- the collective log and the sync point, recorded by the compiled graph ------------------
 def _line(marker: str) -> str:
-    """``test_compiled_autograd.py:N`` of the line in this file that ends with ``# marker``."""
-    with open(__file__) as f:
-        for number, text in enumerate(f, 1):
-            if text.rstrip().endswith(f"# {marker}"):
-                return f"test_compiled_autograd.py:{number}"
-    raise LookupError(marker)
+    return marked_line(__file__, marker)
 
 
 def _compiled_step(model, x):  # the compiled step

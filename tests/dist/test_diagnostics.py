@@ -11,18 +11,13 @@ import torch
 
 import phalanx
 from phalanx.diagnostics.monitor import END_WAIT_S
-from tests.harness import error_of, run_ranks
+from tests.harness import error_of, marked_line, run_ranks
 
 WATCHDOG_S = 10.0
 
 
 def _line(marker: str) -> str:
-    """``test_diagnostics.py:N`` of the line in this file that ends with ``# marker``."""
-    with open(__file__) as f:
-        for number, text in enumerate(f, 1):
-            if text.rstrip().endswith(f"# {marker}"):
-                return f"test_diagnostics.py:{number}"
-    raise LookupError(marker)
+    return marked_line(__file__, marker)
 
 
 def _mismatches(rank, world_size):

@@ -67,6 +67,8 @@ def _agreement_verdicts(rank, world_size):
         "all_same": _verdict(problem=ValueError("bad lr")),
         "one_rank": _verdict(problem=phalanx.CheckpointError("no room") if rank == last else None),
         "two_kinds": _verdict(problem=TypeError(f"odd {rank % 2}")),
+        # the same problem, naming an object whose address differs between ranks
+        "addresses": _verdict(problem=TypeError(f"got <object object at {hex(0x7f00 + rank)}>")),
         "foreign": _verdict(problem=OSError(28, "No space left") if rank == 0 else None),
         "decided": _verdict(problem=KeyError("k") if rank == 0 else ValueError("ignored"),
                             decided_by=0),
@@ -131,6 +133,7 @@ def test_agree_raises_each_ranks_problem_on_every_rank(many_checks):
         even = ", ".join(str(r) for r in range(0, world_size, 2))
         assert verdicts["two_kinds"] == (
             "TypeError", f"the check failed on rank(s) {even}: odd 0; on rank(s) {odd}: odd 1")
+        assert verdicts["addresses"] == ("TypeError", f"got <object object at {hex(0x7f00 + rank)}>")
         assert verdicts["foreign"] == (
             "RuntimeError", "the check failed on rank(s) 0: OSError: [Errno 28] No space left")
         assert verdicts["decided"] == ("KeyError" if rank == 0 else "RuntimeError",
