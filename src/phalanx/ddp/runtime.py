@@ -31,8 +31,8 @@ from .bucketing import BucketSpec, describe, plan_buckets
 from .buffer_sync import BUFFERS, BufferSync
 from .checkin import CHECK, EVALUATION, StepCheck
 from .checks import GradientOwners, agree_on_owners, refuse_distributed_autograd
-from .compiled_autograd import (PYTHON_REDUCER, TRACED_REDUCTION, boundary_key, enable_inductor_bucketing, optimize_ddp_mode,
-                                refusal, step_boundary)
+from .compiled_autograd import (PYTHON_REDUCER, TRACED_REDUCTION, boundary_key, enable_inductor_bucketing,
+                                optimize_ddp_mode, refusal, step_boundary)
 from .devices import to_device
 from .hook_comm import HookComm
 from .hook_registration import SHARDED_WITH_HOOK, check_registration
@@ -200,8 +200,8 @@ class Runtime:
                     self.reducer.traced.broadcast_buffers(list(self.module.buffers()))
             output = self.module(*inputs, **kwargs)
             if checked:
-                after = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor)), self.reducer.params[0])
-                step_boundary(after, self.key, True, what, sync, broadcasts)
+                leaves = (t for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+                step_boundary(next(leaves, self.reducer.params[0]), self.key, True, what, sync, broadcasts)
         else:  # compiled autograd around an eager forward: the eager checks and broadcast
             inputs, kwargs, sync = self.before_forward(inputs, kwargs, require_sync, sync_buffers)
             if sync and self.ledgered:
