@@ -59,25 +59,25 @@ def fill(bucket: Bucket, params: Sequence[torch.Tensor], seats: Sequence[bool], 
             view.zero_()
             continue
         if grad is view:
-            pass
-        elif unusual and is_unusual(grad):
+            undivided.append(view)
+            continue
+        if unusual and is_unusual(grad):
             graph = copy_unusual(grad, view)
             if graph is not None:  # kept out of .grad, which the write-back copies into
                 graphs[k] = graph
                 param.grad = None
-        elif divisor != 1 and view.numel() >= DIVIDE_INTO_SLOT and grad.dtype == view.dtype \
+            undivided.append(view)
+            continue
+        if divisor != 1 and view.numel() >= DIVIDE_INTO_SLOT and grad.dtype == view.dtype \
                 and grad.layout == torch.strided:
             torch.div(grad, divisor, out=view)  # one pass, not a copy then a division
             divided = True
-            if seats[k]:
-                param.grad = view
-            continue
         else:
             sources.append(grad)
             slots.append(view)
-            if seats[k]:
-                param.grad = view
-        undivided.append(view)
+            undivided.append(view)
+        if seats[k]:
+            param.grad = view
     if sources:
         try:
             torch._foreach_copy_(slots, sources)
