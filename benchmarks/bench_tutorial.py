@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5, help="launches per implementation (default 5)")
     p.add_argument("--epochs", type=int, default=3, help="epochs per launch, the first untimed (default 3)")
     p.add_argument("--batch-size", type=int, default=1, help="the tutorial's --batch_size (default 1)")
+    p.add_argument("--json", help="also write the table's rows to this file")
     p.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -119,13 +120,17 @@ def main(argv: list[str] | None = None) -> None:
           f"per epoch), {args.rounds} launches x {args.epochs - 1} timed epochs each\n")
     print("| implementation | epoch s (median) | per-launch medians | /torch | spread |")
     print("|---|---|---|---|---|")
-    base = medians["torch"]
+    base, rows = medians["torch"], {}
     for impl in IMPLS:
         ratios = [a / b for a, b in zip(medians[impl], base)]
-        print(f"| {impl} | {statistics.median(medians[impl]):.2f} | "
-              f"{', '.join(f'{m:.2f}' for m in medians[impl])} | "
-              f"{statistics.median(medians[impl]) / statistics.median(base):.3f} | "
-              f"{min(ratios):.3f}-{max(ratios):.3f} |")
+        rows[impl] = {"epoch_s": statistics.median(medians[impl]), "per_launch": medians[impl],
+                      "ratio": statistics.median(medians[impl]) / statistics.median(base),
+                      "spread": [min(ratios), max(ratios)]}
+        print(f"| {impl} | {rows[impl]['epoch_s']:.2f} | {', '.join(f'{m:.2f}' for m in medians[impl])} "
+              f"| {rows[impl]['ratio']:.3f} | {min(ratios):.3f}-{max(ratios):.3f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
