@@ -5,7 +5,7 @@ stats at sampled iterations (the first 10, then every ``sample_rate``-th, 100 by
 the last error it raised. phalanx gives the keys for which it has the same fact, under
 torch's names and in torch's types (``int`` or ``str``), and leaves the others out
 (docs/ddp.md lists both). Nothing is measured during training: the only per-step cost is the
-count of synchronising forwards (:attr:`~phalanx.ddp.runtime.Runtime.sync_forwards`); the
+count of synchronising forwards (:attr:`DDPLog.sync_forwards`); the
 rest is read from the settings, the module and the reducer when the dict is asked for.
 
 Keys and their meaning, as torch's:
@@ -93,28 +93,36 @@ class DDPLog:
     """What a DDP's logging data needs beyond its settings and reducer (one per
     :class:`~phalanx.ddp.runtime.Runtime`, so reset by unpickling, as torch's logger is)."""
 
+    sync_forwards: int = 0  # synchronising forwards so far (Runtime.before_forward counts them)
     rate: int = SAMPLE_RATE
     rate_since: int = 0  # the first iteration ``rate`` applies to
     sampled_before: int = 0  # the last iteration sampled under the earlier rates
     comm_hook: str | None = None
     error: str | None = None
+    error_at: int = 0  # sync_forwards when the error was recorded
 
-    def iteration(self, sync_forwards: int) -> int:
-        """torch's ``iteration`` after ``sync_forwards`` synchronising forwards: iteration
-        ``k`` is the ``k``-th forward's (counted from 0), sampled at its start."""
-        return max(self.sampled_before, last_sampled(self.rate_since, sync_forwards - 1, self.rate))
+    def iteration(self) -> int:
+        """torch's ``iteration``: the last sampled one (iteration ``k`` is the ``k``-th
+        synchronising forward's, counted from 0, sampled at its start), or the count of
+        synchronising forwards when the last error was recorded, whichever came later."""
+        return max(self.sampled(), self.error_at)
 
-    def set_rate(self, rate: int, sync_forwards: int) -> None:
+    def sampled(self) -> int:
+        """The last iteration sampled so far (0: none), when torch records its runtime stats."""
+        return max(self.sampled_before, last_sampled(self.rate_since, self.sync_forwards - 1, self.rate))
+
+    def set_rate(self, rate: int) -> None:
         """``_set_ddp_runtime_logging_sample_rate``: from the next forward on."""
         if not isinstance(rate, int) or isinstance(rate, bool):
             raise TypeError(f"the sample rate must be an int, got {type(rate).__name__}")
         if rate < 1:
             raise ValueError(f"{SAMPLE_RATE_TOO_LOW}, got {rate}")
-        self.sampled_before = self.iteration(sync_forwards)
-        self.rate, self.rate_since = rate, sync_forwards
+        self.sampled_before = self.sampled()
+        self.rate, self.rate_since = rate, self.sync_forwards
 
     def record(self, error: BaseException) -> None:
-        self.error = f"{type(error).__name__}: {error}"
+        """The last error (torch's logger also sets ``iteration`` to its count then)."""
+        self.error, self.error_at = f"{type(error).__name__}: {error}", self.sync_forwards
 
     @contextmanager
     def errors(self) -> Iterator[None]:
@@ -154,16 +162,16 @@ def construction_data(module: nn.Module, group: dist.ProcessGroup | None, device
     return data
 
 
-def runtime_data(log: DDPLog, sync_forwards: int, plan: Sequence[BucketSpec], unused: Sequence[torch.Tensor] | None,
+def runtime_data(log: DDPLog, plan: Sequence[BucketSpec], unused: Sequence[torch.Tensor] | None,
                  static_graph: bool) -> dict[str, int | str]:
     """The keys that change after construction; ``unused``: the parameters the reducer treats
     as unused now (``None`` without a reducer)."""
-    data: dict[str, int | str] = {"iteration": log.iteration(sync_forwards)}
+    data: dict[str, int | str] = {"iteration": log.iteration()}
     if static_graph:
         data["static_graph"] = 1
     if plan:
         data["bucket_sizes"] = ", ".join(str(spec.nbytes) for spec in plan)
-    if data["iteration"] and unused is not None:
+    if log.sampled() and unused is not None:  # torch's runtime stats, set at sampled iterations
         data["unused_parameter_size"] = sum(p.numel() * p.element_size() for p in unused)
         if log.comm_hook is None:
             data["num_buckets_reduced"] = len(plan)

@@ -77,7 +77,6 @@ class Runtime:
         self.bucket_plan: list[BucketSpec] = []
         self.sparse_names: list[str] = []
         self.owners: list[int | None] | None = None  # shard_gradients' owner of each parameter
-        self.sync_forwards = 0  # synchronising forwards so far: torch's DDP iteration count
         self.log = DDPLog()  # what _get_ddp_logging_data() needs besides the settings
         self.check = StepCheck(group)
         self.join = JoinPart(group)  # its place in a running phalanx.join
@@ -152,8 +151,8 @@ class Runtime:
     def set_static_graph(self) -> None:
         """``DistributedDataParallel._set_static_graph``: the reducer rebuilt with ``static_graph``,
         before the first synchronising forward (torch's rule; no collective)."""
-        if self.sync_forwards:
-            raise UsageError(f"{STATIC_GRAPH_TOO_LATE} This DistributedDataParallel ran {self.sync_forwards} "
+        if self.log.sync_forwards:
+            raise UsageError(f"{STATIC_GRAPH_TOO_LATE} This DistributedDataParallel ran {self.log.sync_forwards} "
                              "synchronising forward(s) already: pass static_graph=True to the constructor, "
                              "or call _set_static_graph() before training")
         self.static_graph = True
@@ -164,7 +163,7 @@ class Runtime:
         """The keys of the DDP's logging data that change after construction
         (:func:`~phalanx.ddp.logging_data.runtime_data`)."""
         unused = None if self.reducer is None else self.reducer.unused_params()
-        return runtime_data(self.log, self.sync_forwards, self.bucket_plan, unused, self.static_graph)
+        return runtime_data(self.log, self.bucket_plan, unused, self.static_graph)
 
     def gradient_bytes(self) -> int:
         """Bytes of the ``.grad`` tensors and kept bucket buffers, shared memory counted once."""
@@ -181,7 +180,7 @@ class Runtime:
         inputs, kwargs = self.precision.before_forward(inputs, kwargs)
         self.forwarded = True
         sync = torch.is_grad_enabled() and require_sync
-        self.sync_forwards += sync
+        self.log.sync_forwards += sync  # torch's DDP iteration count
         if self.reducer is None:
             return inputs, kwargs, sync
         refuse_distributed_autograd()

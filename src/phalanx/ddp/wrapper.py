@@ -454,7 +454,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             ValueError: ``sample_rate`` below 1 (torch's words).
         """
         with self._runtime.log.errors():
-            self._runtime.log.set_rate(sample_rate, self._runtime.sync_forwards)
+            self._runtime.log.set_rate(sample_rate)
 
     def _set_static_graph(self) -> None:
         """``static_graph=True`` after construction (torch's private way): call it before the
