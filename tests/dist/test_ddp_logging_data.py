@@ -255,6 +255,7 @@ def results():
     return run_ranks(every_case, WORLD, init=False, timeout=180)
 
 
+@pytest.mark.slow  # one group of 2 ranks, ~12 s on 2 cores
 @pytest.mark.parametrize("case", CASES)
 def test_logging_data_holds_torchs_values(results, case):
     problems = [f"rank {r}: {p}" for r, out in enumerate(results) for p in out[case]]
