@@ -5,8 +5,9 @@ Part 1 runs torch's test methods themselves, from the installed
 each in its own group of 2 ranks on Gloo as torch's ``test_distributed_spawn.py`` runs them, with
 phalanx's class in place of torch's (:mod:`tests.dist.torch_suite`). :data:`TORCH_TESTS` is the
 selection: every test whose name holds ``comm_hook``, ``join`` or ``uneven`` (torch runs them
-all on GPUs only: they are skipped here with torch's own reason) and the DDP tests that run on
-Gloo without GPUs and register a comm hook.
+all on GPUs only: they are skipped here with torch's own reason), the DDP tests that run on
+Gloo without GPUs and register a comm hook, and those of torch's CPU tests that read
+``_get_ddp_logging_data()`` which pass on phalanx (:data:`TORCH_CPU_LOGGING`).
 
 Part 2 is our own code for what torch's wheel does not ship: ``test/distributed/test_c10d_gloo.py``'s
 ``DistributedDataParallelTest`` comm-hook cases (same scenarios and assertions), and, because
@@ -17,9 +18,9 @@ assertions, else the scenario is wrong), then phalanx's. The groups are made by 
 phalanx.
 
 Left out of torch's assertions: those on torch's private attributes, which phalanx's DDP does not
-have (``_get_ddp_logging_data()``, refused by design, behind ``verify_ddp_error_logged`` and the
-``join_uneven_inputs`` flag; ``_join_config``; ``_authoritative_rank``, whose meaning, every rank
-ending with the last joiner's model, is checked through the models themselves). torch's
+have (the logging data's ``join_uneven_inputs`` flag; ``_join_config``; ``_authoritative_rank``,
+whose meaning, every rank ending with the last joiner's model, is checked through the models
+themselves). torch's
 ``nn.SyncBatchNorm`` refuses CPU tensors: the sync-BN join case uses phalanx's under both DDPs.
 Part 1 needs ``expecttest`` (torch's test helpers import it; in the ``test`` extra).
 
@@ -62,7 +63,11 @@ TORCH_CPU_HOOKS = [
     "test_accumulate_gradients_no_sync_allreduce_hook",
     "test_accumulate_gradients_no_sync_allreduce_with_then_hook",
 ]
-TORCH_TESTS = TORCH_GPU_ONLY + TORCH_CPU_HOOKS
+# torch's CPU tests that read _get_ddp_logging_data() (directly or through verify_ddp_error_logged)
+# and pass on phalanx. test_ddp_logging_data_cpu is the other one: it asserts the keys phalanx
+# leaves out (timings, torch's bucket rebuild, environment variables; docs/ddp.md).
+TORCH_CPU_LOGGING = ["test_static_graph_api_cpu"]
+TORCH_TESTS = TORCH_GPU_ONLY + TORCH_CPU_HOOKS + TORCH_CPU_LOGGING
 
 
 def judge(problems: list[str]) -> None:

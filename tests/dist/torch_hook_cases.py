@@ -63,15 +63,25 @@ def invalid_comm_hook_init_bucket_annotation(ddp, group, rank, world_size):
 
 
 def invalid_comm_hook_return_annotation(ddp, group, rank, world_size):
-    # torch's test also calls verify_ddp_error_logged (torch's _get_ddp_logging_data(), which
-    # phalanx refuses with AttributeError by design: docs/torch_surface_ddp.md): left out
     model = ddp(ModuleForDdpCommHook(), process_group=group)
 
     def comm_hook(state: object, bucket: dist.GradBucket) -> int:
         return torch.futures.Future()
 
-    return raises(lambda: model.register_comm_hook(state=None, hook=comm_hook), ValueError,
-                  "Communication hook: return annotation should be torch.futures.Future")
+    expected_err = "Communication hook: return annotation should be torch.futures.Future"
+    found = raises(lambda: model.register_comm_hook(state=None, hook=comm_hook), ValueError, expected_err)
+    return found + error_logged(model, expected_err)
+
+
+def error_logged(model, expected_err):
+    """torch's ``verify_ddp_error_logged``: the DDP's logging data holds the error."""
+    from torch.testing._internal.common_distributed import verify_ddp_error_logged
+
+    try:
+        verify_ddp_error_logged(model, expected_err)
+    except Exception as e:  # noqa: BLE001 - its failure is the finding
+        return [f"the error is not logged: {described(e)}"]
+    return []
 
 
 def invalid_comm_hook_return_not_future(ddp, group, rank, world_size):

@@ -31,7 +31,9 @@ ALLOWED = {
     "batch": {"process_group", "_logging"},
     "sync_batchnorm": {"diagnostics", "ledger"},
     "hooks": set(),  # the hook writer's contract: no DDP, no phalanx (torch keeps them apart)
-    "ddp": {"comm", "agreement", "errors", "_logging", "diagnostics", "ledger", "uneven", "hooks"},
+    # sync_batchnorm: the logging data's has_sync_bn counts phalanx's SyncBatchNorm as torch's
+    "ddp": {"comm", "agreement", "errors", "_logging", "diagnostics", "ledger", "uneven", "hooks",
+            "sync_batchnorm"},
     "zero": {"comm", "agreement", "errors", "diagnostics", "ledger", "uneven"},
     "fsdp": {"comm", "errors", "diagnostics", "ledger", "uneven"},
     # compression hooks and model averaging stand on the contract, not on the DDP that runs them

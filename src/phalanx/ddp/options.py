@@ -301,7 +301,8 @@ def is_default_group(group: Any) -> bool:
 
 # Public attributes and methods of torch's DDP that phalanx's does not have, and why: the
 # wrapper's AttributeError for each says so (docs/torch_surface_ddp.md lists them).
-_LOGGING = "phalanx has no DDP logger; for the bucket plan set logging.getLogger('phalanx') to DEBUG"
+_LOGGING = ("phalanx has no DDP logger; _get_ddp_logging_data() gives its logging data, and with "
+            "logging.getLogger('phalanx') at DEBUG the bucket plan is logged")
 _ONE_DEVICE = ("with one device per process inputs are moved to device_ids[0], never scattered, and "
                "outputs are never gathered")
 _CAPS = "phalanx keeps the arguments (bucket_cap_mb, bucket_cap_mb_list); the planned buckets are in bucket_plan"
@@ -316,14 +317,12 @@ TORCH_ONLY_ATTRIBUTES = {
     "reducer": "it is torch's C++ dist.Reducer; phalanx's reducer is its own and private (the buckets "
                "are in bucket_plan)",
     "logger": _LOGGING,
-    "_get_ddp_logging_data": _LOGGING,
     "scatter": _ONE_DEVICE,
     "gather": _ONE_DEVICE,
     "to_kwargs": _ONE_DEVICE,
     "use_side_stream_for_tensor_copies": "inputs are moved with non_blocking=True on the current stream",
     "_register_fused_optim": "no optimizer step runs inside the backward; call optimizer.step() after "
                              "backward()",
-    "_set_static_graph": "pass static_graph=True to the constructor",
     "bucket_bytes_cap_list": _CAPS,
     "bucket_bytes_cap_default": _CAPS,
     "broadcast_bucket_size": "the construction broadcast goes in chunks of phalanx.comm.BROADCAST_CHUNK_BYTES",

@@ -168,6 +168,7 @@ class Reducer:
         self._site = ""
         # Called at the end of each synchronising backward that succeeded (DDP's step clock).
         self.on_backward_done: Any = None
+        self.on_problem: Any = None  # called with the error a backward raises (the DDP's logging data)
         self.join_index: int | None = None  # this DDP's place in a running phalanx.join
         self._last = comm.LastWorks()  # the last backward's, until the next one's
         # the averaging under compiled autograd, armed by the DDP's forward instead of this reducer
@@ -437,7 +438,20 @@ class Reducer:
 
     def _raise_problems(self) -> None:
         everyone = comm.all_gather_object(self._describe(), self.bucket_comm.group)
-        raise UnusedParametersError(problem_message(dict(enumerate(everyone)), self.static_graph))
+        error = UnusedParametersError(problem_message(dict(enumerate(everyone)), self.static_graph))
+        if self.on_problem is not None:
+            self.on_problem(error)
+        raise error
+
+    def unused_params(self) -> list[torch.Tensor]:
+        """The bucketed parameters treated as unused now: with ``static_graph`` those learned
+        in the first backward, with ``find_unused_parameters`` those the latest synchronising
+        forward's graph did not reach; none otherwise (each must get a gradient)."""
+        if self.walk_graph and self._reached is not None:
+            unused = set(range(len(self.params))) - self._reached
+        else:
+            unused = (self._known_unused or set()) if self.static_graph else set()
+        return [self.params[k] for k in sorted(unused)]
 
 
 def _hook(reducer: weakref.ref, k: int, param: torch.Tensor) -> None:

@@ -37,6 +37,7 @@ from .devices import to_device
 from .hook_comm import HookComm
 from .hook_registration import SHARDED_WITH_HOOK, check_registration
 from .joining import JoinPart
+from .logging_data import STATIC_GRAPH_TOO_LATE, DDPLog, runtime_data
 from .mixed_precision import precision_for
 from .reducer import Reducer, tensor_bytes
 from .sparse import sparse_positions
@@ -75,6 +76,8 @@ class Runtime:
         self.buffer_sync: BufferSync | None = None
         self.bucket_plan: list[BucketSpec] = []
         self.sparse_names: list[str] = []
+        self.owners: list[int | None] | None = None  # shard_gradients' owner of each parameter
+        self.log = DDPLog()  # what _get_ddp_logging_data() needs besides the settings
         self.check = StepCheck(group)
         self.join = JoinPart(group)  # its place in a running phalanx.join
         self.precision = precision_for(module, mixed_precision)
@@ -98,6 +101,7 @@ class Runtime:
 
     def build_reducer(self, owners: list[int | None] | None) -> None:
         """Plan the buckets (per owner, with ``owners``) and install a reducer for them."""
+        self.owners = owners
         named = list(self.module.named_parameters())
         sparse = sparse_positions(self.module, named)
         self.bucket_plan = plan_buckets(named, owners=owners, caps=self.caps, skip=sparse,
@@ -123,6 +127,7 @@ class Runtime:
             sparse_params=[named[i] for i in sparse],
         )
         self.reducer.on_backward_done = self.backward_done
+        self.reducer.on_problem = self.log.record
         self.reducer.join_index = self.join.index  # rebuilt inside a join: still in it
         self.sparse_names = [named[i][0] for i in sparse]
 
@@ -143,6 +148,23 @@ class Runtime:
         if self.reducer is not None:
             self.build_reducer(None)
 
+    def set_static_graph(self) -> None:
+        """``DistributedDataParallel._set_static_graph``: the reducer rebuilt with ``static_graph``,
+        before the first synchronising forward (torch's rule; no collective)."""
+        if self.log.sync_forwards:
+            raise UsageError(f"{STATIC_GRAPH_TOO_LATE} This DistributedDataParallel ran {self.log.sync_forwards} "
+                             "synchronising forward(s) already: pass static_graph=True to the constructor, "
+                             "or call _set_static_graph() before training")
+        self.static_graph = True
+        if self.reducer is not None:
+            self.build_reducer(self.owners)
+
+    def logging_data(self) -> dict[str, int | str]:
+        """The keys of the DDP's logging data that change after construction
+        (:func:`~phalanx.ddp.logging_data.runtime_data`)."""
+        unused = None if self.reducer is None else self.reducer.unused_params()
+        return runtime_data(self.log, self.bucket_plan, unused, self.static_graph)
+
     def gradient_bytes(self) -> int:
         """Bytes of the ``.grad`` tensors and kept bucket buffers, shared memory counted once."""
         tensors = [p.grad for p in self.module.parameters() if p.grad is not None]
@@ -158,6 +180,7 @@ class Runtime:
         inputs, kwargs = self.precision.before_forward(inputs, kwargs)
         self.forwarded = True
         sync = torch.is_grad_enabled() and require_sync
+        self.log.sync_forwards += sync  # torch's DDP iteration count
         if self.reducer is None:
             return inputs, kwargs, sync
         refuse_distributed_autograd()

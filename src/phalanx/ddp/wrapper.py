@@ -13,6 +13,7 @@ module's own, after (arm the reducer).
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -27,6 +28,7 @@ from .bucketing import FIRST_BUCKET_BYTES
 from .checks import GradientOwners
 from .compiled_autograd import compiled_autograd_enabled
 from .hook_registration import builtin_hook
+from .logging_data import STATIC_GRAPH_AGAIN, STATIC_GRAPH_FINDS_UNUSED, construction_data
 from .options import NOTHING_IGNORED, TORCH_ONLY_ATTRIBUTES, check_group, resolve_arguments
 from .pickling import picklable_state, unpickled_state
 from .runtime import Runtime
@@ -244,6 +246,10 @@ class DistributedDataParallel(nn.Module, Joinable):
                                 find_unused_parameters=self.find_unused_parameters,
                                 gradient_as_bucket_view=self.gradient_as_bucket_view, static_graph=self.static_graph)
         self.bucket_plan = self._runtime.bucket_plan
+        self._construction_data = construction_data(
+            self.module, self.process_group, self._device, (self.bucket_cap_mb, self.bucket_cap_mb_list),
+            dict(broadcast_buffers=self.forward_sync_buffers, find_unused_parameters=self.find_unused_parameters,
+                 gradient_as_bucket_view=self.gradient_as_bucket_view))
 
     @property
     def forward(self) -> Callable[..., Any]:
@@ -418,11 +424,53 @@ class DistributedDataParallel(nn.Module, Joinable):
         """torch's built-in hook ``dist.BuiltinCommHookType.ALLREDUCE`` or ``FP16_COMPRESS``,
         as its Python twin in torch's ``default_hooks`` (the same gradients), over this DDP's
         group; the rules of :meth:`register_comm_hook`."""
-        self._register(self.process_group, builtin_hook(comm_hook_type), builtin=True)
+        self._register(self.process_group, builtin_hook(comm_hook_type), builtin=True, name=str(comm_hook_type))
 
-    def _register(self, state: Any, hook: Any, builtin: bool) -> None:
-        self._runtime.register_comm_hook(state, hook, builtin)
+    def _register(self, state: Any, hook: Any, builtin: bool, name: str | None = None) -> None:
+        with self._runtime.log.errors():
+            self._runtime.register_comm_hook(state, hook, builtin)
+        self._runtime.log.comm_hook = name or getattr(hook, "__qualname__", type(hook).__qualname__)
         self.bucket_plan = self._runtime.bucket_plan
+
+    def _get_ddp_logging_data(self) -> dict[str, int | str]:
+        """torch's logging data: settings, bucket sizes, the iteration count, the last error.
+
+        The keys for which phalanx has torch's fact, in torch's types (``int`` or ``str``);
+        :mod:`phalanx.ddp.logging_data` says what each means and docs/ddp.md which of torch's
+        keys are left out (the timings among them: phalanx measures nothing while training).
+
+        Example::
+
+            >>> ddp._get_ddp_logging_data()["bucket_sizes"]   # bytes per bucket, in launch order
+            '1049600, 4198400'
+        """
+        return {**self._construction_data, **self._runtime.logging_data()}
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """Sample every ``sample_rate``-th iteration after the first 10 (torch's default 100):
+        which iteration the logging data's ``iteration`` (and the keys read at it) reports.
+
+        Raises:
+            ValueError: ``sample_rate`` below 1 (torch's words).
+        """
+        with self._runtime.log.errors():
+            self._runtime.log.set_rate(sample_rate)
+
+    def _set_static_graph(self) -> None:
+        """``static_graph=True`` after construction (torch's private way): call it before the
+        first synchronising forward; a second call only warns, in torch's words.
+
+        Raises:
+            UsageError: a synchronising forward ran already (torch's ``RuntimeError`` and words).
+        """
+        if self.static_graph:
+            warnings.warn(STATIC_GRAPH_AGAIN, stacklevel=2)
+            return
+        with self._runtime.log.errors():
+            self._runtime.set_static_graph()
+        self.static_graph = True
+        if self.find_unused_parameters:
+            warnings.warn(STATIC_GRAPH_FINDS_UNUSED, stacklevel=2)
 
     def gradient_bytes(self) -> int:
         """Bytes this rank holds for gradients now: ``.grad`` tensors and kept bucket buffers.
