@@ -101,7 +101,7 @@ def fully_shard(
     floating = params and params[0].dtype.is_floating_point
     param_dtype = mp_policy.param_dtype if floating and mp_policy.param_dtype != params[0].dtype else None
     unit = Unit(modules, Params(params, locations, mesh, param_dtype, offload_policy),
-                reshard_after_forward, mp_policy)
+                reshard_after_forward, mp_policy, originals=params)
     for m in modules:
         m.__dict__[UNIT_ATTRIBUTE] = unit
         m.__class__ = _fsdp_class(type(m))

@@ -174,12 +174,14 @@ class Iteration:
             torch.autograd.Variable._execution_engine.queue_callback(eager_hook(self.end_of_backward))
 
     def end_of_backward(self) -> None:
-        """Units whose backward did not finish (parameters without gradients; the root,
-        whose inputs need none) finish; every reduce-scatter lands in ``.grad``."""
+        """Units whose backward began but did not finish (parameters without gradients;
+        the root, whose inputs need none) finish; every reduce-scatter lands in ``.grad``.
+        A unit this backward did not reach keeps its reduce-scatter for the backward that
+        does (torch's chunked loss: the head's backward on each chunk, then the trunk's)."""
         self.callback_queued = False
         self._backward = None
         for unit in reversed(self.units):
-            if unit.stage is not Stage.POST_BACKWARD:
+            if unit.stage is not Stage.POST_BACKWARD and unit.backward_began():
                 unit.post_backward()
             unit.wait_for_unshard()  # a prefetch its backward did not use lands now, not stale later
             unit.stage = Stage.IDLE
