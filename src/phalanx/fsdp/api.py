@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor
 
 from ..errors import NotInitializedError
 from .module import FSDPModule
@@ -190,6 +191,13 @@ def _check_params(params: list[nn.Parameter], locations: list[list[tuple[nn.Modu
     devices = ("meta", mesh.device_type, "cpu") if offload else ("meta", mesh.device_type)
     for p, where in zip(params, locations):
         name = where[0][1]
+        if isinstance(p, DTensor):  # torch's 2-D composition (TP x FSDP) shards the local part
+            raise ValueError(
+                f"phalanx.fully_shard does not support parameters that are DTensors already (tensor "
+                f"parallelism, parallelize_module): {name} is one, {list(p.placements)} on {p.device_mesh}. "
+                "Compose tensor parallelism with FSDP through torch's fully_shard "
+                "(torch.distributed.fsdp.fully_shard(module, mesh=dp_mesh)), or shard the model with "
+                "phalanx.fully_shard without tensor parallelism")
         if p.dim() == 0:
             raise ValueError("fully_shard doesn't support scalar parameters. "
                              f"Change {name} to a 1D tensor with numel equal to 1.")

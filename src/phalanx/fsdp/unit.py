@@ -307,7 +307,9 @@ class Unit:
         if self.reshard_after_backward:
             self.reshard()
         trainable = [(i, s) for i, s in enumerate(self.params.slots) if s.sharded.requires_grad]
-        if self._forward_since_reduce and trainable:
+        # a unit with gradients reduces them (a second backward through a retained graph:
+        # torch's chunked loss); without any, only the first backward after its forward does
+        if trainable and (self._forward_since_reduce or self._grad_sums):
             self._forward_since_reduce = False
             assert self.iteration is not None
             self.iteration.add(self._reduce(trainable))
@@ -370,9 +372,10 @@ def _refuse_shared(names: dict[Unit, list[str]], paths: dict[nn.Module, str]) ->
                 raise ValueError(
                     f"Parameter '{fqn(slot)}' is shared with a parameter already managed by another "
                     "FSDP group. For shared/tied parameters, use fully_shard([module_a, module_b]) to "
-                    f"place them in the same FSDP group. (phalanx: it is '{fqn(first[1])}' of the unit "
-                    f"of {', '.join(names[first[0]])}; sharded apart, each unit would train a copy of its own: "
-                    "shard the modules that share it as one unit, or leave it to a unit above both)")
+                    f"place them in the same FSDP group. (phalanx: it is '{fqn(first[1])}' of the "
+                    f"unit of {', '.join(names[first[0]])}; sharded apart, each unit would train a "
+                    "copy of its own: shard the modules that share it as one unit, or leave it to a "
+                    "unit above both)")
 
 
 def _relaid(slots: list[Slot]) -> list[Slot]:
