@@ -35,6 +35,9 @@ from tests.dist.test_fully_shard_units import ChunkedGPT
 from tests.harness import error_of, run_ranks
 
 STEPS = 3
+# the head a unit of its own on chunks of a detached output, or of the output itself (each
+# chunk's backward through the whole model); the head and the final norm one unit, detached
+CHUNKED = ["detached", "retained", "grouped"]
 
 
 def _tied_model(fs, grouped):
@@ -84,13 +87,16 @@ def _trained(models, loss_of, world_size):
             "moved": _max_diff((p.detach().full_tensor(), b) for p, b in zip(params[0], before))}
 
 
-def _chunked_model(fs):
+def _chunked_model(fs, grouped):
     torch.manual_seed(6)
     model = ChunkedGPT(vocab=50, tokens=8, dim=18, depth=3, heads=3)
     for block in model.blocks:
         fs(block)
-    fs(model.ln)  # run by the root's forward
-    fs(model.head)  # run by the loop, on chunks of the root's output
+    if grouped:
+        fs([model.ln, model.head])
+    else:
+        fs(model.ln)  # run by the root's forward
+        fs(model.head)  # run by the loop, on chunks of the root's output
     return fs(model)
 
 
@@ -131,9 +137,9 @@ def _tensor_parallel(rank, world_size):
 
 def _gaps(rank, world_size):
     out = {"tied": _tied(rank, world_size), "tensor_parallel": _tensor_parallel(rank, world_size)}
-    for detached in (True, False):
-        models = [_chunked_model(fs) for fs in (fully_shard, torch_fully_shard)]
-        out["chunked", detached] = _trained(models, _chunked_loss(detached), world_size)
+    for case in CHUNKED:
+        models = [_chunked_model(fs, grouped=case == "grouped") for fs in (fully_shard, torch_fully_shard)]
+        out[case] = _trained(models, _chunked_loss(detached=case != "retained"), world_size)
     return out
 
 
@@ -179,10 +185,10 @@ def test_tied_parameters_in_one_unit_train_as_torch(ranks):
         assert res["grads_equal"] and res["equal"], (rank, res)
 
 
-@pytest.mark.parametrize("detached", [True, False], ids=["detached", "retained"])
-def test_head_unit_on_chunks_trains_as_torch(ranks, detached):
+@pytest.mark.parametrize("case", CHUNKED)
+def test_head_unit_on_chunks_trains_as_torch(ranks, case):
     for rank, out in enumerate(ranks):
-        res = out["chunked", detached]
+        res = out[case]
         assert res["moved"] > 1e-2, (rank, res)
         assert res["grads_equal"] and res["equal"], (rank, res)
 

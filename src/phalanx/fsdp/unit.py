@@ -288,6 +288,11 @@ class Unit:
 
     def _accumulated(self, param: torch.Tensor) -> None:
         self._remaining -= 1
+        if self.stage is Stage.FORWARD and self.iteration is not None:
+            # a unit of several modules, one run on its own (a head on chunks of a detached
+            # output): no pre-backward hook; the end of this backward reduces what it has
+            # (torch's grouped post-backward)
+            self.iteration.queue_end_of_backward()
         if self._remaining == 0 and self.stage is Stage.PRE_BACKWARD:
             self.post_backward()
 
@@ -295,6 +300,9 @@ class Unit:
     def post_backward(self) -> None:
         """Reduce-scatter the unit's unsharded gradients (or keep them, without sync)."""
         self.stage = Stage.POST_BACKWARD
+        # another backward of this forward (a retained graph, or the trunk's after the
+        # chunks') brings every gradient again
+        self._remaining = sum(s.sharded.requires_grad for s in self.params.slots)
         if not self.reduce_grads:
             if self.reshard_after_backward:
                 self.reshard()
