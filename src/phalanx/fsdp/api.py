@@ -73,9 +73,10 @@ def fully_shard(
         ``module``, now an :class:`FSDPModule` (a list: the same list, each module one).
 
     Raises:
-        ValueError: for what phalanx does not support yet, naming it, and for torch's own
-            refusals (containers without ``forward``, scalar parameters, a second call on one
-            module).
+        ValueError: for what phalanx does not support yet, naming it (parameters that are
+            DTensors already: tensor parallelism), and for torch's own refusals (containers
+            without ``forward``, scalar parameters, a second call on one module; at the first
+            forward, a parameter in two units: tied weights sharded apart).
 
     Example::
 

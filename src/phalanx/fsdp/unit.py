@@ -21,12 +21,17 @@ The life of a unit in one iteration (torch's FSDP2 order):
 * **end of backward** (an autograd-engine callback, queued by the first pre-backward):
   units whose backward did not finish (parameters without gradients) finish now; every
   reduce-scatter is waited for and its slices become the sharded ``.grad`` DTensors
-  (accumulated into existing ones).
+  (accumulated into existing ones). A unit the backward did not reach is resharded and
+  keeps its reduce-scatter for the backward that does (torch's chunked loss: a head run on
+  its own on chunks of a detached output, one backward per chunk, then the trunk's); a
+  unit with gradients reduces them in each backward (several through a retained graph).
 
 A unit of several modules (``fully_shard([a, b])``) hooks each of them: the first to run
 in a pass does the pre-forward, the last the post-forward (the others only cast inputs and
 outputs); modules that did not run when the root's forward ends complete then, with the
-root's output (torch's grouped hooks: a head called by itself on chunks of the output).
+root's output (torch's grouped hooks: a head called by itself on chunks of the output);
+a module run on its own after that has no pre-backward: its gradients queue the end of
+the backward, which reduces them.
 
 ``set_requires_gradient_sync(False)`` keeps the unsharded gradients (on every rank, the
 whole unit's) instead of reducing them; the next synchronised backward reduces their sum.
