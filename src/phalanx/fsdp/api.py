@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor
 
 from ..errors import NotInitializedError
 from .module import FSDPModule
@@ -72,9 +73,10 @@ def fully_shard(
         ``module``, now an :class:`FSDPModule` (a list: the same list, each module one).
 
     Raises:
-        ValueError: for what phalanx does not support yet, naming it, and for torch's own
-            refusals (containers without ``forward``, scalar parameters, a second call on one
-            module).
+        ValueError: for what phalanx does not support yet, naming it (parameters that are
+            DTensors already: tensor parallelism), and for torch's own refusals (containers
+            without ``forward``, scalar parameters, a second call on one module; at the first
+            forward, a parameter in two units: tied weights sharded apart).
 
     Example::
 
@@ -101,7 +103,7 @@ def fully_shard(
     floating = params and params[0].dtype.is_floating_point
     param_dtype = mp_policy.param_dtype if floating and mp_policy.param_dtype != params[0].dtype else None
     unit = Unit(modules, Params(params, locations, mesh, param_dtype, offload_policy),
-                reshard_after_forward, mp_policy)
+                reshard_after_forward, mp_policy, originals=params)
     for m in modules:
         m.__dict__[UNIT_ATTRIBUTE] = unit
         m.__class__ = _fsdp_class(type(m))
@@ -190,6 +192,13 @@ def _check_params(params: list[nn.Parameter], locations: list[list[tuple[nn.Modu
     devices = ("meta", mesh.device_type, "cpu") if offload else ("meta", mesh.device_type)
     for p, where in zip(params, locations):
         name = where[0][1]
+        if isinstance(p, DTensor):  # torch's 2-D composition (TP x FSDP) shards the local part
+            raise ValueError(
+                f"phalanx.fully_shard does not support parameters that are DTensors already (tensor "
+                f"parallelism, parallelize_module): {name} is one, {list(p.placements)} on {p.device_mesh}. "
+                "Compose tensor parallelism with FSDP through torch's fully_shard "
+                "(torch.distributed.fsdp.fully_shard(module, mesh=dp_mesh)), or shard the model with "
+                "phalanx.fully_shard without tensor parallelism")
         if p.dim() == 0:
             raise ValueError("fully_shard doesn't support scalar parameters. "
                              f"Change {name} to a 1D tensor with numel equal to 1.")

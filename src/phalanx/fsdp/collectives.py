@@ -37,10 +37,31 @@ class Pending:
         self._record.end()
 
 
+class _Local:
+    """The work of a group of one: done where it was started (no collective)."""
+
+    def wait(self) -> None:
+        return None
+
+
+def _alone(output: torch.Tensor, input: torch.Tensor, group: Any) -> Pending | None:
+    """In a group of one, every collective here is a copy (the shard is the whole, the
+    reduction over one rank the identity): made at once, nothing sent or recorded, as torch's
+    ``fully_shard`` runs no collective at world size 1. ``None`` in a larger group."""
+    if dist.get_world_size(group) != 1:
+        return None
+    if output.data_ptr() != input.data_ptr():  # (an all-reduce is in place)
+        with torch.no_grad():
+            output.copy_(input.view_as(output))
+    return Pending(_Local(), Collective(None, None))
+
+
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, unit: str,
                shadow: tuple[int, ...] | None = None, announced: bool = False) -> Pending:
     """Start gathering every rank's ``input`` into ``output`` (rank by rank). ``shadow`` and
     ``announced``: :meth:`phalanx.ledger.Ledger.collective`'s (a join, :mod:`.joining`)."""
+    if (done := _alone(output, input, group)) is not None:
+        return done
     record = ledger().collective(f"fully_shard all-gather {unit}", (input,), group,
                                  shadow=shadow, announced=announced)
     with record.guard():
@@ -52,6 +73,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, group: An
                    shadow: tuple[int, ...] | None = None, announced: bool = False) -> Pending:
     """Start :func:`phalanx.comm.reduce_scatter_async` (an all-to-all on Gloo); ``shadow``
     and ``announced`` as for :func:`all_gather`."""
+    if (done := _alone(output, input, group)) is not None:
+        return done
     record = ledger().collective(f"fully_shard reduce-scatter {unit}", (input,), group,
                                  shadow=shadow, announced=announced)
     with record.guard():
@@ -62,6 +85,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, group: An
 def all_reduce(tensor: torch.Tensor, op: Any, group: Any, unit: str) -> Pending:
     """Start reducing ``tensor`` in place across ``group`` (HSDP: a reduce-scatter's output
     across the replicas), recorded as the others."""
+    if (done := _alone(tensor, tensor, group)) is not None:
+        return done
     record = ledger().collective(f"fully_shard all-reduce {unit}", (tensor,), group)
     with record.guard():
         work = dist.all_reduce(tensor, op=op, group=group, async_op=True)

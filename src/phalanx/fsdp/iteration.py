@@ -174,13 +174,19 @@ class Iteration:
             torch.autograd.Variable._execution_engine.queue_callback(eager_hook(self.end_of_backward))
 
     def end_of_backward(self) -> None:
-        """Units whose backward did not finish (parameters without gradients; the root,
-        whose inputs need none) finish; every reduce-scatter lands in ``.grad``."""
+        """Units whose backward began but did not finish (parameters without gradients;
+        the root, whose inputs need none) finish; every reduce-scatter lands in ``.grad``.
+        A unit this backward did not reach keeps its reduce-scatter for the backward that
+        does (torch's chunked loss: the head's backward on each chunk, then the trunk's), and
+        is resharded as torch's (unless ``reshard_after_backward`` is off)."""
         self.callback_queued = False
         self._backward = None
         for unit in reversed(self.units):
             if unit.stage is not Stage.POST_BACKWARD:
-                unit.post_backward()
+                if unit.backward_began():
+                    unit.post_backward()
+                elif unit.reshard_after_backward:
+                    unit.reshard()
             unit.wait_for_unshard()  # a prefetch its backward did not use lands now, not stale later
             unit.stage = Stage.IDLE
             unit.to_run.clear()  # (modules of a unit called on their own after the root's forward)

@@ -21,12 +21,17 @@ The life of a unit in one iteration (torch's FSDP2 order):
 * **end of backward** (an autograd-engine callback, queued by the first pre-backward):
   units whose backward did not finish (parameters without gradients) finish now; every
   reduce-scatter is waited for and its slices become the sharded ``.grad`` DTensors
-  (accumulated into existing ones).
+  (accumulated into existing ones). A unit the backward did not reach is resharded and
+  keeps its reduce-scatter for the backward that does (torch's chunked loss: a head run on
+  its own on chunks of a detached output, one backward per chunk, then the trunk's); a
+  unit with gradients reduces them in each backward (several through a retained graph).
 
 A unit of several modules (``fully_shard([a, b])``) hooks each of them: the first to run
 in a pass does the pre-forward, the last the post-forward (the others only cast inputs and
 outputs); modules that did not run when the root's forward ends complete then, with the
-root's output (torch's grouped hooks: a head called by itself on chunks of the output).
+root's output (torch's grouped hooks: a head called by itself on chunks of the output);
+a module run on its own after that has no pre-backward: its gradients queue the end of
+the backward, which reduces them.
 
 ``set_requires_gradient_sync(False)`` keeps the unsharded gradients (on every rank, the
 whole unit's) instead of reducing them; the next synchronised backward reduces their sum.
@@ -34,7 +39,8 @@ whole unit's) instead of reducing them; the next synchronised backward reduces t
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,8 +67,13 @@ class Unit:
     """The state of one ``fully_shard`` call (see the module notes)."""
 
     def __init__(self, modules: tuple[nn.Module, ...], params: Params,
-                 reshard_after_forward: bool | None, mp_policy: MixedPrecisionPolicy) -> None:
+                 reshard_after_forward: bool | None, mp_policy: MixedPrecisionPolicy,
+                 originals: Sequence[nn.Parameter] = ()) -> None:
         self.modules, self.params, self.mp_policy = modules, params, mp_policy
+        # the parameters fully_shard replaced, by weak reference (one object per parameter,
+        # which CPython hands out to every caller: it identifies a parameter after its death,
+        # where an id() may be reused): a parameter in two units is refused (lazy_init)
+        self.originals = tuple(weakref.ref(p) for p in originals)
         # torch's clamping (FSDPParam.init_dtype_attrs): no cast where none is needed
         reduce_dtype = mp_policy.reduce_dtype
         self.reduce_dtype = None if reduce_dtype == params.compute_dtype else reduce_dtype
@@ -112,18 +123,21 @@ class Unit:
                                "of several modules (fully_shard([a, b])) runs inside a root; "
                                "fully_shard the model that calls them too")
         names: dict[Unit, list[str]] = {}
+        paths: dict[nn.Module, str] = {}
         for name, module in self.modules[0].named_modules():
+            paths[module] = name
             unit = unit_of(module)
             if unit is None:
                 continue
             if unit not in names and unit is not self and unit.is_root is not None:
                 raise RuntimeError(f"FSDP state has already been lazily initialized for {name}\n"
                                    "FSDP requires running forward through the root module first")
-            unit.is_root = unit is self
             names.setdefault(unit, []).append(name or "(root)")
         units = list(names)
-        for unit, paths in names.items():
-            unit.name = ", ".join(paths)
+        _refuse_shared(names, paths)
+        for unit, paths_of_unit in names.items():
+            unit.is_root = unit is self
+            unit.name = ", ".join(paths_of_unit)
         if self.auto_reshard:  # the root's parameters are needed again at once by the backward
             self.reshard_after_forward = False
         iteration = Iteration(units)
@@ -270,8 +284,20 @@ class Unit:
                 unit.unshard()  # travels while this unit computes its gradients
         return grad
 
+    def backward_began(self) -> bool:
+        """Whether this backward reached the unit: its outputs' gradient did (or it is a
+        unit of several modules not all run: torch's grouped post-backward), or some of its
+        parameters have gradients."""
+        return (self.stage is not Stage.IDLE
+                or any(s.unsharded.grad is not None for s in self.params.slots))
+
     def _accumulated(self, param: torch.Tensor) -> None:
         self._remaining -= 1
+        if self.stage is Stage.FORWARD and self.iteration is not None:
+            # a unit of several modules, one run on its own (a head on chunks of a detached
+            # output): no pre-backward hook; the end of this backward reduces what it has
+            # (torch's grouped post-backward)
+            self.iteration.queue_end_of_backward()
         if self._remaining == 0 and self.stage is Stage.PRE_BACKWARD:
             self.post_backward()
 
@@ -279,6 +305,9 @@ class Unit:
     def post_backward(self) -> None:
         """Reduce-scatter the unit's unsharded gradients (or keep them, without sync)."""
         self.stage = Stage.POST_BACKWARD
+        # another backward of this forward (a retained graph, or the trunk's after the
+        # chunks') brings every gradient again
+        self._remaining = sum(s.sharded.requires_grad for s in self.params.slots)
         if not self.reduce_grads:
             if self.reshard_after_backward:
                 self.reshard()
@@ -291,7 +320,9 @@ class Unit:
         if self.reshard_after_backward:
             self.reshard()
         trainable = [(i, s) for i, s in enumerate(self.params.slots) if s.sharded.requires_grad]
-        if self._forward_since_reduce and trainable:
+        # a unit with gradients reduces them (a second backward through a retained graph:
+        # torch's chunked loss); without any, only the first backward after its forward does
+        if trainable and (self._forward_since_reduce or self._grad_sums):
             self._forward_since_reduce = False
             assert self.iteration is not None
             self.iteration.add(self._reduce(trainable))
@@ -335,6 +366,29 @@ class Unit:
                                  shadow=self._shadow(FSDPAction.REDUCE_SCATTER))
         replicate = None if self.replicate_group is None else (self.replicate_group, op, self.name)
         return Reduction(pending, output, slots, post_divide, p, replicate)
+
+
+def _refuse_shared(names: dict[Unit, list[str]], paths: dict[nn.Module, str]) -> None:
+    """Refuse a parameter that two units hold (tied weights sharded apart: each unit would
+    train its own copy), as torch's ``_validate_no_duplicate_params``, naming it by its path
+    under the root as torch's does (``names``: each unit's modules' paths, ``paths``: every
+    module's)."""
+    def fqn(slot: Slot) -> str:
+        module, name = slot.locations[0]
+        return f"{paths[module]}.{name}" if paths.get(module) else name
+
+    seen: dict[int, tuple[Unit, Slot]] = {}
+    for unit in names:
+        for ref, slot in zip(unit.originals, unit.params.slots):
+            first = seen.setdefault(id(ref), (unit, slot))
+            if first[0] is not unit:
+                raise ValueError(
+                    f"Parameter '{fqn(slot)}' is shared with a parameter already managed by another "
+                    "FSDP group. For shared/tied parameters, use fully_shard([module_a, module_b]) to "
+                    f"place them in the same FSDP group. (phalanx: it is '{fqn(first[1])}' of the "
+                    f"unit of {', '.join(names[first[0]])}; sharded apart, each unit would train a "
+                    "copy of its own: shard the modules that share it as one unit, or leave it to a "
+                    "unit above both)")
 
 
 def _relaid(slots: list[Slot]) -> list[Slot]:
