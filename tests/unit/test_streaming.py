@@ -1,0 +1,158 @@
+"""StreamingDataset: exact coverage, the same global order at any world size and worker count,
+epochs that differ, the position a resume starts from, and a real DataLoader with workers.
+
+Ranks and workers are simulated in one process through the data set's own partition (the
+batches each worker makes, taken round robin as torch's DataLoader takes them); one test runs
+real DataLoader workers and checks they give exactly what the simulation says.
+"""
+
+import itertools
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import phalanx
+from phalanx.streaming import Layout
+
+# shard sizes: 24 samples dividing evenly over 1-4 ranks x batch 2 at some world sizes, 29 that
+# do not (with a one-sample shard), and a single shard
+SHARDINGS = {"even": [6, 6, 6, 6], "uneven": [7, 5, 1, 9, 3, 4], "single": [11]}
+
+
+def write_shards(directory, sizes):
+    """``.npy`` shards whose rows hold their own sample id."""
+    start = 0
+    for i, n in enumerate(sizes):
+        np.save(directory / f"shard-{i:03d}.npy", np.arange(start, start + n, dtype=np.int64)[:, None])
+        start += n
+    return str(directory / "*.npy")
+
+
+def rank_stream(data, workers):
+    """The sample ids a DataLoader over ``data`` with ``workers`` workers delivers, in order:
+    each worker makes every ``workers``-th batch of the rank, taken round robin."""
+    layout = data.layout()
+    per_worker = [layout.worker_batches(data.rank, w, workers) for w in range(max(workers, 1))]
+    order = data.order()
+    batches = [b for group in itertools.zip_longest(*per_worker) for b in group if b is not None]
+    return [[int(order[p % order.numel()]) for p in range(*b)] for b in batches]
+
+
+def datasets(pattern, world, **kwargs):
+    return [phalanx.StreamingDataset(pattern, num_replicas=world, rank=r, **kwargs)
+            for r in range(world)]
+
+
+@pytest.mark.parametrize("sharding", list(SHARDINGS))
+def test_every_sample_exactly_once_any_world_and_workers(tmp_path, sharding):
+    pattern = write_shards(tmp_path, SHARDINGS[sharding])
+    total = sum(SHARDINGS[sharding])
+    for world in range(1, 5):
+        exact, dropped, padded = (datasets(pattern, world, batch_size=2, ends=ends, seed=3)
+                                  for ends in ("uneven", "drop", "pad"))
+        for workers in (0, 1, 3):
+            why = f"{sharding} shards, world {world}, {workers} workers"
+            ids = [i for d in exact for batch in rank_stream(d, workers) for i in batch]
+            assert sorted(ids) == list(range(total)), why
+            drop = [i for d in dropped for batch in rank_stream(d, workers) for i in batch]
+            assert len(set(drop)) == len(drop) == total // world * world, why
+            pad = [i for d in padded for batch in rank_stream(d, workers) for i in batch]
+            assert len(pad) == -(-total // world) * world and set(pad) == set(range(total)), why
+            # padding repeats the epoch's first samples, as torch's DistributedSampler pads
+            extra = Counter(pad) - Counter(range(total))
+            first = padded[0].order()[: len(pad) - total].tolist()
+            assert sorted(extra.elements()) == sorted(first), why
+            assert all(len(d) == len(pad) // world for d in padded), why
+
+
+def test_same_global_order_at_world_1_2_3(tmp_path):
+    pattern = write_shards(tmp_path, SHARDINGS["uneven"])
+    orders = {}
+    for world in (1, 2, 3):
+        ranks = datasets(pattern, world, batch_size=2, ends="uneven", seed=7, shuffle_block=8)
+        streams = [rank_stream(d, 3) for d in ranks]
+        # global step j: rank 0's j-th batch, then rank 1's, ...
+        orders[world] = [i for step in itertools.zip_longest(*streams) for b in step if b for i in b]
+        assert orders[world] == ranks[0].order().tolist()
+    assert orders[1] == orders[2] == orders[3]
+    assert orders[1] != sorted(orders[1])  # shuffled
+
+
+def test_epochs_differ_and_shuffle_stages(tmp_path):
+    pattern = write_shards(tmp_path, SHARDINGS["uneven"])
+    data = phalanx.StreamingDataset(pattern, batch_size=2, ends="drop", num_replicas=1, rank=0)
+    first = data.order().tolist()
+    data.set_epoch(1)
+    assert data.order().tolist() != first and sorted(data.order().tolist()) == sorted(first)
+    data.set_epoch(0)
+    assert data.order().tolist() == first  # a function of (seed, epoch) only
+    plain = phalanx.StreamingDataset(pattern, batch_size=2, ends="drop", num_replicas=1, rank=0,
+                                     shuffle=False)
+    assert plain.order().tolist() == list(range(29))
+    # a window of 1 keeps each shard's samples together (only the two shard-level shuffles)
+    blocked = phalanx.StreamingDataset(pattern, batch_size=2, ends="drop", num_replicas=1, rank=0,
+                                       shuffle_block=1)
+    shard_of = torch.repeat_interleave(torch.arange(6), torch.tensor(SHARDINGS["uneven"]))
+    runs = [k for k, _ in itertools.groupby(shard_of[blocked.order()].tolist())]
+    assert sorted(runs) == list(range(6)) and runs != list(range(6))
+
+
+def test_resume_position_at_another_world_size(tmp_path):
+    """Stopped after 2 batches at world 3, resumed at world 2 and at world 4 with 3 workers:
+    the consumed and the resumed ids make one epoch, each once."""
+    pattern = write_shards(tmp_path, SHARDINGS["uneven"])
+    before = datasets(pattern, 3, batch_size=2, ends="uneven", seed=1)
+    for d in before:
+        d.set_epoch(4)
+    taken = [i for d in before for batch in rank_stream(d, 2)[:2] for i in batch]
+    states = [d.state_dict(consumed=4) for d in before]
+    assert all(s == states[0] for s in states) and states[0]["position"] == 12
+    for world in (2, 4):
+        after = datasets(pattern, world, batch_size=3, ends="uneven", seed=1)
+        for d in after:
+            d.load_state_dict(states[0])
+            d.set_epoch(4)  # the restored epoch: keeps the position
+        rest = [i for d in after for batch in rank_stream(d, 3) for i in batch]
+        assert sorted(taken + rest) == list(range(29)), world
+        assert sum(len(d) for d in after) == 29 - 12
+
+
+def test_state_dict_refuses_what_it_cannot_know(tmp_path):
+    pattern = write_shards(tmp_path, [5])
+    data = phalanx.StreamingDataset(pattern, batch_size=2, ends="drop", num_replicas=1, rank=0)
+    with pytest.raises(ValueError, match="needs consumed=batches_done"):
+        data.state_dict()
+    with pytest.raises(ValueError, match="multiple of batch_size 2"):
+        data.state_dict(consumed=3)
+    assert data.state_dict(consumed=9)["position"] == 5  # past the share: the epoch is done
+    list(itertools.islice(iter(data), 2))  # num_workers=0: this process counts
+    assert data.state_dict()["position"] == 2
+    other = phalanx.StreamingDataset(pattern, batch_size=2, ends="drop", num_replicas=1, rank=0,
+                                     seed=9)
+    with pytest.raises(ValueError, match="seed=0 but this data set has seed=9"):
+        other.load_state_dict(data.state_dict(consumed=2))
+    with pytest.raises(ValueError, match="Invalid ends None"):
+        phalanx.StreamingDataset(pattern, batch_size=2, ends=None)
+
+
+def test_real_dataloader_workers_match_the_partition(tmp_path):
+    """Three ranks' DataLoaders with 2 persistent workers each, over two epochs: every batch is
+    the one the partition says, the union is one epoch, and set_epoch reaches the workers."""
+    pattern = write_shards(tmp_path, SHARDINGS["uneven"])
+    ranks = datasets(pattern, 3, batch_size=2, ends="uneven", seed=2)
+    loaders = [DataLoader(d, batch_size=2, num_workers=2, persistent_workers=True,
+                          prefetch_factor=3) for d in ranks]
+    epochs = []
+    for epoch in (0, 1):
+        got = []
+        for d, loader in zip(ranks, loaders):
+            d.set_epoch(epoch)
+            batches = [b[:, 0].tolist() for b in loader]
+            assert batches == rank_stream(d, 2), (epoch, d.rank)
+            got += [i for b in batches for i in b]
+        assert sorted(got) == list(range(29))
+        epochs.append(got)
+    assert epochs[0] != epochs[1]
