@@ -156,3 +156,71 @@ def test_real_dataloader_workers_match_the_partition(tmp_path):
         assert sorted(got) == list(range(29))
         epochs.append(got)
     assert epochs[0] != epochs[1]
+
+
+def _one(source, **kwargs):
+    return phalanx.StreamingDataset(source, batch_size=2, ends="uneven", num_replicas=1, rank=0,
+                                    **kwargs)
+
+
+def test_bad_input_names_the_file(tmp_path):
+    good = write_shards(tmp_path, [3])
+    tmp_path = tmp_path / "bad"
+    tmp_path.mkdir()
+    empty = tmp_path / "empty.npy"
+    np.save(empty, np.zeros((0, 1), dtype=np.int64))
+    with pytest.raises(ValueError, match=f"{empty}: empty shard"):
+        _one([good, str(empty)])
+    with pytest.raises(FileNotFoundError, match="No such file or directory: .*missing.npy"):
+        _one([good, str(tmp_path / "missing.npy")])
+    with pytest.raises(FileNotFoundError, match="No files match the pattern: .*nothing-\\*.npy"):
+        _one(str(tmp_path / "nothing-*.npy"))
+    cut = tmp_path / "cut.npy"
+    cut.write_bytes((tmp_path.parent / "shard-000.npy").read_bytes()[:-5])
+    with pytest.raises(ValueError, match=f"{cut}: corrupt .npy: the header says shape"):
+        _one(str(cut))
+    garbage = tmp_path / "garbage.npy"
+    garbage.write_bytes(b"not an array at all")
+    with pytest.raises(ValueError, match=f"{garbage}: not a .npy file"):
+        _one(str(garbage))
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(bytes(10))
+    with pytest.raises(ValueError, match=f"{odd}: corrupt token file: 10 bytes"):
+        _one(phalanx.streaming.TokenFiles(odd, seq_len=2))  # 4-byte samples of uint16
+    with pytest.raises(ValueError, match="no reader for files ending '.txt'"):
+        (tmp_path / "notes.txt").write_text("x")
+        _one(str(tmp_path / "notes.txt"))
+    with pytest.raises(TypeError, match="got int"):
+        _one([good, 3])
+
+
+def test_corrupt_jsonl_record_fails_in_a_worker_naming_file_and_record(tmp_path):
+    lines = tmp_path / "records.jsonl"
+    lines.write_text('{"id": 0}\n\n{"id": 1}\n{"id": 2, oops}\n{"id": 3}\n')
+    data = _one(str(lines), shuffle=False)
+    assert len(data) == 4  # the blank line is not a record
+    assert [data.sample(i) for i in range(2)] == [{"id": 0}, {"id": 1}]
+    with pytest.raises(ValueError, match=f"{lines}: corrupt record 2 \\(the line at byte 21\\)"):
+        list(DataLoader(data, batch_size=2, num_workers=1, collate_fn=list))
+
+
+def test_token_files_and_user_readers(tmp_path):
+    """Raw token shards written by the helper read back whole; a user's reader plugs in."""
+    tokens = torch.arange(50) % 7
+    paths = phalanx.streaming.write_token_shards(tokens, tmp_path / "tok", seq_len=4,
+                                                 samples_per_shard=5)
+    assert len(paths) == 3  # 12 samples of 4 (2 tokens left out) in shards of 5, 5, 2
+    data = _one(phalanx.streaming.TokenFiles(tmp_path / "tok", seq_len=4), shuffle=False)
+    assert torch.equal(torch.stack(list(data)).long(), tokens[:48].reshape(12, 4))
+
+    class Squares:
+        name = "squares"
+
+        def __len__(self):
+            return 5
+
+        def __getitem__(self, i):
+            return i * i
+
+    mixed = _one([Squares(), phalanx.streaming.TokenFiles(paths[2], seq_len=4)], shuffle=False)
+    assert [mixed.sample(i) for i in range(5)] == [0, 1, 4, 9, 16] and len(mixed) == 7

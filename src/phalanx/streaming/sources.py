@@ -259,8 +259,8 @@ def resolve(sources: Iterable[Any]) -> list[ShardReader]:
         TypeError: a source of another type.
         FileNotFoundError, ValueError: as the readers raise, naming the file.
     """
-    if isinstance(sources, (str, os.PathLike)):
-        sources = [sources]
+    if isinstance(sources, (str, os.PathLike, TokenFiles, ShardReader)):
+        sources = [sources]  # one source
     readers: list[ShardReader] = []
     for source in sources:
         if isinstance(source, (str, os.PathLike)):
