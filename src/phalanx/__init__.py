@@ -55,6 +55,7 @@ _LAZY = {
     "is_initialized": "process_group",
     "DistributedSampler": "sampler",
     "StreamingDataset": "streaming",
+    "token_loss_scale": "streaming",
     "SyncBatchNorm": "sync_batchnorm",
     "Join": "uneven",
     "join": "uneven",
@@ -85,7 +86,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         is_initialized,
     )
     from .sampler import DistributedSampler
-    from .streaming import StreamingDataset
+    from .streaming import StreamingDataset, token_loss_scale
     from .sync_batchnorm import SyncBatchNorm
     from .uneven import Join, join
     from .zero import ShardedGradScaler, ZeroRedundancyOptimizer

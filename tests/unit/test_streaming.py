@@ -224,3 +224,12 @@ def test_token_files_and_user_readers(tmp_path):
 
     mixed = _one([Squares(), phalanx.streaming.TokenFiles(paths[2], seq_len=4)], shuffle=False)
     assert [mixed.sample(i) for i in range(5)] == [0, 1, 4, 9, 16] and len(mixed) == 7
+
+
+def test_token_loss_scale_alone_and_its_errors():
+    assert phalanx.token_loss_scale(8) == 1 / 8  # one process: the plain per-token mean
+    assert phalanx.token_loss_scale(torch.tensor(4), mean_over_ranks=False) == 1 / 4
+    with pytest.raises(ValueError, match="no loss tokens on any rank"):
+        phalanx.token_loss_scale(0)
+    with pytest.raises(ValueError, match="Invalid num_tokens 2.5"):
+        phalanx.token_loss_scale(2.5)

@@ -14,6 +14,7 @@ from .sources import (
     TokenFiles,
     write_token_shards,
 )
+from .tokens import token_loss_scale
 
 __all__ = [
     "JsonlShard",
@@ -24,5 +25,6 @@ __all__ = [
     "TokenBinShard",
     "TokenFiles",
     "global_order",
+    "token_loss_scale",
     "write_token_shards",
 ]
