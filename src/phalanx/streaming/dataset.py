@@ -118,6 +118,7 @@ class StreamingDataset(IterableDataset):
         self.shard_sizes = sizes(self.readers)
         self.num_samples = sum(self.shard_sizes)
         self._ends_at = torch.cumsum(torch.tensor(self.shard_sizes, dtype=torch.int64), 0)
+        self._starts_at = self._ends_at - torch.tensor(self.shard_sizes, dtype=torch.int64)
         # [epoch, start position]: in shared memory, so that workers (persistent ones too) see
         # set_epoch and load_state_dict made in the main process
         self._shared = torch.zeros(2, dtype=torch.int64).share_memory_()
@@ -142,10 +143,14 @@ class StreamingDataset(IterableDataset):
                                                shuffle=self.shuffle, shuffle_block=self.shuffle_block))
         return self._cache[1]
 
+    def _locate(self, ids: torch.Tensor) -> tuple[list[int], list[int]]:
+        """``(shard, index in the shard)`` of each sample id, as two lists."""
+        shards = torch.searchsorted(self._ends_at, ids, right=True)
+        return shards.tolist(), (ids - self._starts_at[shards]).tolist()
+
     def sample(self, sample_id: int) -> Any:
         """Sample ``sample_id`` (its place in the sources), transformed."""
-        shard = int(torch.searchsorted(self._ends_at, sample_id, right=True))
-        local = sample_id - (int(self._ends_at[shard - 1]) if shard else 0)
+        (shard,), (local,) = self._locate(torch.tensor([sample_id]))
         item = self.readers[shard][local]
         return item if self.transform is None else self.transform(item)
 
@@ -153,15 +158,15 @@ class StreamingDataset(IterableDataset):
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         batches = self.layout().worker_batches(self.rank, worker, workers)
-        order = self.order()
+        order, readers, transform = self.order(), self.readers, self.transform
         if info is None:
             self._yielded, self._counted_here = 0, True
         for begin, end in batches:
-            for sample_id in positions_to_ids(order, begin, end).tolist():
-                item = self.sample(sample_id)
+            for shard, local in zip(*self._locate(positions_to_ids(order, begin, end))):
+                item = readers[shard][local]
                 if info is None:
                     self._yielded += 1
-                yield item
+                yield item if transform is None else transform(item)
 
     def __len__(self) -> int:
         """This rank's number of samples in the current epoch (fewer when resumed mid-epoch)."""
