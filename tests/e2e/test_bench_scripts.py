@@ -37,3 +37,12 @@ def test_bench_compile_times_eager_and_compiled_ddps(tmp_path):
     assert set(rows) == {"phalanx compiled / torch compiled", "phalanx compiled / phalanx eager",
                          "torch compiled / torch eager", "phalanx eager / torch eager"}
     assert all(r["q1"] <= r["median"] <= r["q3"] for r in rows.values())
+
+
+def test_bench_data_times_streaming_and_plain_at_each_worker_count(tmp_path):
+    rows = _run("bench_data.py", "--shards", "3", "--samples-per-shard", "50", "--seq-len", "8",
+                "--repeats", "1", "--workers", "0", "2", out=tmp_path / "d.json")["results"]
+    for workers in (0, 2):
+        for name in ("plain", "phalanx", "phalanx unshuffled"):
+            assert rows[f"{name}, workers {workers}"]["median"] > 0
+        assert rows[f"phalanx / plain, workers {workers}"]["median"] > 0
