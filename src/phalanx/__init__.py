@@ -54,6 +54,8 @@ _LAZY = {
     "init_process_group": "process_group",
     "is_initialized": "process_group",
     "DistributedSampler": "sampler",
+    "StreamingDataset": "streaming",
+    "token_loss_scale": "streaming",
     "SyncBatchNorm": "sync_batchnorm",
     "Join": "uneven",
     "join": "uneven",
@@ -64,7 +66,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from . import comm_hooks
+    from . import comm_hooks, streaming
     from .batch import accumulation_steps
     from .checkpoint import Checkpointer, PreemptionHandler, TrainingState
     from .ddp import DistributedDataParallel
@@ -84,6 +86,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         is_initialized,
     )
     from .sampler import DistributedSampler
+    from .streaming import StreamingDataset, token_loss_scale
     from .sync_batchnorm import SyncBatchNorm
     from .uneven import Join, join
     from .zero import ShardedGradScaler, ZeroRedundancyOptimizer
@@ -106,7 +109,7 @@ _FROM_TORCH_DISTRIBUTED = frozenset({
 
 
 # Subpackages reachable as attributes without importing them first (phalanx.comm_hooks.X).
-_SUBPACKAGES = frozenset({"comm_hooks"})
+_SUBPACKAGES = frozenset({"comm_hooks", "streaming"})
 
 
 def __getattr__(name: str):

@@ -45,3 +45,12 @@ def test_bench_tutorial_times_torch_and_phalanx_with_and_without_diagnostics(tmp
     assert set(rows) == {"torch", "phalanx", "phalanx-nodiag"}
     assert rows["torch"]["ratio"] == 1.0
     assert all(r["epoch_s"] > 0 and len(r["per_launch"]) == 1 for r in rows.values())
+
+
+def test_bench_data_times_streaming_and_plain_at_each_worker_count(tmp_path):
+    rows = _run("bench_data.py", "--shards", "3", "--samples-per-shard", "50", "--seq-len", "8",
+                "--repeats", "1", "--workers", "0", "2", out=tmp_path / "d.json")["results"]
+    for workers in (0, 2):
+        for name in ("plain", "phalanx", "phalanx unshuffled"):
+            assert rows[f"{name}, workers {workers}"]["median"] > 0
+        assert rows[f"phalanx / plain, workers {workers}"]["median"] > 0

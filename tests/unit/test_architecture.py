@@ -28,6 +28,7 @@ ALLOWED = {
     "process_group": {"env", "errors", "gate", "_logging", "diagnostics", "ledger"},
     "agreement": {"comm", "errors", "diagnostics"},
     "sampler": {"process_group"},
+    "streaming": {"process_group", "diagnostics", "ledger"},
     "batch": {"process_group", "_logging"},
     "sync_batchnorm": {"diagnostics", "ledger"},
     "hooks": set(),  # the hook writer's contract: no DDP, no phalanx (torch keeps them apart)

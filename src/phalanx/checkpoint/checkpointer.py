@@ -148,7 +148,8 @@ class Checkpointer(Joinable):
         scheduler (optional): an lr scheduler. Default ``None``.
         scaler (optional): a ``torch.amp.GradScaler``. Default ``None``.
         sampler (optional): a sampler with ``state_dict``/``load_state_dict``, such as
-            :class:`phalanx.DistributedSampler`. Default ``None``.
+            :class:`phalanx.DistributedSampler`, or a :class:`phalanx.StreamingDataset`
+            (both keep a global position, resumable at any world size). Default ``None``.
         comm_state (optional): state kept per rank by the communication scheme: a
             :class:`phalanx.comm_hooks.PowerSGDState` (error feedback), a
             :class:`phalanx.LocalSGD` or :class:`phalanx.DiLoCo`; anything with

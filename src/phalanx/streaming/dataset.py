@@ -1,0 +1,245 @@
+"""StreamingDataset: an iterable data set over shards, each sample once per epoch over all ranks
+and DataLoader workers, in an order independent of both, resumable at any world size."""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from .. import process_group
+from .order import ENDS, Layout, global_order, positions_to_ids
+from .sources import resolve, sizes
+
+_STATE_KEYS = ("epoch", "position", "num_samples", "shards", "seed", "shuffle", "shuffle_block")
+
+
+def _positive(name: str, value: Any) -> int:
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < 1:
+        raise ValueError(f"Invalid {name} {value!r}, {name} should be a positive integer")
+    return number
+
+
+def _fingerprint(shard_sizes: list[int]) -> str:
+    """A short digest of the shard sizes: a resumed run must see the same shards."""
+    text = ",".join(map(str, shard_sizes)).encode()
+    return f"{len(shard_sizes)}:{hashlib.blake2b(text, digest_size=8).hexdigest()}"
+
+
+class StreamingDataset(IterableDataset):
+    r"""Iterable data set over shards that gives each sample exactly once per epoch over all
+    ranks and DataLoader workers, and resumes mid-epoch at any world size and worker count.
+
+    Each epoch has one global order of the samples, a function of ``(seed, epoch)`` and the
+    shards only: two shard-level shuffles (the shards' order, then each shard's samples) and a
+    bounded shuffle window of ``shuffle_block`` samples (see :mod:`phalanx.streaming.order`).
+    That order is served in global steps: in each, every rank takes the next ``batch_size``
+    positions in rank order, and a rank's batches go to its DataLoader workers round robin, the
+    order in which torch's ``DataLoader`` collects them. Pass it to a plain ``DataLoader`` with
+    the same ``batch_size``; any ``num_workers``, ``persistent_workers`` and ``prefetch_factor``.
+
+    .. note::
+        **Resuming.** The state is one global position ``p``: the first ``p`` samples of the
+        epoch's order are done. When every rank has taken ``k`` samples (whole batches),
+        ``p = start + k * num_replicas``. Workers read ahead of training, so the dataset cannot
+        see what the loop took: pass it, ``state_dict(consumed=batches_done * batch_size)``
+        (or ``Checkpointer.save(..., consumed=...)``). The resumed epoch serves the positions
+        from ``p`` on over whatever ``num_replicas`` and ``num_workers`` the new run has: each
+        remaining sample exactly once, none that was consumed.
+
+    .. note::
+        ``set_epoch`` and ``load_state_dict`` write the epoch and position into a small
+        shared-memory tensor that workers read when an iteration starts, so they reach
+        ``persistent_workers`` too.
+
+    Args:
+        sources: paths, directories or globs (``.npy`` and ``.jsonl`` by suffix),
+            :class:`phalanx.streaming.TokenFiles` for raw token files, or
+            :class:`phalanx.streaming.ShardReader` objects for other formats; in that order,
+            they number the samples (sample ids).
+        batch_size (int): the ``DataLoader``'s ``batch_size`` (per rank); must be the same.
+        ends (str): what to do with the end of an epoch that does not divide over the ranks,
+            required: ``"drop"`` (every rank the same count, the remainder not served),
+            ``"pad"`` (every rank the same count, padded with the epoch's first samples, as
+            torch's sampler pads) or ``"uneven"`` (every sample once, ranks differing by at
+            most one sample; use with :func:`phalanx.join`).
+        shuffle (bool, optional): shuffle as above; ``False`` serves samples in id order.
+            Default ``True``.
+        seed (int, optional): shuffling seed, identical on every rank. Default ``0``.
+        shuffle_block (int, optional): the shuffle window, in samples. Default ``65536``.
+        num_replicas (int, optional): number of ranks. Default: phalanx's world size.
+        rank (int, optional): this rank. Default: phalanx's rank.
+        transform (callable, optional): applied to each sample as it is read.
+
+    .. warning::
+        Keep the ``DataLoader``'s ``drop_last=False`` (use ``ends="drop"``) and its
+        ``batch_size`` equal to this one's: batches of another size break the round-robin
+        alignment, and with it the exactness of resumption.
+
+    Example::
+
+        >>> data = phalanx.StreamingDataset("shards/*.npy", batch_size=8, ends="drop")
+        >>> loader = DataLoader(data, batch_size=8, num_workers=2, persistent_workers=True)
+        >>> ckpt = phalanx.Checkpointer("runs/lm", model, optimizer, sampler=data)
+        >>> state = ckpt.load()
+        >>> for epoch in range(state.epoch if state else 0, epochs):
+        ...     data.set_epoch(epoch)              # keeps a restored mid-epoch position
+        ...     for step, batch in enumerate(loader):
+        ...         train(batch)
+        ...         ckpt.save(epoch, step, consumed=(step + 1) * 8)
+    """
+
+    def __init__(self, sources: Iterable[Any], *, batch_size: int, ends: str,
+                 shuffle: bool = True, seed: int = 0, shuffle_block: int = 1 << 16,
+                 num_replicas: int | None = None, rank: int | None = None,
+                 transform: Callable[[Any], Any] | None = None) -> None:
+        if ends not in ENDS:
+            raise ValueError(f"Invalid ends {ends!r}, expected one of {', '.join(map(repr, ENDS))}")
+        self.batch_size = _positive("batch_size", batch_size)
+        self.shuffle_block = _positive("shuffle_block", shuffle_block)
+        self.num_replicas = _positive(
+            "num_replicas", process_group.get_world_size() if num_replicas is None else num_replicas)
+        self.rank = process_group.get_rank() if rank is None else rank
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) \
+                or not 0 <= self.rank < self.num_replicas:
+            raise ValueError(
+                f"Invalid rank {rank!r}, rank should be in the interval [0, {self.num_replicas - 1}]")
+        self.ends, self.shuffle, self.seed, self.transform = ends, shuffle, seed, transform
+        self.readers = resolve(sources)
+        if not self.readers:
+            raise ValueError("StreamingDataset needs at least one source, got none")
+        self.shard_sizes = sizes(self.readers)
+        self.num_samples = sum(self.shard_sizes)
+        self._ends_at = torch.cumsum(torch.tensor(self.shard_sizes, dtype=torch.int64), 0)
+        self._starts_at = self._ends_at - torch.tensor(self.shard_sizes, dtype=torch.int64)
+        # [epoch, start position]: in shared memory, so that workers (persistent ones too) see
+        # set_epoch and load_state_dict made in the main process
+        self._shared = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self._yielded = 0
+        self._counted_here = False  # an iteration ran in this process (num_workers=0)
+        self._cache: tuple[int, torch.Tensor] | None = None
+
+    @property
+    def epoch(self) -> int:
+        return int(self._shared[0])
+
+    def layout(self) -> Layout:
+        """How the current epoch, from its (restored) position on, splits over the ranks."""
+        return Layout(self.num_samples, int(self._shared[1]), self.num_replicas, self.batch_size,
+                      self.ends)
+
+    def order(self, epoch: int | None = None) -> torch.Tensor:
+        """The sample ids of ``epoch`` (default: the current one) in their global order."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._cache is None or self._cache[0] != epoch:
+            self._cache = (epoch, global_order(self.shard_sizes, self.seed, epoch,
+                                               shuffle=self.shuffle, shuffle_block=self.shuffle_block))
+        return self._cache[1]
+
+    def _locate(self, ids: torch.Tensor) -> tuple[list[int], list[int]]:
+        """``(shard, index in the shard)`` of each sample id, as two lists."""
+        shards = torch.searchsorted(self._ends_at, ids, right=True)
+        return shards.tolist(), (ids - self._starts_at[shards]).tolist()
+
+    def sample(self, sample_id: int) -> Any:
+        """Sample ``sample_id`` (its place in the sources), transformed."""
+        (shard,), (local,) = self._locate(torch.tensor([sample_id]))
+        item = self.readers[shard][local]
+        return item if self.transform is None else self.transform(item)
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        batches = self.layout().worker_batches(self.rank, worker, workers)
+        order, readers, transform = self.order(), self.readers, self.transform
+        if info is None:
+            self._yielded, self._counted_here = 0, True
+        for begin, end in batches:
+            for shard, local in zip(*self._locate(positions_to_ids(order, begin, end))):
+                item = readers[shard][local]
+                if info is None:
+                    self._yielded += 1
+                yield item if transform is None else transform(item)
+
+    def __len__(self) -> int:
+        """This rank's number of samples in the current epoch (fewer when resumed mid-epoch)."""
+        return self.layout().share(self.rank)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch, which seeds the order. Moving to a different epoch starts it from its
+        beginning; setting the epoch :meth:`load_state_dict` restored keeps its position.
+
+        Args:
+            epoch (int): epoch number.
+        """
+        if epoch != self.epoch:
+            self._shared[1] = 0
+            self._yielded, self._counted_here = 0, False
+        self._shared[0] = epoch
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """The global position in the current epoch, as a dict of plain values.
+
+        Args:
+            consumed (int, optional): samples of this iteration the training loop has taken
+                on this rank, ``batches_done * batch_size`` (a value past this rank's share
+                means all of it). Default: the samples this process's iterator yielded, which
+                is exact only with ``num_workers=0``.
+
+        Raises:
+            ValueError: ``consumed`` is not a whole number of batches, or is left out while
+                the data was iterated in DataLoader workers (this process cannot see it).
+        """
+        if consumed is None:
+            if not self._counted_here:
+                raise ValueError(
+                    "StreamingDataset.state_dict() needs consumed=batches_done * batch_size: "
+                    "the data set was not iterated in this process (DataLoader workers read it), "
+                    "so it cannot tell how far the training loop got"
+                )
+            consumed = self._yielded
+        if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
+            raise ValueError(f"Invalid consumed {consumed!r}, consumed should be a non-negative integer")
+        return {"epoch": self.epoch,
+                "position": self.layout().position(self.rank, consumed),
+                "num_samples": self.num_samples, "shards": _fingerprint(self.shard_sizes),
+                "seed": self.seed, "shuffle": self.shuffle, "shuffle_block": self.shuffle_block}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at ``state``'s epoch and position; the next iteration serves the rest.
+
+        Raises:
+            ValueError: keys missing, or the state is of other shards or shuffle settings (the
+                order would differ), or its position is out of range.
+        """
+        missing = [key for key in _STATE_KEYS if key not in state]
+        if missing:
+            raise ValueError(
+                f"Invalid StreamingDataset state: missing {', '.join(missing)}; expected the keys "
+                f"{', '.join(_STATE_KEYS)} as StreamingDataset.state_dict() gives them")
+        mine = {"num_samples": self.num_samples, "shards": _fingerprint(self.shard_sizes),
+                "seed": self.seed, "shuffle": self.shuffle, "shuffle_block": self.shuffle_block}
+        for key, value in mine.items():
+            if state[key] != value:
+                raise ValueError(
+                    f"StreamingDataset state was saved with {key}={state[key]!r} but this data "
+                    f"set has {key}={value!r}; the epoch's order would differ, so it cannot resume")
+        position = state["position"]
+        if isinstance(position, bool) or not isinstance(position, int) \
+                or not 0 <= position <= self.num_samples:
+            raise ValueError(f"Invalid StreamingDataset state: position {position!r}, expected "
+                             f"an integer in [0, {self.num_samples}]")
+        self._shared[0], self._shared[1] = state["epoch"], position
+        self._yielded, self._counted_here = 0, False
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_cache"] = None  # workers compute the order themselves
+        return state
