@@ -153,6 +153,7 @@ __all__ = [
     "RankMismatchError",
     "RendezvousError",
     "ShardedGradScaler",
+    "StreamingDataset",
     "SyncBatchNorm",
     "TrainingState",
     "UnusedParametersError",
@@ -172,4 +173,5 @@ __all__ = [
     "is_initialized",
     "join",
     "straggler_report",
+    "token_loss_scale",
 ]
