@@ -122,3 +122,136 @@ def test_save_and_load_across_world_sizes_and_layouts(tmp_path):
     whole = torch.load(tmp_path / "one.pt", weights_only=True)
     _equal({k: _full(v) for k, v in whole["model"].items()},
            {k: v for k, v in saved["w2-fully_shard"].items() if "." in k and not k.startswith("optim.")})
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:-10])
+
+
+# How each checkpoint of _damage is damaged, newest first, and the file its error names.
+_DAMAGE = {5: ("__1_0.distcp", _flip), 4: (".metadata", _truncate),
+           3: ("__0_0.distcp", os.unlink), 2: ("phalanx-manifest.json", _flip)}
+
+
+def _damage(rank, world_size, directory):
+    out = {}
+    model, opt = _build("fully_shard", 0)
+    ckpt = Checkpointer(directory, model, opt, format="sharded", keep=None)
+    for step in range(1, 6):
+        ckpt.save(0, step)
+    paths = ckpt.checkpoints()
+    import torch.distributed as dist
+    if rank == 0:
+        for step, (name, how) in _DAMAGE.items():
+            how(paths[step - 1] / name)
+    dist.barrier()
+    for step in _DAMAGE:
+        out[step] = error_of(ckpt.load, paths[step - 1])
+    state = ckpt.load()  # "auto": the four newest are set aside, step 1 is loaded
+    out["auto"] = state.step
+    out["names"] = sorted(os.listdir(directory))
+    # keep and resume="auto" across both formats in one directory
+    mixed = Path(directory) / "mixed"
+    for step, fmt in enumerate(("sharded", "consolidated", "sharded", "consolidated"), 1):
+        Checkpointer(mixed, model, opt, format=fmt, keep=3).save(0, step)
+    out["mixed"] = sorted(os.listdir(mixed))
+    out["mixed-auto"] = Checkpointer(mixed, model, opt).load().path.name
+    out["lower"] = error_of(Checkpointer(mixed, model, opt, format="sharded").save, 0, 1)
+    out["consolidated-async"] = error_of(Checkpointer(mixed, model, opt).save, 0, 9, blocking=False)
+    return out
+
+
+@pytest.mark.slow
+def test_damage_is_named_and_set_aside(tmp_path):
+    out = run_ranks(_damage, 2, tmp_path, timeout=200)[0]
+    for step, (name, _) in _DAMAGE.items():
+        kind, message = out[step]
+        assert kind == "CheckpointError" and name in message, (step, out[step])
+    assert out["auto"] == 1
+    assert out["names"] == ["ckpt-000000000001.dcp"] + [
+        f"ckpt-{s:012d}.dcp.damaged" for s in range(2, 6)], out["names"]
+    assert out["mixed"] == ["ckpt-000000000002.ckpt", "ckpt-000000000003.dcp", "ckpt-000000000004.ckpt"]
+    assert out["mixed-auto"] == "ckpt-000000000004.ckpt"
+    assert out["lower"][0] == "CheckpointError" and "later step" in out["lower"][1]
+    assert out["consolidated-async"][0] == "ValueError"
+
+
+# Where a one-process job is SIGKILLed during its second save, and whether the new checkpoint
+# was already renamed into place then.
+_KILL_POINTS = {
+    "mid-write": False, "before-manifest": False, "before-rename": False, "after-rename": True,
+    "mid-prune": True, "async-mid-write": False, "async-before-rename": False,
+}
+
+
+def _die(*_args, **_kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _intercept(point):
+    if point.endswith("mid-write"):
+        dcp_engine.ChecksummingWriter.write_data = _die
+    elif point == "before-manifest":
+        dcp_checkpoint.write_manifest = _die
+    elif point.endswith("before-rename"):
+        dcp_checkpoint.commit = _die
+    elif point == "after-rename":
+        rename = os.rename
+        os.rename = lambda a, b: rename(a, b) or (str(b).endswith(".dcp") and _die())
+    elif point == "mid-prune":
+        dcp_layout.shutil.rmtree = _die
+
+
+def _linear(fill):
+    model = torch.nn.Linear(64, 32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(fill)
+    return model
+
+
+def _save_and_die(rank, _world_size, directories):
+    point = list(_KILL_POINTS)[rank]
+    _intercept(point)
+    ckpt = Checkpointer(directories[rank], _linear(2.0), format="sharded", keep=1)
+    ckpt.save(0, 2, blocking=not point.startswith("async"))
+    ckpt.close()
+    return f"{point}: still alive after the save"
+
+
+def _files(path):
+    return {n: (path / n).read_bytes() for n in os.listdir(path)}
+
+
+@pytest.mark.slow
+def test_kill_during_save_at_every_point(tmp_path):
+    directories = [tmp_path / point for point in _KILL_POINTS]
+    before = {}
+    for directory in directories:
+        before[directory] = _files(Checkpointer(directory, _linear(1.0), format="sharded").save(0, 1))
+    results = run_ranks(_save_and_die, len(directories), directories, init=False, return_exceptions=True)
+    previous, new = dcp_layout.sharded_name(1), dcp_layout.sharded_name(2)
+    for (point, renamed), directory, result in zip(_KILL_POINTS.items(), directories, results):
+        assert isinstance(result, RankError) and "exit code -9" in result.message, (point, result)
+        names = os.listdir(directory)
+        finals = sorted(n for n in names if ".tmp-" not in n)
+        temps = 0 if point == "after-rename" else 1  # the dead writer's (or prune's) temporary
+        assert len(names) == len(finals) + temps, (point, names)
+        if point == "mid-prune":  # keep=1: the previous one was being deleted
+            assert finals == [new], (point, names)
+        else:
+            assert finals == ([previous, new] if renamed else [previous]), (point, names)
+            assert _files(directory / previous) == before[directory], point
+        model = _linear(0.0)
+        state = Checkpointer(directory, model, format="sharded").load()
+        assert state.step == (2 if renamed else 1), point
+        assert model.weight.eq(2.0 if renamed else 1.0).all(), point
+        # the next save (a new process in real life) removes the dead writer's temporary
+        Checkpointer(directory, _linear(3.0), format="sharded", keep=1).save(0, 3)
+        assert os.listdir(directory) == [dcp_layout.sharded_name(3)], (point, os.listdir(directory))
