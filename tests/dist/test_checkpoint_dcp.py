@@ -18,7 +18,6 @@ from torch.distributed.tensor import DTensor
 
 import phalanx
 from phalanx.checkpoint import Checkpointer, dcp_checkpoint, dcp_engine, dcp_layout
-from phalanx.errors import CheckpointError
 from phalanx.fsdp import fully_shard
 from tests.dist.test_fully_shard import VOCAB, _model, _shard
 from tests.harness import RankError, error_of, run_ranks
@@ -75,13 +74,11 @@ def _load(rank, world_size, directories, layout):
         torch_model, _ = _build(layout, 2)
         Checkpointer(Path(directory) / "torch", torch_model).load(resume=Path(directory) / "torch")
         out[name + "-from-torch"] = _snapshot(torch_model, torch.optim.AdamW(torch_model.parameters()))
-        module = model.module if layout == "ddp" else model
         # torch's dcp.load reads phalanx's directory as it is
         plain, _ = _build(layout, 3)
         target = {"model": (plain.module if layout == "ddp" else plain).state_dict()}
         dcp.load(target, checkpoint_id=state.path)
         out[name + "-dcp.load"] = {k: _full(v) for k, v in target["model"].items()}
-        del module
     return out
 
 

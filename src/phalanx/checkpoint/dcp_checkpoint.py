@@ -69,7 +69,6 @@ if TYPE_CHECKING:
     from .checkpointer import Checkpointer
 
 _log = get_logger(__package__)
-_log0 = get_logger(__package__, rank_zero_only=True)
 STATE_VERSION = 1
 
 

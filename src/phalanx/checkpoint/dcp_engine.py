@@ -152,9 +152,3 @@ def stage(tree: Any) -> Any:
                                   shape=tree.shape, stride=tree.stride())
     return tree.detach().to("cpu", copy=True)
 
-
-def staged_bytes(tree: Any) -> int:
-    if isinstance(tree, dict):
-        return sum(staged_bytes(v) for v in tree.values())
-    local = tree.to_local() if isinstance(tree, DTensor) else tree
-    return local.numel() * local.element_size()
