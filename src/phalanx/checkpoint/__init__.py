@@ -17,6 +17,11 @@ The files, in the order data flows through them:
 ``sync.py``
     How the ranks of a save or load exchange data with the writer (rank 0); their verdicts
     travel through :func:`phalanx.agreement.agree`.
+``dcp_checkpoint.py``, ``dcp_engine.py``, ``dcp_layout.py``
+    ``format="sharded"``: torch's DCP writes every rank's part (replicated tensors balanced by
+    size, :mod:`dcp_engine`); phalanx adds the checksummed manifest, the atomic commit and
+    background saves (:mod:`dcp_checkpoint`), and the names, listing and pruning of both
+    formats (:mod:`dcp_layout`).
 ``file.py``
     One file on disk: header, CRC-32, atomic write (temporary, fsync, rename, directory
     fsync), verified and safe read, pruning, stale temporaries; frames for tensors streamed

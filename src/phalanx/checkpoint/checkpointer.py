@@ -62,15 +62,9 @@ from ..agreement import agree
 from ..diagnostics import ledger
 from ..errors import CheckpointError, RankMismatchError
 from ..uneven import Joinable
-from .file import (
-    checkpoint_name,
-    checkpoint_step,
-    clean_stale_temps,
-    list_checkpoints,
-    prune,
-    read_checkpoint,
-    write_checkpoint,
-)
+from .dcp_checkpoint import ShardedIO
+from .dcp_layout import list_all, prune_all, step_of
+from .file import checkpoint_name, clean_stale_temps, read_checkpoint, write_checkpoint
 from .sharded import ShardedState, mesh_of, optimizer_state, restore, rows_for
 from .state import (
     capture_rng_state,
@@ -98,6 +92,7 @@ DAMAGED_SUFFIX = ".damaged"
 # Layout of the saved dict; the file format around it has its own version.
 STATE_VERSION = 1
 _OPTIONAL = ("optimizer", "scheduler", "scaler", "sampler")
+FORMATS = ("consolidated", "sharded")
 
 
 class CheckpointAction(IntEnum):
@@ -162,6 +157,12 @@ class Checkpointer(Joinable):
             is initialised).
         map_location (optional): where loaded tensors go. Default: this rank's device
             (``phalanx.get_device()``).
+        format (str, optional): how :meth:`save` writes: ``"consolidated"``, one file
+            written by rank 0, or ``"sharded"``, a directory ``ckpt-<step>.dcp`` in torch's
+            DCP format that every rank writes its part of, checksummed and committed
+            atomically (see :mod:`phalanx.checkpoint.dcp_checkpoint`; not with a sharded
+            optimizer such as ``ZeroRedundancyOptimizer`` yet). :meth:`load` reads both.
+            Default ``"consolidated"``.
 
     .. warning::
         ``save`` and ``load`` are collectives. If loading fails part-way (e.g. the optimizer
@@ -198,11 +199,18 @@ class Checkpointer(Joinable):
         keep: int | None = 3,
         group: dist.ProcessGroup | None = None,
         map_location: Any = None,
+        format: str = "consolidated",
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"Invalid keep {keep!r}, expected a positive integer or None")
+        if format not in FORMATS:
+            raise ValueError(f"Invalid format {format!r}, expected one of {', '.join(map(repr, FORMATS))}")
+        if format == "sharded" and hasattr(optimizer, "consolidate_state_dict"):
+            raise TypeError("Checkpointer(format='sharded') does not save a sharded optimizer "
+                            f"({type(optimizer).__name__}) yet: use format='consolidated'")
+        self.format = format
         self.directory = Path(directory)
         self.model = model
         self.optimizer = optimizer
@@ -217,6 +225,7 @@ class Checkpointer(Joinable):
         self.group = group
         self.map_location = process_group.get_device() if map_location is None else map_location
         self._last = comm.LastWorks()  # the outcome's broadcast: often a script's last collective
+        self._sharded = ShardedIO(self)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -224,8 +233,18 @@ class Checkpointer(Joinable):
         return unwrap(self.model)
 
     def checkpoints(self) -> list[Path]:
-        """The complete checkpoints in :attr:`directory`, oldest first (not a collective)."""
-        return list_checkpoints(self.directory)
+        """The complete checkpoints in :attr:`directory`, files and sharded directories,
+        oldest first (not a collective)."""
+        return list_all(self.directory)
+
+    def wait(self) -> Path | None:
+        """Wait for the save made with ``blocking=False`` still in flight, if any, and return
+        its path once committed (a collective); raise its error, on every rank."""
+        return self._sharded.wait()
+
+    def close(self) -> None:
+        """Wait for a save in flight (see :meth:`wait`) and stop the background writer."""
+        self._sharded.close()
 
     def save(
         self,
@@ -234,6 +253,7 @@ class Checkpointer(Joinable):
         *,
         consumed: int | None = None,
         extra: Mapping[str, Any] | None = None,
+        blocking: bool = True,
     ) -> Path:
         """Write a checkpoint of the current state (a collective); return its path.
 
@@ -246,6 +266,10 @@ class Checkpointer(Joinable):
                 Default ``None``: the sampler counts what it handed out.
             extra (dict, optional): anything else to keep (rank 0's is saved): tensors,
                 numbers, strings, and lists/tuples/dicts of them.
+            blocking (bool, optional): ``False`` (``format="sharded"`` only): copy this
+                rank's state to host memory and write it on a background thread; the call
+                returns the path the checkpoint will have. The next ``save``, ``load``,
+                :meth:`wait` or :meth:`close` waits for it. Default ``True``.
 
         Raises:
             ValueError, TypeError: a bad argument, or an ``extra`` value safe loading could
@@ -258,9 +282,14 @@ class Checkpointer(Joinable):
         _check_count("step", step)
         if extra is not None and not isinstance(extra, Mapping):
             raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
+        if not blocking and self.format != "sharded":
+            raise ValueError("save(blocking=False) needs Checkpointer(format='sharded'), "
+                             f"got format={self.format!r}")
         book = ledger()
         with book.collective("Checkpointer.save", group=self.group, check=True,
                              shadow=book.shadow(self, CheckpointAction.SAVE, epoch, step)):
+            if self.format == "sharded":
+                return self._sharded.save(epoch, step, consumed, extra, blocking)
             return self._save(epoch, step, consumed, extra)
 
     def _save(self, epoch: int, step: int, consumed: int | None, extra: Mapping | None) -> Path:
@@ -305,8 +334,8 @@ class Checkpointer(Joinable):
                 f"disagree with rank 0, which has epoch={epoch}, step={step}; rank {differ[0]} "
                 f"has epoch={e}, step={s}"
             )
-        existing = list_checkpoints(self.directory)
-        if existing and checkpoint_step(existing[-1]) > step:
+        existing = list_all(self.directory)
+        if existing and step_of(existing[-1]) > step:
             # keep-last-K and resume="auto" go by step: this file would be pruned at once,
             # and a resume would pick up the other run's newer checkpoint.
             raise CheckpointError(
@@ -337,7 +366,7 @@ class Checkpointer(Joinable):
             _log.info("removed %s, left by a writer that died", stale)
         size = write_checkpoint(path, state, frames)
         if self.keep is not None:
-            prune(self.directory, self.keep)
+            prune_all(self.directory, self.keep)
         _log.info("saved %s (%.1f MB, epoch %d, step %d)", path, size / 1e6, epoch, step)
 
     def load(self, resume: str | os.PathLike = "auto") -> TrainingState | None:
@@ -361,6 +390,7 @@ class Checkpointer(Joinable):
         if not isinstance(resume, (str, os.PathLike)):
             raise TypeError(f"resume must be 'auto' or a path, got {type(resume).__name__}")
         auto = resume == "auto"
+        self._sharded.wait()
         mine = None
         if is_writer(self.group):
             mine = [str(p) for p in reversed(self.checkpoints())] if auto else [os.fspath(resume)]
@@ -402,6 +432,8 @@ class Checkpointer(Joinable):
         return aside
 
     def _read(self, path: Path) -> dict:
+        if path.is_dir():
+            return self._sharded.read(path)
         mesh = mesh_of(self.module)
         state = read_checkpoint(path, map_location=self.map_location, select=rows_for(mesh))
         required = ("version", "epoch", "step", "world_size", "model", "rng", "extra")
@@ -424,11 +456,17 @@ class Checkpointer(Joinable):
         return state
 
     def _apply(self, state: dict, path: Path) -> None:
-        check_fits(self.module, state["model"], path)
-        self.module.load_state_dict(state["model"])
+        if path.is_dir():  # a sharded checkpoint: DCP loads the model and the optimizer
+            self._sharded.apply(state, path)
+        else:
+            check_fits(self.module, state["model"], path)
+            self.module.load_state_dict(state["model"])
         for name in _OPTIONAL:
             obj = getattr(self, name)
-            if obj is None:
+            if obj is None or (name == "optimizer" and path.is_dir()):
+                continue
+            if name not in state and state.get("foreign"):
+                _log0.warning("checkpoint %s (torch's) holds no %s state: it keeps its own", path, name)
                 continue
             if name not in state:
                 raise CheckpointError(

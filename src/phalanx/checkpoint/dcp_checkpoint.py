@@ -1,0 +1,292 @@
+"""The sharded format of :class:`~phalanx.checkpoint.Checkpointer` (``format="sharded"``):
+every rank writes its own part through torch's DCP, phalanx adds what DCP lacks.
+
+**Saving** (a collective). Rank 0 gathers every rank's RNG states (and comm state), builds the
+non-tensor state, removes temporaries of dead writers and makes a locked temporary directory
+``ckpt-<step>.dcp.tmp-...`` beside the final one; if that fails, every rank raises. Then every
+rank writes its tensors with ``dcp.save`` (:class:`~phalanx.checkpoint.dcp_engine.BalancedSavePlanner`:
+its shards, and its even share of the replicated tensors), fsyncs and checksums its own files,
+and sends rank 0 their CRC-32s or its error. Rank 0 writes ``phalanx-state.ckpt`` and the
+manifest, fsyncs the directory, renames it into place, fsyncs the parent, prunes to ``keep``,
+and broadcasts the outcome: every rank returns, or every rank raises the same error.
+
+**Background saves** (``blocking=False``) stage this rank's tensors to host memory, then run
+the write and the commit above on a thread, over a Gloo group of their own (so that their
+collectives never interleave with training's). At most one is in flight: the next save,
+:meth:`~phalanx.checkpoint.Checkpointer.load`, ``wait()`` and ``close()`` wait for it and raise
+its error, if any (on every rank).
+
+**Loading**. Every rank checks the manifest and every file's size, then checksums its share
+of the files (split by size, see :func:`~phalanx.checkpoint.dcp_layout.share`) before any
+byte is decoded; the verdicts are agreed (a damaged file is named; ``resume="auto"`` sets the
+checkpoint aside as ``.damaged`` and tries the previous one). Then ``dcp.load`` reads into the
+model's and optimizer's own state dicts, so each rank reads only what its layout needs:
+its rows of each tensor (``fully_shard``) or every tensor whole (DDP, one process), at any
+world size. A directory without a manifest (written by torch's ``dcp.save``) is loaded
+without checksums, after a warning: its ``"model"`` (or, if its keys have no ``model.``
+prefix, the whole of it) into the model, and its ``"optimizer"`` tensors, if given.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor
+
+from .._logging import get_logger
+from ..agreement import agree
+from ..errors import CheckpointError, RankMismatchError
+from .dcp_engine import BalancedSavePlanner, ChecksummingWriter, SafeReader, merge, split, stage
+from .dcp_layout import (
+    MANIFEST,
+    STATE_FILE,
+    TempDir,
+    checksum,
+    clean_stale_dirs,
+    commit,
+    fsync_files,
+    list_all,
+    prune_all,
+    read_manifest,
+    share,
+    sharded_name,
+    step_of,
+    verify,
+    write_manifest,
+)
+from .file import fsync_path, read_checkpoint, write_checkpoint
+from .state import capture_rng_state, check_loadable
+from .sync import SAVE_ERRORS, as_shared, broadcast_from_writer, gather_to_writer
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+
+_log = get_logger(__package__)
+STATE_VERSION = 1
+
+
+def _rank_world(group: Any) -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class ShardedIO:
+    """Saves and loads a :class:`~phalanx.checkpoint.Checkpointer`'s state as DCP directories
+    (see the module notes); the Checkpointer holds one and calls it."""
+
+    def __init__(self, owner: Checkpointer) -> None:
+        self.owner = owner
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self._background_group: Any = None
+        self._warned_foreign = False
+
+    # ---- saving ----------------------------------------------------------------------------
+    def save(self, epoch: int, step: int, consumed: int | None, extra: Mapping | None,
+             blocking: bool) -> Path:
+        self.wait()
+        o = self.owner
+        tree = {"model": o.module.state_dict()}
+        if o.optimizer is not None:
+            tree["optimizer"] = get_optimizer_state_dict(o.module, o.optimizer)
+        tensors, rest = split(tree)
+        local = None if o.comm_state is None else o.comm_state.state_dict()
+        gathered = gather_to_writer((epoch, step, capture_rng_state(), local), o.group)
+        final = o.directory / sharded_name(step)
+        temp, state, error = None, None, None
+        if gathered is not None:
+            try:
+                state = self._state(gathered, consumed, dict(extra or {}), rest, tensors)
+                temp = TempDir(o.directory, step)
+            except Exception as e:
+                error = as_shared(e, f"Saving checkpoint {final} failed on rank 0: ", SAVE_ERRORS)
+        agree(f"Saving checkpoint {final}", o.group, problem=error, decided_by=0)
+        name = broadcast_from_writer(None if temp is None else temp.path.name, o.group)
+        job = (o.directory / name, final, temp, state)
+        if blocking:
+            return self._write(tensors, *job, o.group)
+        staged = stage(tensors)  # this rank's shards and replicated tensors: one copy in host memory
+        group = self._group()
+        self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="phalanx-checkpoint")
+        self._pending = self._pool.submit(self._write, staged, *job, group)
+        return final
+
+    def _group(self) -> Any:
+        """The Gloo group of the background saves (made on the first; every rank calls)."""
+        if self._background_group is None and dist.is_initialized():
+            ranks = dist.get_process_group_ranks(self.owner.group or dist.group.WORLD)
+            self._background_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        return self._background_group
+
+    def _state(self, gathered: list, consumed: int | None, extra: dict, rest: dict,
+               tensors: dict) -> dict:
+        """Rank 0: the non-tensor state, checked; the directory checked and tidied."""
+        o = self.owner
+        epoch, step = gathered[0][:2]
+        differ = [r for r, (e, s, *_) in enumerate(gathered) if (e, s) != (epoch, step)]
+        if differ:
+            e, s = gathered[differ[0]][:2]
+            raise RankMismatchError(
+                f"save(epoch, step) differs across ranks: ranks {', '.join(map(str, differ))} "
+                f"disagree with rank 0, which has epoch={epoch}, step={step}; rank {differ[0]} "
+                f"has epoch={e}, step={s}")
+        existing = list_all(o.directory)
+        if existing and step_of(existing[-1]) > step:
+            raise CheckpointError(
+                f"Cannot save step {step} in {o.directory}: it already holds {existing[-1].name}, "
+                "a later step (another run?). Use a new directory or remove the old checkpoints")
+        sharded = any(isinstance(t, DTensor) for t in _leaves(tensors))
+        state = {"version": STATE_VERSION, "epoch": epoch, "step": step, "world_size": len(gathered),
+                 "layout": "sharded" if sharded else "replicated", "skeleton": rest,
+                 "rng": [rng for _, _, rng, _ in gathered], "extra": extra}
+        if o.comm_state is not None:
+            state["comm_state"] = [local for *_, local in gathered]
+        for name in ("scheduler", "scaler", "sampler"):
+            obj = getattr(o, name)
+            if obj is not None:
+                state[name] = obj.state_dict(consumed=consumed) if (
+                    name == "sampler" and consumed is not None) else obj.state_dict()
+        for key, value in state.items():
+            check_loadable(value, key)
+        for stale in clean_stale_dirs(o.directory):
+            _log.info("removed %s, left by a writer that died", stale)
+        return state
+
+    def _write(self, tensors: dict, temp_path: Path, final: Path, temp: TempDir | None,
+               state: dict | None, group: Any) -> Path:
+        """Every rank (main thread or background): write, checksum, commit, agree."""
+        rank, _ = _rank_world(group)
+        writer = ChecksummingWriter(temp_path)
+        sums, error = {}, None
+        try:
+            dcp.save(tensors, storage_writer=writer, planner=BalancedSavePlanner(),
+                     process_group=group, no_dist=not dist.is_initialized())
+            sums = {name: checksum(temp_path / name) for name in writer.written}
+        except Exception as e:
+            error = f"rank {rank}: {type(e).__name__}: {e}"
+        reports = gather_to_writer((sums, error), group)
+        outcome = None
+        if reports is not None:
+            try:
+                failed = [e for _, e in reports if e is not None]
+                if failed:
+                    raise CheckpointError(f"Writing checkpoint {final} failed on " + "; ".join(failed))
+                files = {n: s for part, _ in reports for n, s in part.items()}
+                self._commit(temp_path, final, state, files)
+            except Exception as e:
+                outcome = str(as_shared(e, f"Saving checkpoint {final} failed on rank 0: "))
+                shutil.rmtree(temp_path, ignore_errors=True)
+            finally:
+                temp.release()
+        outcome = broadcast_from_writer(outcome, group)
+        if outcome is not None:
+            raise CheckpointError(outcome)
+        return final
+
+    def _commit(self, temp_path: Path, final: Path, state: dict, files: dict) -> None:
+        """Rank 0, once every rank's files are durable: state file, manifest, rename."""
+        write_checkpoint(temp_path / STATE_FILE, state)
+        others = [n for n in os.listdir(temp_path) if n not in files and n != MANIFEST]
+        fsync_files([temp_path / n for n in others])
+        files.update({n: checksum(temp_path / n) for n in others})
+        write_manifest(temp_path, {"step": state["step"], "epoch": state["epoch"],
+                                   "world_size": state["world_size"], "layout": state["layout"],
+                                   "files": files})
+        fsync_path(temp_path)
+        commit(temp_path, final)
+        o = self.owner
+        if o.keep is not None:
+            prune_all(o.directory, o.keep)
+        size = sum(f["bytes"] for f in files.values())
+        _log.info("saved %s (%.1f MB in %d files, epoch %d, step %d)", final, size / 1e6,
+                  len(files), state["epoch"], state["step"])
+
+    def wait(self) -> Path | None:
+        """The path of the background save in flight once it is committed (``None`` if none);
+        raises its error (on every rank)."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None
+
+    # ---- loading ---------------------------------------------------------------------------
+    def read(self, path: Path) -> dict:
+        """This rank's checks before anything is decoded (no collective); the state file."""
+        manifest = read_manifest(path)
+        rank, world = _rank_world(self.owner.group)
+        if manifest is None:
+            return self._foreign(path, rank)
+        for name, expected in manifest["files"].items():
+            try:
+                found = (path / name).stat().st_size
+            except FileNotFoundError:
+                raise CheckpointError(f"Checkpoint {path} is damaged: its file {name} is missing") from None
+            if found != expected["bytes"]:
+                raise CheckpointError(f"Checkpoint {path} is damaged: its file {name} has {found} "
+                                      f"bytes, the manifest says {expected['bytes']}")
+        sizes = {n: f["bytes"] for n, f in manifest["files"].items()}
+        verify(path, manifest, share(sizes, world)[rank])
+        state = read_checkpoint(path / STATE_FILE, map_location=self.owner.map_location)
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise CheckpointError(f"Checkpoint {path}: {STATE_FILE} holds no state of version {STATE_VERSION}")
+        return state
+
+    def _foreign(self, path: Path, rank: int) -> dict:
+        if not (path / ".metadata").is_file():
+            raise CheckpointError(f"Checkpoint {path} is neither a phalanx checkpoint nor a DCP "
+                                  f"checkpoint: it has no {MANIFEST} and no .metadata")
+        if rank == 0 and not self._warned_foreign:
+            _log.warning("checkpoint %s has no %s (written by torch's dcp.save?): it has no "
+                         "checksums to check; loading it as it is", path, MANIFEST)
+            self._warned_foreign = True
+        writers = {n.split("_")[2] for n in os.listdir(path) if n.startswith("__") and n.endswith(".distcp")}
+        return {"version": STATE_VERSION, "epoch": 0, "step": 0, "world_size": len(writers),
+                "extra": {}, "rng": [], "foreign": True}
+
+    def apply(self, state: dict, path: Path) -> None:
+        """Every rank: ``dcp.load`` into the model's and optimizer's state (a collective)."""
+        o = self.owner
+        if hasattr(o.optimizer, "consolidate_state_dict"):
+            raise CheckpointError(f"Checkpoint {path} is sharded (DCP): loading it into a sharded "
+                                  "optimizer (ZeroRedundancyOptimizer) is not supported yet")
+        target = {"model": o.module.state_dict()}
+        if o.optimizer is not None:
+            target["optimizer"] = get_optimizer_state_dict(o.module, o.optimizer)
+        tensors, rest = split(target)
+        reader = SafeReader(path)
+        bare = False
+        if state.get("foreign"):
+            keys = reader.read_metadata().state_dict_metadata
+            bare = not any(k.startswith("model.") for k in keys)  # a model's state dict alone
+            if o.optimizer is not None and (bare or not any(k.startswith("optimizer.") for k in keys)):
+                raise CheckpointError(f"Checkpoint {path} holds no optimizer state, but an optimizer was given")
+        else:
+            rest = state["skeleton"]
+        dcp.load(tensors["model"] if bare else tensors, storage_reader=reader, process_group=o.group,
+                 no_dist=not dist.is_initialized())
+        loaded = merge(tensors, rest)
+        o.module.load_state_dict(loaded["model"])
+        if o.optimizer is not None:
+            set_optimizer_state_dict(o.module, o.optimizer, loaded["optimizer"])
+
+
+def _leaves(tree: dict) -> Any:
+    for value in tree.values():
+        if isinstance(value, dict):
+            yield from _leaves(value)
+        else:
+            yield value

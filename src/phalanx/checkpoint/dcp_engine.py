@@ -1,0 +1,154 @@
+"""torch's ``torch.distributed.checkpoint`` (DCP) as phalanx's engine for sharded checkpoints.
+
+* :class:`BalancedSavePlanner`: DCP's default planner, except that a tensor every rank holds
+  (DDP's parameters, buffers, replicated optimizer state) is written by one rank chosen so that
+  the ranks' bytes come out even: the shards each rank must write are counted first, then the
+  replicated tensors go, largest first, to the least loaded rank holding them.
+* :class:`ChecksummingWriter`: DCP's ``FileSystemWriter`` (fsyncs its files) that remembers
+  which files this rank wrote, so that each rank checksums its own.
+* :class:`SafeReader`: DCP's ``FileSystemReader`` whose ``.metadata`` is unpickled with an
+  allow-list of DCP's metadata classes (torch's reader runs ``pickle.load`` on it).
+* :func:`split` / :func:`merge`: only tensors go to DCP; every other leaf of a state dict goes
+  to phalanx's state file (loaded ``weights_only``). phalanx never asks DCP for a non-tensor
+  item, which torch's planner would unpickle with ``weights_only=False``.
+* :func:`stage`: a host-memory copy of a tensor tree, for a save written in the background.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.tensor import DTensor
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+# What a DCP ``.metadata`` pickle is made of (torch 2.13: found by unpickling torch's own).
+_ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+            ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+
+
+def _size(item: Any) -> int:
+    # (DCP's own rule: a non-tensor item counts as 1 byte)
+    return item.tensor_storage_size() or 1
+
+
+def balance(plans: list[SavePlan]) -> list[SavePlan]:
+    """Each item that several plans hold kept in one of them: largest first, to the one with
+    the fewest bytes so far (counting first the items only it holds; ties: lowest rank)."""
+    holders: dict[Any, list[int]] = defaultdict(list)
+    items: dict[Any, Any] = {}
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            holders[item.index].append(rank)
+            items[item.index] = item
+    load = [0] * len(plans)
+    for index, ranks in holders.items():
+        if len(ranks) == 1:
+            load[ranks[0]] += _size(items[index])
+    owner = {}
+    shared = sorted((i for i, r in holders.items() if len(r) > 1), key=lambda i: -_size(items[i]))
+    for index in shared:
+        rank = min(holders[index], key=lambda r: (load[r], r))
+        load[rank] += _size(items[index])
+        owner[index] = rank
+    return [dataclasses.replace(plan, items=[item for item in plan.items
+                                             if owner.get(item.index, rank) == rank])
+            for rank, plan in enumerate(plans)]
+
+
+class BalancedSavePlanner(DefaultSavePlanner):
+    """DCP's ``DefaultSavePlanner`` with replicated tensors spread over the ranks by size."""
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        # (no duplicates are left for DCP's own dedup, which only sees the shared items)
+        return super().create_global_plan(balance(all_plans))
+
+
+class ChecksummingWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` into ``path`` (one file per rank, fsynced, never overwriting)
+    that records the names of the files this rank wrote in :attr:`written`."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=True, overwrite=False)
+        self.written: list[str] = []
+
+    def write_data(self, plan: SavePlan, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        results = future.wait()
+        self.written = sorted({r.storage_data.relative_path for r in results})
+        return future
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        found = super().find_class(module, name) if module in ("torch", _METADATA_MODULE) else None
+        if module == "torch" and isinstance(found, torch.dtype):
+            return found
+        if module == _METADATA_MODULE and isinstance(found, type):
+            return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's ``FileSystemReader``, its ``.metadata`` unpickled with an allow-list."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not DCP's Metadata")
+        # the rest as torch's reader does
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def split(tree: dict) -> tuple[dict, dict]:
+    """``(tensors, rest)`` of a nest of dicts: the tensor leaves (under string keys, down
+    through dicts) and everything else. A tensor inside a list or tuple stays in ``rest``."""
+    tensors, rest = {}, {}
+    for key, value in tree.items():
+        if isinstance(key, str) and isinstance(value, torch.Tensor):
+            tensors[key] = value
+        elif isinstance(key, str) and isinstance(value, dict):
+            t, r = split(value)
+            if t:
+                tensors[key] = t
+            if r or not t:
+                rest[key] = r
+        else:
+            rest[key] = value
+    return tensors, rest
+
+
+def merge(tensors: dict, rest: dict) -> dict:
+    """The inverse of :func:`split`: a new nest of dicts holding both."""
+    out = dict(rest)
+    for key, value in tensors.items():
+        out[key] = merge(value, out.get(key, {})) if isinstance(value, dict) else value
+    return out
+
+
+def stage(tree: Any) -> Any:
+    """A copy of a tensor tree in host memory (DTensors stay DTensors, their local shards
+    copied); what a save written in the background reads while training changes the state."""
+    if isinstance(tree, dict):
+        return {k: stage(v) for k, v in tree.items()}
+    if isinstance(tree, DTensor):
+        local = tree.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, tree.device_mesh, tree.placements, run_check=False,
+                                  shape=tree.shape, stride=tree.stride())
+    return tree.detach().to("cpu", copy=True)
+

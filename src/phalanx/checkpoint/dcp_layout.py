@@ -1,0 +1,233 @@
+"""Sharded checkpoints on disk: names, the manifest and its checksums, the atomic commit, and
+the housekeeping shared with the single-file format (listing, ``keep``, stale temporaries).
+
+Single-process code; :mod:`phalanx.checkpoint.dcp_checkpoint` decides who calls it and when.
+
+A sharded checkpoint is a directory ``ckpt-<step, 12 digits>.dcp`` that torch's
+``torch.distributed.checkpoint`` reads as it is (``.metadata`` and ``__<rank>_<n>.distcp``),
+plus two files of phalanx's that torch ignores:
+
+``phalanx-state.ckpt``
+    the non-tensor state (epoch, step, RNG states of every rank, sampler, scheduler, scaler,
+    extras, the non-tensor leaves of the model's and optimizer's state dicts) as one
+    :mod:`phalanx.checkpoint.file` file: checksummed, loaded with ``weights_only=True``.
+``phalanx-manifest.json``
+    step, epoch, world size, layout, and the size and CRC-32 of every other file, itself
+    covered by a CRC-32 of its canonical JSON. It is written last: a directory without it was
+    not written by phalanx (torch's ``dcp.save``), and is loaded without checksums.
+
+The directory is written under a temporary name ``ckpt-<step>.dcp.tmp-<random>`` beside the
+final one, locked (``flock`` on the directory) by the writer while it lives, and renamed into
+place only once everything in it is durable: a process killed at any point leaves no
+directory under a final name, and the next save removes the temporary.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import zlib
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError
+from .file import fsync_path, list_checkpoints
+
+MANIFEST = "phalanx-manifest.json"
+STATE_FILE = "phalanx-state.ckpt"
+MANIFEST_FORMAT = "phalanx-dcp"
+MANIFEST_VERSION = 1
+# Read size of the streaming checksum: large enough that zlib.crc32 runs at memory speed.
+_CHUNK = 8 << 20
+
+_DIR = re.compile(r"^ckpt-(\d{12})\.dcp$")
+_DIR_TEMP = re.compile(r"^ckpt-\d{12}\.dcp\.tmp-")
+_FILE = re.compile(r"^ckpt-(\d{12})\.ckpt$")
+
+
+def sharded_name(step: int) -> str:
+    """The directory name of the sharded checkpoint of ``step``: ``ckpt-000000000042.dcp``."""
+    return f"ckpt-{step:012d}.dcp"
+
+
+def step_of(path: str | os.PathLike) -> int:
+    """The step in a checkpoint's name, file (``.ckpt``) or directory (``.dcp``)."""
+    name = Path(path).name
+    match = _DIR.match(name) or _FILE.match(name)
+    if match is None:
+        raise ValueError(f"{path} is not named like a checkpoint (ckpt-<12 digits>.ckpt or .dcp)")
+    return int(match.group(1))
+
+
+def list_all(directory: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints of both formats in ``directory``, oldest step first (a file
+    before a directory of the same step)."""
+    directory = Path(directory)
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = [directory / n for n in names if _DIR.match(n) and (directory / n).is_dir()]
+    found += list_checkpoints(directory)
+    return sorted(found, key=lambda p: (step_of(p), p.suffix == ".dcp"))
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a checkpoint directory: first renamed to a temporary name (a process killed
+    while deleting leaves a temporary, never a partial checkpoint under its final name)."""
+    doomed = path.with_name(f"{path.name}.tmp-deleted-{os.urandom(4).hex()}")
+    os.rename(path, doomed)
+    fsync_path(path.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def prune_all(directory: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints of either format; return the deleted."""
+    doomed = list_all(directory)[:-keep]
+    for path in doomed:
+        if path.is_dir():
+            _remove_tree(path)
+        else:
+            os.unlink(path)
+    if doomed:
+        fsync_path(directory)
+    return doomed
+
+
+class TempDir:
+    """A new temporary directory for the checkpoint of ``step`` in ``directory``, locked by
+    this process until :meth:`release` (or its death)."""
+
+    def __init__(self, directory: Path, step: int) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / f"{sharded_name(step)}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+        self.path.mkdir()  # exclusive: never another writer's
+        self._fd: int | None = os.open(self.path, os.O_RDONLY)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def clean_stale_dirs(directory: str | os.PathLike) -> list[Path]:
+    """Remove temporary checkpoint directories whose writer died (their lock can be taken)."""
+    directory = Path(directory)
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        path = directory / name
+        if not _DIR_TEMP.match(name) or not path.is_dir():
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its writer is alive
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def checksum(path: Path) -> dict[str, Any]:
+    """``{"bytes": size, "crc32": "0x..."}`` of the file at ``path``, read in chunks."""
+    crc, size = 0, 0
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb") as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return {"bytes": size, "crc32": f"{crc:#010x}"}
+
+
+def fsync_files(paths: list[Path]) -> None:
+    for path in paths:
+        fsync_path(path)
+
+
+def _body_crc(body: dict) -> str:
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True).encode()):#010x}"
+
+
+def write_manifest(directory: Path, body: dict) -> None:
+    """Write ``body`` (with ``format``, ``version`` and its own CRC-32) as the manifest, durably."""
+    body = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, **body}
+    with open(directory / MANIFEST, "x") as f:
+        json.dump({**body, "crc32": _body_crc(body)}, f, sort_keys=True, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_manifest(directory: Path) -> dict | None:
+    """The manifest of the checkpoint ``directory``, checked; ``None`` if it has none."""
+    if not directory.is_dir():
+        raise CheckpointError(f"Checkpoint {directory} does not exist")
+    try:
+        text = (directory / MANIFEST).read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        body = json.loads(text)
+        stored = body.pop("crc32")
+    except (ValueError, KeyError, AttributeError, TypeError):
+        raise CheckpointError(f"Checkpoint {directory} is corrupt: {MANIFEST} is not a manifest") from None
+    if _body_crc(body) != stored:
+        raise CheckpointError(f"Checkpoint {directory} is corrupt: {MANIFEST} fails its checksum")
+    if body.get("format") != MANIFEST_FORMAT or body.get("version") != MANIFEST_VERSION:
+        raise CheckpointError(f"Checkpoint {directory}: {MANIFEST} has format {body.get('format')!r} "
+                              f"version {body.get('version')!r}; this phalanx reads {MANIFEST_FORMAT!r} "
+                              f"version {MANIFEST_VERSION}")
+    return body
+
+
+def verify(directory: Path, manifest: dict, names: list[str]) -> None:
+    """Check the files ``names`` of ``directory`` against the manifest's sizes and checksums;
+    raise :class:`CheckpointError` naming the first file that is missing or differs."""
+    for name in names:
+        expected = manifest["files"][name]
+        path = directory / name
+        try:
+            found = checksum(path)
+        except FileNotFoundError:
+            raise CheckpointError(f"Checkpoint {directory} is damaged: its file {name} is missing") from None
+        if found["bytes"] != expected["bytes"]:
+            raise CheckpointError(f"Checkpoint {directory} is damaged: its file {name} has "
+                                  f"{found['bytes']} bytes, the manifest says {expected['bytes']}")
+        if found["crc32"] != expected["crc32"]:
+            raise CheckpointError(f"Checkpoint {directory} is damaged: its file {name} fails its "
+                                  f"checksum (CRC-32 stored {expected['crc32']}, computed {found['crc32']})")
+
+
+def share(sizes: dict[str, int], world: int) -> list[list[str]]:
+    """The names of ``sizes`` split among ``world`` ranks, largest first to the least loaded
+    (ties to the lowest rank): the same answer on every rank."""
+    load = [0] * world
+    shares: list[list[str]] = [[] for _ in range(world)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        load[rank] += sizes[name]
+        shares[rank].append(name)
+    return shares
+
+
+def commit(temp: Path, final: Path) -> None:
+    """Rename the complete ``temp`` directory to ``final`` and make it durable. A checkpoint
+    already at ``final`` (the same step saved again) is moved aside first, then deleted."""
+    if final.exists():
+        _remove_tree(final)
+    os.rename(temp, final)
+    fsync_path(final.parent)

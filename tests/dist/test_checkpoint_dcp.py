@@ -1,0 +1,254 @@
+"""Checkpointer(format="sharded"): torch DCP directories, every rank writing its part.
+
+Saved at world 2 and 3 (fully_shard, DDP), loaded at 1, 2 and 3 into both layouts, equal bit
+for bit; torch's dcp.load and dcp_to_torch_save reading phalanx's; phalanx reading torch's
+dcp.save; damage named and set aside; processes SIGKILLed during blocking and background saves.
+"""
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor
+
+import phalanx
+from phalanx.checkpoint import Checkpointer, dcp_checkpoint, dcp_engine, dcp_layout
+from phalanx.fsdp import fully_shard
+from tests.dist.test_fully_shard import VOCAB, _model, _shard
+from tests.harness import RankError, error_of, run_ranks
+
+LAYOUTS = ("fully_shard", "ddp")
+
+
+def _build(layout, seed):
+    model = _model(seed)
+    model = _shard(model, fully_shard) if layout == "fully_shard" else phalanx.DistributedDataParallel(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def _full(t):
+    """A tensor's whole value as (dtype, shape, bytes): compared bit for bit, and sent back
+    from a rank without shared memory."""
+    t = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+    return str(t.dtype), tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _snapshot(model, opt):
+    """Model and optimizer state, whole tensors (collectives under fully_shard)."""
+    module = model.module if isinstance(model, phalanx.DistributedDataParallel) else model
+    state = {k: _full(v) for k, v in module.state_dict().items()}
+    osd = get_optimizer_state_dict(module, opt, options=StateDictOptions(full_state_dict=True))
+    state.update({f"optim.{fqn}.{n}": _full(v) for fqn, s in osd["state"].items() for n, v in s.items()})
+    state["param_groups"] = osd["param_groups"]
+    return state
+
+
+def _save(rank, world_size, directory, layout):
+    torch.manual_seed(7)
+    model, opt = _build(layout, 0)
+    for step in range(2):  # every rank the same batch: DDP and fully_shard train alike
+        x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(step))
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    ckpt = Checkpointer(directory, model, opt, format="sharded")
+    path = ckpt.save(1, 2, extra={"note": "hi"})
+    ckpt.close()
+    module = model.module if layout == "ddp" else model
+    dcp.save({"model": module.state_dict()}, checkpoint_id=Path(directory) / "torch")  # torch's own
+    files = {n: (Path(path) / n).stat().st_size for n in os.listdir(path) if n.endswith(".distcp")}
+    return _snapshot(model, opt), files
+
+
+def _load(rank, world_size, directories, layout):
+    out = {}
+    for name, directory in directories.items():
+        model, opt = _build(layout, 1)  # other values everywhere
+        state = Checkpointer(directory, model, opt, format="sharded").load()
+        out[name] = (_snapshot(model, opt), state.step, state.world_size, state.extra)
+        torch_model, _ = _build(layout, 2)
+        Checkpointer(Path(directory) / "torch", torch_model).load(resume=Path(directory) / "torch")
+        out[name + "-from-torch"] = _snapshot(torch_model, torch.optim.AdamW(torch_model.parameters()))
+        # torch's dcp.load reads phalanx's directory as it is
+        plain, _ = _build(layout, 3)
+        target = {"model": (plain.module if layout == "ddp" else plain).state_dict()}
+        dcp.load(target, checkpoint_id=state.path)
+        out[name + "-dcp.load"] = {k: _full(v) for k, v in target["model"].items()}
+    return out
+
+
+def _equal(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        if key == "param_groups":
+            assert a[key] == b[key]
+        else:
+            assert a[key] == b[key], key
+
+
+@pytest.mark.slow
+def test_save_and_load_across_world_sizes_and_layouts(tmp_path):
+    saved, files = {}, {}
+    for world, layout in ((2, "fully_shard"), (3, "ddp")):
+        name = f"w{world}-{layout}"
+        results = run_ranks(_save, world, tmp_path / name, layout)
+        saved[name], files[name] = results[0][0], results[0][1]
+    # every rank wrote its part; the replicated (DDP) tensors are spread, not all on rank 0
+    assert sorted(files["w2-fully_shard"]) == ["__0_0.distcp", "__1_0.distcp"]
+    ddp = files["w3-ddp"]
+    assert len(ddp) == 3 and max(ddp.values()) < 0.6 * sum(ddp.values()), ddp
+    directories = {name: tmp_path / name for name in saved}
+    for world in (1, 2, 3):
+        for layout in LAYOUTS:
+            results = run_ranks(_load, world, directories, layout, timeout=300)
+            for name, reference in saved.items():
+                snap, step, saved_world, extra = results[0][name]
+                _equal(snap, reference)
+                assert (step, saved_world, extra) == (2, int(name[1]), {"note": "hi"})
+                model_only = {k: v for k, v in reference.items() if "." in k and not k.startswith("optim.")}
+                got = {k: v for k, v in results[0][name + "-from-torch"].items() if k in model_only}
+                _equal(got, model_only)
+                _equal(results[0][name + "-dcp.load"], model_only)
+    # torch's converter reads it as it is
+    dcp_to_torch_save(next(Path(tmp_path / "w2-fully_shard").glob("ckpt-*.dcp")), tmp_path / "one.pt")
+    whole = torch.load(tmp_path / "one.pt", weights_only=True)
+    _equal({k: _full(v) for k, v in whole["model"].items()},
+           {k: v for k, v in saved["w2-fully_shard"].items() if "." in k and not k.startswith("optim.")})
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:-10])
+
+
+# How each checkpoint of _damage is damaged, newest first, and the file its error names.
+_DAMAGE = {5: ("__1_0.distcp", _flip), 4: (".metadata", _truncate),
+           3: ("__0_0.distcp", os.unlink), 2: ("phalanx-manifest.json", _flip)}
+
+
+def _damage(rank, world_size, directory):
+    out = {}
+    model, opt = _build("fully_shard", 0)
+    ckpt = Checkpointer(directory, model, opt, format="sharded", keep=None)
+    for step in range(1, 6):
+        ckpt.save(0, step)
+    paths = ckpt.checkpoints()
+    import torch.distributed as dist
+    if rank == 0:
+        for step, (name, how) in _DAMAGE.items():
+            how(paths[step - 1] / name)
+    dist.barrier()
+    for step in _DAMAGE:
+        out[step] = error_of(ckpt.load, paths[step - 1])
+    state = ckpt.load()  # "auto": the four newest are set aside, step 1 is loaded
+    out["auto"] = state.step
+    out["names"] = sorted(os.listdir(directory))
+    # keep and resume="auto" across both formats in one directory
+    mixed = Path(directory) / "mixed"
+    for step, fmt in enumerate(("sharded", "consolidated", "sharded", "consolidated"), 1):
+        Checkpointer(mixed, model, opt, format=fmt, keep=3).save(0, step)
+    out["mixed"] = sorted(os.listdir(mixed))
+    out["mixed-auto"] = Checkpointer(mixed, model, opt).load().path.name
+    out["lower"] = error_of(Checkpointer(mixed, model, opt, format="sharded").save, 0, 1)
+    out["consolidated-async"] = error_of(Checkpointer(mixed, model, opt).save, 0, 9, blocking=False)
+    return out
+
+
+@pytest.mark.slow
+def test_damage_is_named_and_set_aside(tmp_path):
+    out = run_ranks(_damage, 2, tmp_path, timeout=200)[0]
+    for step, (name, _) in _DAMAGE.items():
+        kind, message = out[step]
+        assert kind == "CheckpointError" and name in message, (step, out[step])
+    assert out["auto"] == 1
+    assert out["names"] == ["ckpt-000000000001.dcp"] + [
+        f"ckpt-{s:012d}.dcp.damaged" for s in range(2, 6)], out["names"]
+    assert out["mixed"] == ["ckpt-000000000002.ckpt", "ckpt-000000000003.dcp", "ckpt-000000000004.ckpt"]
+    assert out["mixed-auto"] == "ckpt-000000000004.ckpt"
+    assert out["lower"][0] == "CheckpointError" and "later step" in out["lower"][1]
+    assert out["consolidated-async"][0] == "ValueError"
+
+
+# Where a one-process job is SIGKILLed during its second save, and whether the new checkpoint
+# was already renamed into place then.
+_KILL_POINTS = {
+    "mid-write": False, "before-manifest": False, "before-rename": False, "after-rename": True,
+    "mid-prune": True, "async-mid-write": False, "async-before-rename": False,
+}
+
+
+def _die(*_args, **_kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _intercept(point):
+    if point.endswith("mid-write"):
+        dcp_engine.ChecksummingWriter.write_data = _die
+    elif point == "before-manifest":
+        dcp_checkpoint.write_manifest = _die
+    elif point.endswith("before-rename"):
+        dcp_checkpoint.commit = _die
+    elif point == "after-rename":
+        rename = os.rename
+        os.rename = lambda a, b: rename(a, b) or (str(b).endswith(".dcp") and _die())
+    elif point == "mid-prune":
+        dcp_layout.shutil.rmtree = _die
+
+
+def _linear(fill):
+    model = torch.nn.Linear(64, 32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(fill)
+    return model
+
+
+def _save_and_die(rank, _world_size, directories):
+    point = list(_KILL_POINTS)[rank]
+    _intercept(point)
+    ckpt = Checkpointer(directories[rank], _linear(2.0), format="sharded", keep=1)
+    ckpt.save(0, 2, blocking=not point.startswith("async"))
+    ckpt.close()
+    return f"{point}: still alive after the save"
+
+
+def _files(path):
+    return {n: (path / n).read_bytes() for n in os.listdir(path)}
+
+
+@pytest.mark.slow
+def test_kill_during_save_at_every_point(tmp_path):
+    directories = [tmp_path / point for point in _KILL_POINTS]
+    before = {}
+    for directory in directories:
+        before[directory] = _files(Checkpointer(directory, _linear(1.0), format="sharded").save(0, 1))
+    results = run_ranks(_save_and_die, len(directories), directories, init=False, return_exceptions=True)
+    previous, new = dcp_layout.sharded_name(1), dcp_layout.sharded_name(2)
+    for (point, renamed), directory, result in zip(_KILL_POINTS.items(), directories, results):
+        assert isinstance(result, RankError) and "exit code -9" in result.message, (point, result)
+        names = os.listdir(directory)
+        finals = sorted(n for n in names if ".tmp-" not in n)
+        temps = 0 if point == "after-rename" else 1  # the dead writer's (or prune's) temporary
+        assert len(names) == len(finals) + temps, (point, names)
+        if point == "mid-prune":  # keep=1: the previous one was being deleted
+            assert finals == [new], (point, names)
+        else:
+            assert finals == ([previous, new] if renamed else [previous]), (point, names)
+            assert _files(directory / previous) == before[directory], point
+        model = _linear(0.0)
+        state = Checkpointer(directory, model, format="sharded").load()
+        assert state.step == (2 if renamed else 1), point
+        assert model.weight.eq(2.0 if renamed else 1.0).all(), point
+        # the next save (a new process in real life) removes the dead writer's temporary
+        Checkpointer(directory, _linear(3.0), format="sharded", keep=1).save(0, 3)
+        assert os.listdir(directory) == [dcp_layout.sharded_name(3)], (point, os.listdir(directory))
