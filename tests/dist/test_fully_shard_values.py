@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
+from torch.distributed.fsdp import share_comm_ctx
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from phalanx.bench.engine import GPT
@@ -271,14 +272,18 @@ def _optimizer_before_assign(rank, mesh):
 
 
 def _torch_helpers():
-    """torch.distributed.fsdp's helpers that check the class, on a phalanx unit."""
+    """torch.distributed.fsdp's helpers that check the class, on a phalanx unit: torch's
+    register_fsdp_forward_method gathers as phalanx's; one needing more of torch's state
+    raises, naming it."""
     model = _net(fully_shard)
-    model.sum_out = lambda x: model(x).sum()
-    torch_register(model, "sum_out")  # (torch's wraps it with its own state: phalanx raises)
+    x = torch.ones(2, 4)
+    model.total = lambda x: model.b(torch.relu(model.a(x))).sum()  # (not through forward)
+    torch_register(model, "total")
     seq = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     fully_shard(seq)
     return {"isinstance": isinstance(model, TorchFSDPModule) and isinstance(model.a, TorchFSDPModule),
-            "register": error_of(model.sum_out, torch.ones(2, 4)),
+            "register": torch.equal(model.total(x).detach(), model(x).sum().detach()),
+            "share_comm_ctx": error_of(share_comm_ctx, [model]),
             "private": error_of(lambda: model._set_unshard_async_op(True)),
             "indexing": type(seq[0:1]).__name__}  # (FSDPModule.__new__: the original class)
 
@@ -363,7 +368,9 @@ def test_an_optimizer_built_before_assign_still_trains(results):
 
 def test_torch_helpers_on_a_phalanx_unit(results):
     helpers = results[0]["paths"]["torch helpers"]
-    assert helpers["isinstance"], helpers
-    for key in ("register", "private"):
-        assert helpers[key][0] == "ValueError" and "phalanx" in helpers[key][1], (key, helpers)
+    assert helpers["isinstance"] and helpers["register"], helpers
+    err = helpers["share_comm_ctx"]
+    assert err[0] == "ValueError" and "torch's FSDP state has no '_comm_ctx'" in err[1], err
+    err = helpers["private"]
+    assert err[0] == "ValueError" and "does not support _set_unshard_async_op()" in err[1], err
     assert helpers["indexing"] == "Sequential"

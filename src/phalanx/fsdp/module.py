@@ -62,6 +62,31 @@ def _units_of(modules: list[Any]) -> list[Unit]:
     return [module._unit() for module in modules]
 
 
+class TorchStateView:
+    """A unit seen as torch's ``FSDPState``, for torch's helpers that take an ``FSDPModule``:
+    ``_pre_forward`` and ``_post_forward`` (torch's ``register_fsdp_forward_method``) run the
+    unit's; any other attribute of torch's state raises ``ValueError`` naming it, rather than
+    a helper acting on half a state."""
+
+    def __init__(self, unit: Unit) -> None:
+        self._pre, self._post = eager_hook(unit.pre_forward), eager_hook(unit.post_forward)
+        self._name = unit.name
+
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return self._pre(module, args, kwargs)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        return self._post(module, args, output)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # (copy, pickle, hasattr probes: the usual answer)
+            raise AttributeError(name)
+        raise ValueError(
+            f"torch's FSDP state has no {name!r} on a phalanx.fully_shard unit ({self._name}): "
+            "the torch.distributed.fsdp helper that asks for it works on torch's fully_shard "
+            "only; phalanx.fsdp offers register_fsdp_forward_method and clip_grad_norm_")
+
+
 class UnshardHandle:
     """A pending :meth:`FSDPModule.unshard` (``async_op=True``): :meth:`wait` lands it."""
 
@@ -82,8 +107,9 @@ class FSDPModule(TorchFSDPModule):
     It derives from torch's ``torch.distributed.fsdp.FSDPModule``, so that
     ``isinstance(module, torch.distributed.fsdp.FSDPModule)`` holds (torch's FSDP2 example
     asserts it), and overrides every method of it: those phalanx does not offer raise
-    ``ValueError`` naming them, and torch's internal state (``_get_fsdp_state``, which
-    torch's helpers reach for) does not exist: asking for it raises, naming what to use.
+    ``ValueError`` naming them. torch's helpers that reach for torch's internal state
+    (``_get_fsdp_state``) get a :class:`TorchStateView`: torch's
+    ``register_fsdp_forward_method`` works; what else they ask of it raises, naming it.
 
     The root module takes part in ``phalanx.join(model, optimizer)`` (uneven inputs): a rank
     that has joined sends its shards into the others' all-gathers, zeros into their
@@ -240,13 +266,11 @@ class FSDPModule(TorchFSDPModule):
             adopt(unit.params, unit.name)
         return super(TorchFSDPModule, self).named_parameters(*args, **kwargs)  # type: ignore[misc]
 
-    def _get_fsdp_state(self) -> Any:
-        """torch's ``FSDPModule`` internals, which phalanx's units do not have: raises."""
-        raise ValueError(
-            f"{type(self).__name__} was sharded by phalanx.fully_shard, which has no torch FSDP "
-            "state (_get_fsdp_state): a torch.distributed.fsdp helper that needs it does not "
-            "work on it; use phalanx.fsdp's (register_fsdp_forward_method, clip_grad_norm_) "
-            "or torch's fully_shard")
+    def _get_fsdp_state(self) -> TorchStateView:
+        """What torch's helpers reach for on an ``FSDPModule`` (torch's ``FSDPState``): the
+        unit's pre- and post-forward, so that torch's ``register_fsdp_forward_method`` works
+        as phalanx's; any other attribute raises, naming it."""
+        return TorchStateView(self._unit())
 
     for _name in NOT_YET + ("_set_unshard_async_op",):
         locals()[_name] = _not_yet(_name)
