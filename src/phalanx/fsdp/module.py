@@ -258,13 +258,15 @@ class FSDPModule(TorchFSDPModule):
             adopt(unit.params, unit.name)
         return out
 
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+                         ) -> Iterator[tuple[str, nn.Parameter]]:
         """``nn.Module.named_parameters``, the units' own sharded Parameters first put back
         where a module holds another shard in their place (a ``setattr``): an optimizer built
         now steps the Parameters the units train (:mod:`phalanx.fsdp.values`)."""
         for unit in self._units(recurse=True):
             adopt(unit.params, unit.name)
-        return super(TorchFSDPModule, self).named_parameters(*args, **kwargs)  # type: ignore[misc]
+        return super(TorchFSDPModule, self).named_parameters(  # type: ignore[misc]
+            prefix, recurse, remove_duplicate)
 
     def _get_fsdp_state(self) -> TorchStateView:
         """What torch's helpers reach for on an ``FSDPModule`` (torch's ``FSDPState``): the
