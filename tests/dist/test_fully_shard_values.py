@@ -35,15 +35,14 @@ FS = {"phalanx": fully_shard, "torch": torch_fully_shard}
 
 
 # ---- torch's FSDP2 example: resume from a full checkpoint -------------------------------
-def _gpt(fs, meta=True):
+def _gpt(fs, meta=True, to_empty=True):
+    """The sharded GPT; ``meta``: built on the meta device (``to_empty``: then given storage;
+    the example's resume leaves its parameters on the meta device until the load)."""
     torch.manual_seed(0)
-    if meta:
-        with torch.device("meta"):
-            model = GPT(vocab=VOCAB, tokens=TOKENS, dim=18, depth=3, heads=3)
-    else:
+    with torch.device("meta" if meta else "cpu"):
         model = GPT(vocab=VOCAB, tokens=TOKENS, dim=18, depth=3, heads=3)
     _shard(model, fs)
-    if meta:
+    if meta and to_empty:
         model.to_empty(device="cpu")
     return model
 
@@ -88,12 +87,12 @@ def _rows(full_sd, model, rank):
                for n, p in model.named_parameters())
 
 
-def _side_by_side(rank, load):
+def _side_by_side(rank, load, to_empty=True):
     """Each fully_shard's model after ``load(model)``: torch's isinstance, the loaded values
     against the checkpoint and against torch's, and ``STEPS`` steps of training."""
     full_sd, out, loaded, trained = _checkpoint(), {}, {}, {}
     for name, fs in FS.items():
-        model = _gpt(fs)
+        model = _gpt(fs, to_empty=to_empty)
         out[f"{name}_isinstance"] = isinstance(model, TorchFSDPModule)  # the example's assert
         load(model, dict(full_sd))  # (DCP's functions fill the dict they are given)
         out[f"{name}_rows"] = _rows(full_sd, model, rank)
@@ -126,6 +125,7 @@ def _resumes(rank, world_size, directory):
     _example_load(saved, _checkpoint())
     dcp.save(get_model_state_dict(saved), checkpoint_id=directory)
     return {"example": _side_by_side(rank, _example_load),
+            "example without to_empty": _side_by_side(rank, _example_load, to_empty=False),
             "dcp": _side_by_side(rank, _dcp_load(directory)),
             "broadcast": _side_by_side(rank, _broadcast_load)}
 
@@ -297,7 +297,7 @@ def results(tmp_path_factory):
     return run_ranks(_all_checks, WORLD, str(tmp_path_factory.mktemp("fsdp_values")), timeout=300)
 
 
-@pytest.mark.parametrize("how", ["example", "dcp", "broadcast"])
+@pytest.mark.parametrize("how", ["example", "example without to_empty", "dcp", "broadcast"])
 def test_resume_is_torchs_bit_for_bit(results, how):
     """The example's resume (load_state_dict assign=True), DCP, and the broadcast of a full
     state dict: the loaded shards and the losses and parameters after training are torch's."""
