@@ -5,7 +5,7 @@ lets a user set a sharded parameter's values. Each must give torch's values bit 
 (and, trained on, torch's losses), or raise where torch raises (phalanx: ``ValueError``
 naming the parameter); phalanx's class passes torch's ``isinstance`` checks.
 
-One group of 2 ranks runs every check (a module fixture, about 10 s); the tests assert on
+One group of 2 ranks runs every check (a module fixture); the tests assert on
 its results. World 2: the reductions add in one order, so training equals torch's bit for
 bit; the small model of the paths has odd rows (padded shards)."""
 
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      set_model_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
@@ -63,9 +64,9 @@ def _example_load(model, full_sd):
     model.load_state_dict(sharded_sd, strict=False, assign=True)
 
 
-def _train(model, rank, opt=None):
-    """Adam (the example's) for ``STEPS`` steps: the losses."""
-    opt = opt or torch.optim.Adam(model.parameters(), lr=1e-2)
+def _train(model, rank):
+    """Adam (the example's), built after the load as there, for ``STEPS`` steps: the losses."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
         x, y = _mine(_batch(step, WORLD), rank)
@@ -228,8 +229,7 @@ def _try(fs, meta, act):
     return None, values
 
 
-def _path_checks(rank, world_size):
-    from torch.distributed.device_mesh import init_device_mesh
+def _path_checks(world_size):
     mesh = init_device_mesh("cpu", (world_size,))
     expected = [t.clone() for t in _values().values()]
     out = {}
@@ -245,12 +245,12 @@ def _path_checks(rank, world_size):
             res["kept"] = all(map(torch.equal, p_before, p_after))  # (the forward lost nothing)
             res["expected"] = all(map(torch.equal, p_after, expected))
         out[case] = res
-    out["optimizer"] = _optimizer_before_assign(rank, mesh)
+    out["optimizer"] = _optimizer_before_assign(mesh)
     out["torch helpers"] = _torch_helpers()
     return out
 
 
-def _optimizer_before_assign(rank, mesh):
+def _optimizer_before_assign(mesh):
     """An optimizer built before ``load_state_dict(assign=True)``: torch's keeps the old
     Parameters (no longer the module's: its steps change nothing the model uses); phalanx's
     units keep their Parameters, so it trains as one built after the load."""
@@ -290,7 +290,7 @@ def _torch_helpers():
 
 
 def _all_checks(rank, world_size, directory):
-    return {"resumes": _resumes(rank, world_size, directory), "paths": _path_checks(rank, world_size)}
+    return {"resumes": _resumes(rank, world_size, directory), "paths": _path_checks(world_size)}
 
 
 @pytest.fixture(scope="module")
