@@ -351,7 +351,8 @@ def test_every_value_setting_path_is_torchs_or_raises(results):
 def test_refusals_name_the_parameter(results):
     paths = results[0]["paths"]
     err = paths["load_state_dict full assign"]["phalanx_error"]
-    assert err[0] == "ValueError" and "was set to a Parameter of shape (5, 4), expected a DTensor" in err[1], err
+    assert err[0] == "ValueError", err
+    assert "was set to a Parameter of shape (5, 4), expected a DTensor" in err[1], err
     err = paths["load_state_dict replicated assign"]["phalanx_error"]
     assert err[0] == "ValueError" and "placements (Replicate(),) (expected (Shard(dim=0),))" in err[1], err
     err = paths["param.data reshaped"]["phalanx_error"]
