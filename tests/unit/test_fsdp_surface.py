@@ -35,10 +35,22 @@ def test_same_arguments_as_torchs_fully_shard():
 def test_every_method_of_torchs_fsdp_module_is_offered_or_refused():
     # beyond torch's: phalanx.join's protocol (a fully_shard root takes part in a join)
     assert _public(Joinable) - {"join_steps_with_gradients"} <= _public(FSDPModule)
-    offered = _public(FSDPModule) - set(NOT_YET) - _public(Joinable)
+    # (and nn.Module's named_parameters: the units' own Parameters put back first, values.py)
+    offered = _public(FSDPModule) - set(NOT_YET) - _public(Joinable) - _public(nn.Module)
     assert _public(TorchFSDPModule) == offered | set(NOT_YET), (
         _public(TorchFSDPModule) ^ (offered | set(NOT_YET)))
     assert "unshard" in offered and "set_requires_gradient_sync" in offered
+
+
+def test_a_subclass_of_torchs_fsdp_module_overriding_every_method():
+    """isinstance(unit, torch.distributed.fsdp.FSDPModule) holds (torch's FSDP2 example
+    asserts it), and no method of torch's class is reached: each one, the private ones
+    included (they need torch's state), is phalanx's."""
+    assert issubclass(FSDPModule, TorchFSDPModule)
+    methods = {n for n, v in vars(TorchFSDPModule).items() if callable(v)}
+    assert {"__new__", "_apply", "_get_fsdp_state", "_set_unshard_async_op", "unshard"} <= methods
+    assert methods - set(vars(FSDPModule)) == set(), methods - set(vars(FSDPModule))
+    assert FSDPModule._orig_cls_mro_index == FSDPModule._ORIG_CLASS_INDEX == 3
 
 
 def test_reachable_as_phalanx_names():

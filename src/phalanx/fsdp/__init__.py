@@ -12,6 +12,9 @@ The files, from the call down:
 ``params.py``
     A unit's parameters: one flat shard buffer (each parameter a DTensor viewing it), one
     unsharded buffer allocated only while unsharded, the swap between the two.
+``values.py``
+    Values set on the modules in a shard's place (``load_state_dict(assign=True)``, a
+    ``setattr``): checked, copied into the flat buffer, the unit's own Parameter put back.
 ``init.py``
     :func:`initialize`: ``model.apply(fn)`` on a sharded model, one unit gathered at a time.
 ``clip.py``

@@ -4,15 +4,17 @@ torch's methods to gather, free and stop synchronising its parameters by hand.""
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Iterator
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from ..ledger.syncpoint import Verdict
 from ..uneven import Joinable
 from . import joining
 from .compile import eager_hook
 from .unit import UNIT_ATTRIBUTE, Unit, unit_of
+from .values import adopt
 
 # torch's FSDPModule methods phalanx does not offer yet: calling one raises, naming it.
 NOT_YET = ("set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce_hook",
@@ -60,6 +62,31 @@ def _units_of(modules: list[Any]) -> list[Unit]:
     return [module._unit() for module in modules]
 
 
+class TorchStateView:
+    """A unit seen as torch's ``FSDPState``, for torch's helpers that take an ``FSDPModule``:
+    ``_pre_forward`` and ``_post_forward`` (torch's ``register_fsdp_forward_method``) run the
+    unit's; any other attribute of torch's state raises ``ValueError`` naming it, rather than
+    a helper acting on half a state."""
+
+    def __init__(self, unit: Unit) -> None:
+        self._pre, self._post = eager_hook(unit.pre_forward), eager_hook(unit.post_forward)
+        self._name = unit.name
+
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return self._pre(module, args, kwargs)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        return self._post(module, args, output)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # (copy, pickle, hasattr probes: the usual answer)
+            raise AttributeError(name)
+        raise ValueError(
+            f"torch's FSDP state has no {name!r} on a phalanx.fully_shard unit ({self._name}): "
+            "the torch.distributed.fsdp helper that asks for it works on torch's fully_shard "
+            "only; phalanx.fsdp offers register_fsdp_forward_method and clip_grad_norm_")
+
+
 class UnshardHandle:
     """A pending :meth:`FSDPModule.unshard` (``async_op=True``): :meth:`wait` lands it."""
 
@@ -73,9 +100,16 @@ class UnshardHandle:
             self._unit = None
 
 
-class FSDPModule:
+class FSDPModule(TorchFSDPModule):
     """What ``phalanx.fully_shard`` makes of a module: ``FSDP<Class>`` derives from this
     class and from the module's own class, as torch's ``fully_shard`` does.
+
+    It derives from torch's ``torch.distributed.fsdp.FSDPModule``, so that
+    ``isinstance(module, torch.distributed.fsdp.FSDPModule)`` holds (torch's FSDP2 example
+    asserts it), and overrides every method of it: those phalanx does not offer raise
+    ``ValueError`` naming them. torch's helpers that reach for torch's internal state
+    (``_get_fsdp_state``) get a :class:`TorchStateView`: torch's
+    ``register_fsdp_forward_method`` works; what else they ask of it raises, naming it.
 
     The root module takes part in ``phalanx.join(model, optimizer)`` (uneven inputs): a rank
     that has joined sends its shards into the others' all-gathers, zeros into their
@@ -95,8 +129,9 @@ class FSDPModule:
     """
 
     # Index in the method resolution order of the module's own class:
-    # [FSDP<Class>, FSDPModule, Class, ...]
-    _ORIG_CLASS_INDEX = 2
+    # [FSDP<Class>, FSDPModule, torch's FSDPModule, Class, ...] (torch's name for it too)
+    _ORIG_CLASS_INDEX = 3
+    _orig_cls_mro_index = _ORIG_CLASS_INDEX
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """A new module of the original class (indexing a sharded ``nn.Sequential`` builds
@@ -216,9 +251,30 @@ class FSDPModule:
                     f"({flat.dtype} on {flat.device} to {probe.dtype} on {probe.device}): "
                     "move or convert the module before fully_shard")
         kept = {id(p) for u in units for s in u.params.slots for p in (s.sharded, s.unsharded)}
-        return super()._apply(lambda t: t if id(t) in kept else fn(t), recurse)  # type: ignore[misc]
+        # (nn.Module's, past torch's FSDPModule._apply, which needs torch's state)
+        out = super(TorchFSDPModule, self)._apply(  # type: ignore[misc]
+            lambda t: t if id(t) in kept else fn(t), recurse)
+        for unit in units:  # new Parameter objects (overwrite_module_params_on_conversion)
+            adopt(unit.params, unit.name)
+        return out
 
-    for _name in NOT_YET:
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+                         ) -> Iterator[tuple[str, nn.Parameter]]:
+        """``nn.Module.named_parameters``, the units' own sharded Parameters first put back
+        where a module holds another shard in their place (a ``setattr``): an optimizer built
+        now steps the Parameters the units train (:mod:`phalanx.fsdp.values`)."""
+        for unit in self._units(recurse=True):
+            adopt(unit.params, unit.name)
+        return super(TorchFSDPModule, self).named_parameters(  # type: ignore[misc]
+            prefix, recurse, remove_duplicate)
+
+    def _get_fsdp_state(self) -> TorchStateView:
+        """What torch's helpers reach for on an ``FSDPModule`` (torch's ``FSDPState``): the
+        unit's pre- and post-forward, so that torch's ``register_fsdp_forward_method`` works
+        as phalanx's; any other attribute raises, naming it."""
+        return TorchStateView(self._unit())
+
+    for _name in NOT_YET + ("_set_unshard_async_op",):
         locals()[_name] = _not_yet(_name)
     del _name
 

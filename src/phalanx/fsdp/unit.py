@@ -52,6 +52,7 @@ from .collectives import Pending, all_gather, chunk_cat, reduce_scatter
 from .iteration import Iteration, Reduction, Stage, division, synchronize_offload
 from .joining import FSDPAction, JoinPart
 from .params import Params, Slot
+from .values import adopt
 
 
 # Where a module keeps its unit (in its __dict__: not a parameter, buffer or submodule).
@@ -112,6 +113,7 @@ class Unit:
         for module_with_params in {m for s in params.slots for m, _ in s.locations}:
             module_with_params.register_state_dict_pre_hook(self._reshard_hook)
             module_with_params.register_load_state_dict_pre_hook(self._reshard_hook)
+            module_with_params.register_load_state_dict_post_hook(self._adopt_hook)  # (values.py)
 
     # ---- the root -------------------------------------------------------------------------
     def lazy_init(self) -> None:
@@ -153,6 +155,7 @@ class Unit:
         if not p.slots:
             p.register(sharded=False)  # nothing to gather
             return
+        adopt(p, self.name)  # values set on the modules in the shards' place (values.py)
         output = torch.empty(p.flat.numel() * p.world, dtype=p.compute_dtype, device=p.device)
         pending = all_gather(output, p.gather_input(), self.group, self.name,
                              shadow=self._shadow(FSDPAction.ALL_GATHER))
@@ -198,6 +201,9 @@ class Unit:
 
     def _reshard_hook(self, *args: Any) -> None:
         self.reshard()
+
+    def _adopt_hook(self, *args: Any) -> None:
+        adopt(self.params, self.name)
 
     # ---- hooks ----------------------------------------------------------------------------
     def _group_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
