@@ -18,6 +18,7 @@ new one, and the old one's watchdog stops.
 from __future__ import annotations
 
 import atexit
+import sys
 import weakref
 from typing import Any
 
@@ -56,7 +57,7 @@ class _Attached:
         self._closed = True
         unfinished = self.ledger.close()
         if self.diagnostics is not None:
-            self.diagnostics.close()
+            self.diagnostics.close(cleanly=not unfinished and _no_error_under_way())
         if not unfinished:
             return None
         problem = (f"rank {self.ledger.rank} leaves with collectives still under way: "
@@ -71,6 +72,13 @@ class _Attached:
         problem = self.close()
         if problem is not None:
             _log.error("%s", problem)
+
+
+def _no_error_under_way() -> bool:
+    """No exception is on its way out of the script: none being handled (a ``finally`` that
+    destroys the group) and none that ended it (at exit, the interpreter keeps it as
+    ``sys.last_value``)."""
+    return sys.exc_info()[1] is None and getattr(sys, "last_value", None) is None
 
 
 def ledger() -> Ledger:

@@ -25,7 +25,7 @@ from ..comm import all_gather_tensor
 from ..errors import CollectiveTimeoutError, PhalanxError, RankExitedError
 from ..ledger import Ledger, syncpoint
 from ..ledger.log import Record
-from .hang import Watchdog, assemble, snapshot
+from .hang import Watchdog, assemble, left_cleanly, snapshot
 from .straggler import DEFAULT_EVERY, StepClock, assess, look_back
 
 _log = get_logger("phalanx.diagnostics")
@@ -100,9 +100,9 @@ class Diagnostics:
             if final is None:
                 ranks = (list(range(dist.get_world_size())) if record.group == "world"
                          else [int(r) for r in record.group.split()[1].split(",")])
-                snaps = self._watchdog.request(ranks)
+                snaps, ended = self._watchdog.request(ranks)
                 final = self._watchdog.settle(*assemble(kind, self.rank, record.group, ranks,
-                                                        waited, snaps, self.ledger.timeout_s))
+                                                        waited, snaps, self.ledger.timeout_s, ended))
                 self._watchdog.linger(len(snaps))
         except Exception as store_error:  # the store is gone too: report what this rank knows
             final = (f"{error}\n(no report from the other ranks: the store is unreachable: "
@@ -189,8 +189,15 @@ class Diagnostics:
         self.straggler = report
         return report
 
-    def close(self) -> None:
+    def close(self, cleanly: bool = False) -> None:
+        """Stop watching; ``cleanly``: this rank leaves with no error, and says so to the
+        store, for the report of a rank still waiting for it (the ranks ran uneven steps)."""
         self._store = None  # rank 0's store server goes with its group, port and all
+        if cleanly and not self.failing:
+            try:
+                self._watchdog.leave(left_cleanly(self.rank, self.ledger.logs))
+            except RuntimeError:  # the store is gone (rank 0's, with rank 0): nobody to tell
+                pass
         self._watchdog.close()
         if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
             signal.signal(INTERRUPT_SIGNAL, self._previous_handler)
