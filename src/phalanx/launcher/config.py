@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 
 from .. import env
@@ -141,6 +142,10 @@ class LaunchConfig:
         rank_prefix (bool): start each console line with ``[rankN]: ``. Default ``True``.
         no_python (bool): run ``entrypoint`` as a command, not a Python script. Default ``False``.
         role (str): the workers' ``ROLE_NAME``. Default ``"default"``.
+        started (float): when the launcher started, on :func:`time.monotonic`'s clock: the
+            first meeting of the nodes ends ``rdzv_timeout`` after it, however long the
+            launcher took to start (importing torch on a loaded machine). Default: when the
+            config is made (``phalanx run``: when its process started).
 
     .. warning::
         ``node_rank`` 0 must run on the host that owns ``master_addr``: it listens there.
@@ -178,6 +183,7 @@ class LaunchConfig:
     rank_prefix: bool = True
     no_python: bool = False
     role: str = "default"
+    started: float = field(default_factory=time.monotonic, compare=False)
 
     def __post_init__(self) -> None:
         _at_least("--nproc-per-node", self.nproc_per_node, 1)
@@ -239,6 +245,11 @@ class LaunchConfig:
         if self.no_python and self.module:
             raise LaunchConfigError("--no-python runs a command, -m a Python module: give one of them")
         _check_entrypoint(self.entrypoint, self.module, self.no_python)
+
+    @property
+    def rdzv_deadline(self) -> float:
+        """When the first meeting of the nodes gives up (:func:`time.monotonic`'s clock)."""
+        return self.started + self.rdzv_timeout
 
     @property
     def multi_node(self) -> bool:
