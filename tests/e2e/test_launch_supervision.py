@@ -330,3 +330,26 @@ def test_a_rank_out_of_batches_is_named_with_the_fix_and_each_rank_with_its_exit
     assert ("root cause: rank 1 (exit code 0), named by the hang report (rank 0 (local rank 0) "
             "on node 0") in res.err and "stopped waiting for it: exit code 1)" in res.err, res.err
     assert "workers on node 0: rank 0: exit code 1, rank 1: exit code 0" in res.err
+
+
+@pytest.mark.slow
+def test_ctrl_c_says_one_line_and_no_traceback_goes_through_phalanx(tmp_path):
+    # issue 34 item 7: SIGINT to the launcher's process group, as a terminal sends it, while
+    # the workers train. Each worker's KeyboardInterrupt traceback shows the script's frames
+    # and torch's (as under torchrun), not phalanx's; no "collectives still under way" line at
+    # exit; the launcher says one line and prints no traceback of its own.
+    proc = start(phalanx_cmd("--standalone", "--nproc-per-node", "2",
+                             str(SCRIPTS / "train_until_stopped.py"), str(tmp_path)),
+                 start_new_session=True)
+    wait_for_files([tmp_path / "ready.0", tmp_path / "ready.1"], timeout=90)
+    os.killpg(proc.pid, signal.SIGINT)
+    res = finish(proc, timeout=60)
+    assert res.code == 130, res.err
+    tracebacks = [line for line in res.err.splitlines() if "Traceback" in line]
+    assert len(tracebacks) == 2 and all(t.startswith("[rank") for t in tracebacks), res.err
+    assert res.err.count("KeyboardInterrupt") == 2, res.err
+    assert "train_until_stopped.py" in res.err, res.err
+    assert str(ROOT / "src" / "phalanx") not in res.err, res.err  # no frame of phalanx's
+    assert "still under way" not in res.err, res.err
+    launcher = [line for line in res.err.splitlines() if line.startswith("[phalanx]")]
+    assert len(launcher) == 1 and "SIGINT received by the launcher of node 0: stopped every worker" in launcher[0], res.err

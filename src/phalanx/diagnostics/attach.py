@@ -29,6 +29,7 @@ from .. import env as _env
 from .._logging import get_logger
 from ..errors import UsageError
 from ..ledger import Ledger
+from . import interrupt
 from .monitor import Diagnostics
 from .straggler import DEFAULT_EVERY
 
@@ -68,9 +69,17 @@ class _Attached:
         return problem
 
     def close_at_exit(self) -> None:
-        """The script never destroyed the group: nobody else would say what was left."""
+        """The script never destroyed the group: nobody else would say what was left; unless
+        an exception ended it: the collectives it cut short are its consequence (Ctrl-C's
+        in the middle of a step: nothing to say), as in a failing script's ``finally``."""
         problem = self.close()
-        if problem is not None:
+        ended_by = getattr(sys, "last_value", None)  # the exception that ended the script
+        if problem is None or isinstance(ended_by, KeyboardInterrupt):
+            return
+        if ended_by is not None:
+            _log.warning("%s (the %s that ended the script came first)", problem,
+                         type(ended_by).__name__)
+        else:
             _log.error("%s", problem)
 
 
@@ -109,6 +118,7 @@ def attach(group: Any, enabled: bool = True, straggler_every: int = DEFAULT_EVER
         timeout_s: the watchdog limit; default: the group's timeout.
     """
     detach(group)
+    interrupt.install()
     if not enabled:
         found = _Attached(Ledger(0.0, enabled=False), None)
     else:

@@ -17,7 +17,10 @@ Then:
    :data:`REPORT_WAIT_S`: the store may be hosted by the requester, and go with it); a rank
    outside any collective is interrupted by a signal to its main thread; a rank inside one
    raises it when that one fails in turn.
-4. Each rank writes the report beside its torch elastic error file, where ``phalanx run``
+4. A rank that leaves with no error (its script ended, or it destroyed the group) says so in
+   the store first (:meth:`Watchdog.leave`): a report that finds it gone names it as ended,
+   not lost, and says why that happens (it ran out of batches before the others).
+5. Each rank writes the report beside its torch elastic error file, where ``phalanx run``
    finds it and names the late rank as the root cause, not the rank that timed out first.
 """
 
