@@ -41,8 +41,12 @@ keeps the global batch).
 **Replacing a node.** A launcher started again with the same command (and ``--node-rank``, or
 none under elastic) takes the place of one that is gone, at the next round; with a fixed
 ``--nnodes N`` node 0 waits up to ``--rdzv-timeout`` for it. A launcher claiming the rank of a
-node that still runs, or whose loss is not noticed yet, is refused. Node 0 itself, which hosts the store, cannot be replaced:
-when it goes, the job ends (the others exit 1, "lost the rendezvous store").
+node that still runs, or whose loss is not noticed yet, is refused. Node 0 may be lost too:
+the store it hosts moves to a survivor (the last round's next node in order, at its own
+address), which opens the next round with the nodes still there, more than half of the last
+round's (a side cut off without that majority stops). A launcher started again to replace a
+lost node is given the survivors' addresses with ``--rdzv-endpoint A:P,B:P,...`` and joins
+where the store is now.
 
 **End of the job.** When every worker of every node has exited 0, every launcher exits 0:
 node 0's store stays up after its launcher has exited (at most 30 s) until each node has

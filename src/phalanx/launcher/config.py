@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from .. import env
 from ..errors import LaunchConfigError
-from ..gate.secret import HOW_TO_MAKE, check_secret, read_secret_file
+from ..gate.secret import HOW_TO_MAKE, ON_KUBERNETES, check_secret, read_secret_file
 
 # torchrun's defaults for a node started without --standalone
 # (torch/distributed/run.py: --master-addr 127.0.0.1; MASTER_PORT 29500 is torch's own default).
@@ -210,7 +210,8 @@ class LaunchConfig:
                 raise LaunchConfigError(
                     f"--nnodes {self._nnodes_spec}: several nodes need a job secret, the same on "
                     "every node, so that no one else can join or write the job's store: set "
-                    f"PHALANX_JOB_SECRET or pass --job-secret-file PATH (mode 0600); {HOW_TO_MAKE}"
+                    f"PHALANX_JOB_SECRET or pass --job-secret-file PATH (mode 0600); {HOW_TO_MAKE}; "
+                    f"{ON_KUBERNETES}"
                 )
             check_secret(self.job_secret, "PHALANX_JOB_SECRET/--job-secret-file", LaunchConfigError)
         _positive("--rdzv-conf last_call_timeout", self.last_call_timeout, zero=True)
