@@ -84,13 +84,14 @@ class RoundEnd:
         own = describe_exit(self.returncode)
         if not self.culprits:
             return f"{self.who()}: {own}"
-        known = [r for r in self.culprits if exits.get(r) is not None and r != self.rank]
+        exits = {**exits, self.rank: self.returncode}
+        known = [r for r in self.culprits if exits.get(r) is not None]
         if len(self.culprits) == 1 and known:
             late = f"{ranks_text(self.culprits)} ({describe_exit(exits[known[0]])})"
         else:
-            late = ranks_text(self.culprits) + "".join(
-                f"; rank {r}: {describe_exit(exits[r])}" for r in known)
+            each = "; ".join(f"rank {r}: {describe_exit(exits[r])}" for r in known)
+            late = ranks_text(self.culprits) + (f" ({each})" if known else "")
         if self.rank in self.culprits:
-            return f"{late}, named by the hang report: {self.who()}: {own}"
+            return f"{late}, named by the hang report: {self.who()}"
         them = "it" if len(self.culprits) == 1 else "them"
         return f"{late}, named by the hang report ({self.who()} stopped waiting for {them}: {own})"
