@@ -358,6 +358,7 @@ def test_the_compiled_graph_records_its_step_and_the_sync_point_names_a_rank_tha
             f"({_line('evaluation')}); rank 1 is at DistributedDataParallel forward (compiled) ({site}). "
             "A rank that runs out of batches before the others stops joining DDP's steps: give every "
             "rank as many batches (DistributedSampler(drop_last=True)) or wrap the loop in "
-            "`with model.join():` (or phalanx.join; torch's torch.distributed.algorithms.Join)"), out["error"]
+            "`with model.join():` (or phalanx.join; torch's "
+            "torch.distributed.algorithms.Join)"), out["error"]
         assert out["after"]
     assert results[0]["trained on"] == results[1]["trained on"]

@@ -355,4 +355,5 @@ def test_ctrl_c_says_one_line_and_no_traceback_goes_through_phalanx(tmp_path):
     assert str(ROOT / "src" / "phalanx") not in res.err, res.err  # no frame of phalanx's
     assert "still under way" not in res.err, res.err
     launcher = [line for line in res.err.splitlines() if line.startswith("[phalanx]")]
-    assert len(launcher) == 1 and "SIGINT received by the launcher of node 0: stopped every worker" in launcher[0], res.err
+    assert len(launcher) == 1, res.err
+    assert "SIGINT received by the launcher of node 0: stopped every worker" in launcher[0]

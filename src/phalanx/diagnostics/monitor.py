@@ -101,8 +101,9 @@ class Diagnostics:
                 ranks = (list(range(dist.get_world_size())) if record.group == "world"
                          else [int(r) for r in record.group.split()[1].split(",")])
                 snaps, ended = self._watchdog.request(ranks)
-                final = self._watchdog.settle(*assemble(kind, self.rank, record.group, ranks,
-                                                        waited, snaps, self.ledger.timeout_s, ended))
+                final = self._watchdog.settle(*assemble(
+                    kind, self.rank, record.group, ranks, waited, snaps, self.ledger.timeout_s,
+                    ended))
                 self._watchdog.linger(len(snaps))
         except Exception as store_error:  # the store is gone too: report what this rank knows
             final = (f"{error}\n(no report from the other ranks: the store is unreachable: "

@@ -210,8 +210,8 @@ class LaunchConfig:
                 raise LaunchConfigError(
                     f"--nnodes {self._nnodes_spec}: several nodes need a job secret, the same on "
                     "every node, so that no one else can join or write the job's store: set "
-                    f"PHALANX_JOB_SECRET or pass --job-secret-file PATH (mode 0600); {HOW_TO_MAKE}; "
-                    f"{ON_KUBERNETES}"
+                    f"PHALANX_JOB_SECRET or pass --job-secret-file PATH (mode 0600); "
+                    f"{HOW_TO_MAKE}; {ON_KUBERNETES}"
                 )
             check_secret(self.job_secret, "PHALANX_JOB_SECRET/--job-secret-file", LaunchConfigError)
         _positive("--rdzv-conf last_call_timeout", self.last_call_timeout, zero=True)
