@@ -4,8 +4,9 @@ A terminal's Ctrl-C reaches every worker wherever it is, most often inside phala
 for a collective (a DDP bucket, a sync point): Python would print the traceback through
 phalanx's ledger and reducer. Under torchrun, a worker of torch's DDP prints the script's
 frames and torch's; phalanx's :func:`install` makes ``sys.excepthook`` drop phalanx's frames
-from a ``KeyboardInterrupt``'s traceback (the script's and torch's stay), and hands every
-exception, that one included, to the hook it replaced.
+from a ``KeyboardInterrupt``'s traceback (the script's and torch's stay), and the exception
+it interrupted (a peer stopped first: Gloo's "Connection closed" in this rank's wait), and
+hands every exception, that one included, to the hook it replaced.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class _Hook:
         if issubclass(kind, KeyboardInterrupt):
             tb = without_phalanx(tb)
             error = error.with_traceback(tb)
+            # what it cut short (a peer that had stopped first closed the collective this rank
+            # waited in: Gloo's error, its hang report) is the same Ctrl-C's consequence
+            error.__suppress_context__ = True
         self.previous(kind, error, tb)
 
 
