@@ -126,7 +126,8 @@ def attach(group: Any, enabled: bool = True, straggler_every: int = DEFAULT_EVER
         check_group = dist.new_group(backend="gloo") if "nccl" in str(dist.get_backend(group)) else None
         new = Ledger(timeout_s, check_group=check_group)
         store = dist.distributed_c10d._get_default_store() if store is None else store
-        found = _Attached(new, Diagnostics(new, store, _env.diagnosis_file(), straggler_every))
+        found = _Attached(new, Diagnostics(new, store, _env.diagnosis_file(), straggler_every,
+                                           leave_word=_env.agent_store()))
         # The watchdog thread must stop before the interpreter finalises: a daemon thread coming
         # back from a store call then is killed inside C++ and the process aborts ("terminate
         # called without an active exception"; seen in 1 of 3 runs ending in a hang report).

@@ -18,8 +18,9 @@ Then:
    outside any collective is interrupted by a signal to its main thread; a rank inside one
    raises it when that one fails in turn.
 4. A rank that leaves with no error (its script ended, or it destroyed the group) says so in
-   the store first (:meth:`Watchdog.leave`): a report that finds it gone names it as ended,
-   not lost, and says why that happens (it ran out of batches before the others).
+   the store first, where a launcher hosts it (:meth:`Watchdog.leave`): a report that finds
+   it gone names it as ended, not lost, and says why that happens (it ran out of batches
+   before the others).
 5. Each rank writes the report beside its torch elastic error file, where ``phalanx run``
    finds it and names the late rank as the root cause, not the rank that timed out first.
 """

@@ -66,11 +66,15 @@ class Diagnostics:
         report_file: where to write the final report for ``phalanx run`` (``None``: nowhere).
         straggler_every: synchronising DDP steps per straggler report; ``0``: none. Default
             :data:`~phalanx.diagnostics.straggler.DEFAULT_EVERY`.
+        leave_word: a rank that leaves with no error says so in the store (see :meth:`close`):
+            where a launcher hosts it. Where rank 0 hosts it, rank 0 may have gone with it,
+            and a store call to it makes c10d log a warning. Default ``False``.
     """
 
     def __init__(self, ledger: Ledger, store: Any, report_file: str | None = None,
-                 straggler_every: int = DEFAULT_EVERY) -> None:
+                 straggler_every: int = DEFAULT_EVERY, leave_word: bool = False) -> None:
         self.ledger = ledger
+        self.leave_word = leave_word
         self.rank = ledger.rank
         self.report_file = report_file
         self.failing = False
@@ -194,7 +198,7 @@ class Diagnostics:
         """Stop watching; ``cleanly``: this rank leaves with no error, and says so to the
         store, for the report of a rank still waiting for it (the ranks ran uneven steps)."""
         self._store = None  # rank 0's store server goes with its group, port and all
-        if cleanly and not self.failing:
+        if cleanly and self.leave_word and not self.failing:
             try:
                 self._watchdog.leave(left_cleanly(self.rank, self.ledger.logs))
             except RuntimeError:  # the store is gone (rank 0's, with rank 0): nobody to tell
