@@ -181,7 +181,8 @@ def add_run(commands: argparse._SubParsersAction) -> None:
              "fails naming the late rank (default 300): the timeout of groups made by "
              "phalanx.init_process_group; torch.distributed.init_process_group needs timeout=")
     add("--rdzv-timeout", "--rdzv_timeout", type=float, default=None,
-        help=f"seconds to wait for the master and the other nodes (default {DEFAULT_RDZV_TIMEOUT:g})")
+        help="seconds to wait for the master and the other nodes, counted from the launcher's "
+             f"start (default {DEFAULT_RDZV_TIMEOUT:g})")
     add("--job-secret-file", default=None, metavar="PATH",
         help="several nodes: the job secret, in a file only you may read (mode 0600); "
              "default: PHALANX_JOB_SECRET")

@@ -125,7 +125,8 @@ class LaunchConfig:
             ``phalanx.init_process_group`` (a group torch's ``init_process_group`` makes keeps
             torch's default; :func:`launch` says so at start). Default ``None``: phalanx's
             5 minutes.
-        rdzv_timeout (float): seconds to wait for the master and the other nodes. Default ``600``.
+        rdzv_timeout (float): seconds to wait for the master and the other nodes (the first
+            meeting: from ``started``; a later one: from its start). Default ``600``.
         last_call_timeout (float): elastic: once ``min_nnodes`` are there for the first round,
             seconds to wait for more. Default ``3``.
         job_secret (str, optional): the secret every launcher of several nodes proves to node
