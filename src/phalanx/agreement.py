@@ -13,7 +13,7 @@ The verdicts:
   what rank 0 and that rank have there.
 * ``problem``: what this rank found wrong, an exception, or ``None``. If every rank reports
   the same problem, each raises it as it is; otherwise every rank raises one error, of the
-  first problem's type, naming each problem and its ranks (``"<what> failed on rank(s) 1:
+  first problem's type, naming each problem and its ranks (``"<what> failed on rank 1:
   ..."``).
 * ``decided_by=r``: only rank ``r`` checks (a checkpoint's writer); every rank raises rank
   ``r``'s problem with its type and message. All is well in one 1-element broadcast.
@@ -86,7 +86,7 @@ def agree(
     by_message: dict[str, list[int]] = {}
     for rank, described in problems.items():
         by_message.setdefault(_alike(described)[1], []).append(rank)
-    parts = [f"on rank(s) {', '.join(map(str, ranks))}: {msg}" for msg, ranks in by_message.items()]
+    parts = [f"on {errors.ranks_text(ranks)}: {msg}" for msg, ranks in by_message.items()]
     first_type = next(iter(problems.values()))[0]
     raise _rebuild((first_type, f"{what} failed " + "; ".join(parts))) from problem
 

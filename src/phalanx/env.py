@@ -134,7 +134,7 @@ def _from_launcher(environ: Mapping[str, str]) -> DistEnv:
         master_addr=addr,
         master_port=_int(environ, "MASTER_PORT") if port else None,
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
-        use_agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        use_agent_store=agent_store(environ),
         source="launcher",
     )
 
@@ -325,6 +325,13 @@ def launcher_prefixes_output(environ: Mapping[str, str] | None = None) -> bool:
 
 # The hang report's file name, beside a worker's TORCHELASTIC_ERROR_FILE.
 DIAGNOSIS_NAME = "diagnosis.json"
+
+
+def agent_store(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the launcher hosts the job's store (``phalanx run``, torchrun:
+    ``TORCHELASTIC_USE_AGENT_STORE=True``): it outlives every worker, rank 0 included."""
+    environ = os.environ if environ is None else environ
+    return environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def diagnosis_file(environ: Mapping[str, str] | None = None) -> str | None:

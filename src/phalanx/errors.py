@@ -95,3 +95,9 @@ class CheckpointError(PhalanxError, RuntimeError):
 # writing its checkpoint: the run is resumable, not failed. 75 is EX_TEMPFAIL from
 # sysexits.h, "temporary failure; the user is invited to retry".
 PREEMPTED_EXIT_CODE = 75
+
+
+def ranks_text(ranks: object) -> str:
+    """``"rank 1"`` or ``"ranks 1, 2"``: ranks named in a message, worded by their count."""
+    ranks = list(ranks)  # type: ignore[call-overload]
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}"

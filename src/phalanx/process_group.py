@@ -39,6 +39,7 @@ from .errors import (
     NotInitializedError,
     RendezvousError,
     UsageError,
+    ranks_text,
 )
 from .gate import ranks
 from .gate.handshake import Refused
@@ -194,7 +195,7 @@ def _wait_for_all(store: dist.Store, env: _env.DistEnv, timeout: timedelta, wher
                 f"join (rank 0, which hosts it, has probably given up or died): {e}"
             ) from e
         raise RendezvousError(
-            f"Rank(s) {', '.join(map(str, missing))} of {env.world_size} did not join at {where} "
+            f"{ranks_text(missing).capitalize()} of {env.world_size} did not join at {where} "
             f"within {timeout.total_seconds():g} s (timeout); rank {env.rank} gave up waiting. "
             "Did those processes start, and do they see the same MASTER_ADDR and MASTER_PORT?"
         ) from e

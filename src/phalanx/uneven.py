@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .comm import all_gather_tensor
 from .diagnostics import ledger
-from .errors import EarlyTerminationError, UsageError
+from .errors import EarlyTerminationError, UsageError, ranks_text
 from .ledger import Ledger, syncpoint
 from .ledger.syncpoint import Verdict
 
@@ -236,8 +236,8 @@ def early_termination(active: Iterable[int], world: int, joined_here: bool) -> E
     torch_words = (f"Rank {dist.get_rank()} exhausted all inputs. " if joined_here else
                    "Detected at least one rank that exhausted inputs. Throwing across all ranks. ")
     return EarlyTerminationError(
-        f"{torch_words}Rank(s) {', '.join(map(str, joined))} ran out of inputs before the others "
-        f"(throw_on_early_termination=True); rank(s) {', '.join(map(str, sorted(active)))} still "
+        f"{torch_words}{ranks_text(joined).capitalize()} ran out of inputs before the others "
+        f"(throw_on_early_termination=True); {ranks_text(sorted(active))} still "
         "had some. Give every rank as many batches, or let the ranks join (the default)")
 
 

@@ -131,7 +131,7 @@ def test_a_model_that_does_not_fit_on_one_rank_is_named_on_every_rank(protocol):
     for out in results:
         kind, message = out["one_rank_misfits"]
         assert kind == "CheckpointError" and message == (
-            f"Loading {path} failed on rank(s) 1: Checkpoint {path} does not fit the model: "
+            f"Loading {path} failed on rank 1: Checkpoint {path} does not fit the model: "
             "'weight' has shape (3, 4) in the checkpoint and (2, 4) in the model")
 
 

@@ -357,7 +357,8 @@ def test_the_compiled_graph_records_its_step_and_the_sync_point_names_a_rank_tha
             "The ranks are at different collectives: rank 0 is at all_reduce float32[1] "
             f"({_line('evaluation')}); rank 1 is at DistributedDataParallel forward (compiled) ({site}). "
             "A rank that runs out of batches before the others stops joining DDP's steps: give every "
-            "rank as many batches (DistributedSampler, drop_last) or wrap the loop in "
-            "`with model.join():`"), out["error"]
+            "rank as many batches (DistributedSampler(drop_last=True)) or wrap the loop in "
+            "`with model.join():` (or phalanx.join; torch's "
+            "torch.distributed.algorithms.Join)"), out["error"]
         assert out["after"]
     assert results[0]["trained on"] == results[1]["trained on"]

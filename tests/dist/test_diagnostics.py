@@ -99,10 +99,10 @@ def test_a_rank_that_never_arrives_is_named_on_every_rank_within_the_limit():
         assert ("Collective timed out: rank 0 waited 10 s (the watchdog limit: "
                 "init_process_group(timeout=...), phalanx run --watchdog) in #2 check before "
                 f"barrier ({_line('extra barrier')})") in message
-        assert "Late: rank(s) 1 never reached it" in message
+        assert "Late: rank 1 never reached it" in message
         assert f"rank 1 (" in message and f"at {_line('rank 1 is elsewhere')} in _extra_barrier" in message
         assert "never reached #2: its last collective was #1 all_reduce float32[1]" in message
-        assert "Stacks of the late rank(s):" in message and "time.sleep" in message
+        assert "Stacks of the late rank:" in message and "time.sleep" in message
     assert results[1][1].startswith("Rank 1 was stopped: another rank gave up waiting for it.")
 
 
@@ -128,7 +128,7 @@ def test_a_rank_that_exits_mid_training_is_named():
         kind, message, culprits, took = results[rank]
         assert kind == "RankExitedError" and culprits == [2], message
         assert took < WATCHDOG_S, took
-        assert "Rank(s) 2 did not answer: gone" in message
+        assert "Rank 2 did not answer: gone" in message
 
 
 def _uneven(rank, world_size):
@@ -152,8 +152,9 @@ def test_a_rank_that_runs_out_of_batches_is_named_on_every_rank():
             "The ranks are at different collectives: rank 0 is at all_reduce float32[1] "
             f"({_line('evaluation')}); rank 1 is at DistributedDataParallel forward "
             f"({_line('ddp step')}). A rank that runs out of batches before the others stops "
-            "joining DDP's steps: give every rank as many batches (DistributedSampler, "
-            "drop_last) or wrap the loop in `with model.join():`")
+            "joining DDP's steps: give every rank as many batches (DistributedSampler(drop_last="
+            "True)) or wrap the loop in `with model.join():` (or phalanx.join; torch's "
+            "torch.distributed.algorithms.Join)")
         assert out["after"]
 
 

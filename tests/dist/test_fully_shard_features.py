@@ -250,4 +250,4 @@ def test_a_rank_gone_is_reported_at_the_units_collective():
     kind, message, culprits = results[0]
     assert kind == "RankExitedError" and culprits == [1], message
     assert "rank 0's peer closed its connection in #" in message
-    assert "fully_shard all-gather (root) float32[" in message and "Rank(s) 1 did not answer: gone" in message
+    assert "fully_shard all-gather (root) float32[" in message and "Rank 1 did not answer: gone" in message

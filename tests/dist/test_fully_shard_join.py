@@ -188,7 +188,7 @@ def test_a_join_without_the_root_is_refused_on_every_rank(ranks):
         assert kind == "UsageError", out["refusals"]["part"]
         assert "fully_shard" in message and "join" in message.lower(), message
         if rank != 0:  # rank 0 ran out first: the others are told which rank joined
-            assert "rank(s) 0 have joined" in message, message
+            assert "rank 0 has joined" in message, message
     for out in results[1:]:
         assert out["refusals"]["after"] == results[0]["refusals"]["after"]
 
@@ -205,7 +205,7 @@ def test_throw_on_early_termination_raises_on_every_rank(ranks):
     _, results = ranks
     for out in results:
         kind, message = out["refusals"]["throw"]
-        assert kind == "EarlyTerminationError" and "Rank(s) 0 ran out of inputs" in message, message
+        assert kind == "EarlyTerminationError" and "Rank 0 ran out of inputs" in message, message
 
 
 def test_clipping_once_a_rank_has_joined_is_refused_on_every_rank(ranks):

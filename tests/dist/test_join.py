@@ -129,8 +129,8 @@ def test_throw_on_early_termination_names_the_rank_on_every_rank():
         torch_words = ("Rank 0 exhausted all inputs. " if rank == 0 else
                        "Detected at least one rank that exhausted inputs. Throwing across all ranks. ")
         assert error == ("EarlyTerminationError", torch_words +
-                         "Rank(s) 0 ran out of inputs before the others (throw_on_early_termination="
-                         "True); rank(s) 1, 2 still had some. Give every rank as many batches, or "
+                         "Rank 0 ran out of inputs before the others (throw_on_early_termination="
+                         "True); ranks 1, 2 still had some. Give every rank as many batches, or "
                          "let the ranks join (the default)")
 
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import phalanx
 from phalanx import comm
 from phalanx.agreement import agree
+from phalanx.errors import ranks_text
 from tests.harness import free_port, run_ranks
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -128,14 +129,14 @@ def test_agree_raises_each_ranks_problem_on_every_rank(many_checks):
         verdicts, last = out["agree"], world_size - 1
         assert verdicts["none"] is None and verdicts["decided_ok"] is None
         assert verdicts["all_same"] == ("ValueError", "bad lr")
-        assert verdicts["one_rank"] == ("CheckpointError", f"the check failed on rank(s) {last}: no room")
-        odd = ", ".join(str(r) for r in range(1, world_size, 2))
-        even = ", ".join(str(r) for r in range(0, world_size, 2))
+        assert verdicts["one_rank"] == ("CheckpointError", f"the check failed on rank {last}: no room")
+        odd = ranks_text(range(1, world_size, 2))
+        even = ranks_text(range(0, world_size, 2))
         assert verdicts["two_kinds"] == (
-            "TypeError", f"the check failed on rank(s) {even}: odd 0; on rank(s) {odd}: odd 1")
+            "TypeError", f"the check failed on {even}: odd 0; on {odd}: odd 1")
         assert verdicts["addresses"] == ("TypeError", f"got <object object at {hex(0x7f00 + rank)}>")
         assert verdicts["foreign"] == (
-            "RuntimeError", "the check failed on rank(s) 0: OSError: [Errno 28] No space left")
+            "RuntimeError", "the check failed on rank 0: OSError: [Errno 28] No space left")
         assert verdicts["decided"] == ("KeyError" if rank == 0 else "RuntimeError",
                                        "'k'" if rank == 0 else "KeyError: 'k'")
 
@@ -300,5 +301,5 @@ def test_a_rank_that_never_joins_is_named():
                         env=lambda r: {**env, "RANK": str(2 * r), "LOCAL_RANK": "0"})
     for rank, (kind, message) in zip((0, 2), results):
         assert kind == "RendezvousError"
-        assert message.startswith(f"Rank(s) 1 of 3 did not join at 127.0.0.1:{port} within 2 s "
+        assert message.startswith(f"Rank 1 of 3 did not join at 127.0.0.1:{port} within 2 s "
                                   f"(timeout); rank {rank} gave up waiting")

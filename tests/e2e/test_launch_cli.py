@@ -106,6 +106,12 @@ def test_defaults_module_mode_and_stream_choices(tmp_path):
                                   "every node, so that no one else can join or write the job's "
                                   "store: set PHALANX_JOB_SECRET or pass --job-secret-file PATH"),
     (["--nnodes", "2", "--node-rank", "1", BEHAVE], "--nnodes 2: several nodes need a job secret"),
+    # issue 34 item 7: the one line a Kubernetes user needs, in the message
+    (["--nnodes", "1:2", BEHAVE], "on Kubernetes, one Secret for every pod: kubectl create secret "
+                                  "generic phalanx-job --from-literal=secret=$(python3 -c 'import "
+                                  "secrets; print(secrets.token_hex(32))'), and in the container: "
+                                  "env: [{name: PHALANX_JOB_SECRET, valueFrom: {secretKeyRef: "
+                                  "{name: phalanx-job, key: secret}}}]"),
     (["--nnodes", "2", "--job-secret-file", "/no/such/file", BEHAVE],
      "Cannot read the job secret file '/no/such/file': No such file or directory"),
     ([], "phalanx run: error: script is required: phalanx run [options] script.py [script args...]"),
@@ -270,6 +276,16 @@ def test_version_and_a_help_readable_in_a_terminal(capsys):
     done = subprocess.run([sys.executable, "-m", "phalanx", "--version"], env=base_env(),
                           capture_output=True, text=True)
     assert (done.returncode, done.stdout) == (0, f"phalanx {__version__}\n")
+
+
+def test_the_help_says_node_0_may_be_lost_as_the_docs_do(capsys):
+    # issue 34 item 7: `phalanx run -h` said node 0 "cannot be replaced", where the README and
+    # docs/launching.md say its store moves to a survivor (tests/e2e/test_store_moves.py)
+    assert cli.main(["run", "-h"]) == 0
+    manual = " ".join(capsys.readouterr().out.split())
+    assert "cannot be replaced" not in manual and "lost the rendezvous store" not in manual
+    assert "Node 0 may be lost too: the store it hosts moves to a survivor" in manual, manual
+    assert "store moves" in (ROOT / "docs" / "launching.md").read_text()
 
 
 def test_no_command_prints_help_and_exits_2(capsys):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -79,7 +80,7 @@ def test_restart_after_a_first_attempt_failure_succeeds(tmp_path):
     assert attempts <= {"attempt 0 rank 0", "attempt 0 rank 1", "attempt 1 rank 0",
                         "attempt 1 rank 1"}
     assert "attempt 1 of 3 failed: rank 1 (local rank 1) on node 0" in res.err
-    assert "exit code 4; restarting every worker (2 restart(s) left)" in res.err
+    assert "exit code 4; restarting every worker (2 restarts left)" in res.err
     assert "succeeded on attempt 2" in res.err
 
 
@@ -268,9 +269,11 @@ def test_a_hang_names_the_late_rank_as_the_root_cause():
                           "--shutdown-timeout", "5", str(SCRIPTS / "hang.py")), timeout=60)
     assert res.code == 1, res.err
     assert res.seconds < 30, res.seconds  # the 5 s limit, the report, the shutdown
-    assert "root cause: rank(s) 1, named by the hang report" in res.err, res.err
+    # rank 1 with its own exit status (interrupted by the report, or stopped by the launcher)
+    assert re.search(r"root cause: rank 1 \((exit code|signal) \w+\), named by the hang report",
+                     res.err), res.err
     assert "the hang report:" in res.err
-    assert "Late: rank(s) 1 never reached it" in res.err
+    assert "Late: rank 1 never reached it" in res.err
     assert "hang.py:12 in <module>; in #2 check before barrier (hang.py:12)" in res.err
     assert "rank 1 (" in res.err and "at hang.py:14 in <module>; never reached #2" in res.err
 
@@ -314,3 +317,43 @@ def test_a_quick_run_ends_without_waiting_for_the_store_helpers_torch_import(tmp
     # measured 0.3 s; 10 s leaves room for a loaded machine, far below the 60 s import
     assert res.seconds < 10, res.seconds
     assert res.err == "", res.err
+
+
+@pytest.mark.slow
+def test_a_rank_out_of_batches_is_named_with_the_fix_and_each_rank_with_its_exit_code():
+    # issue 34 item 5: rank 1 ran out of batches and exited 0 while rank 0 waited for it in a
+    # DDP step. The report names that cause (not only "a rank left"), and the summary gives
+    # each rank its own exit code (it said rank 1 ended with exit code 1, rank 0's).
+    res = run(phalanx_cmd("--standalone", "--nproc-per-node", "2", str(SCRIPTS / "uneven.py")),
+              timeout=90)
+    assert res.code == 1, res.err
+    assert ("Rank 1 ended with no error while rank 0 still had collectives to do: the ranks ran "
+            "different numbers of steps. A rank that runs out of batches") in res.err, res.err
+    assert "DistributedSampler(drop_last=True)" in res.err and "phalanx.join" in res.err
+    assert ("root cause: rank 1 (exit code 0), named by the hang report (rank 0 (local rank 0) "
+            "on node 0") in res.err and "stopped waiting for it: exit code 1)" in res.err, res.err
+    assert "workers on node 0: rank 0: exit code 1, rank 1: exit code 0" in res.err
+
+
+@pytest.mark.slow
+def test_ctrl_c_says_one_line_and_no_traceback_goes_through_phalanx(tmp_path):
+    # issue 34 item 7: SIGINT to the launcher's process group, as a terminal sends it, while
+    # the workers train. Each worker's KeyboardInterrupt traceback shows the script's frames
+    # and torch's (as under torchrun), not phalanx's; no "collectives still under way" line at
+    # exit; the launcher says one line and prints no traceback of its own.
+    proc = start(phalanx_cmd("--standalone", "--nproc-per-node", "2",
+                             str(SCRIPTS / "train_until_stopped.py"), str(tmp_path)),
+                 start_new_session=True)
+    wait_for_files([tmp_path / "ready.0", tmp_path / "ready.1"], timeout=90)
+    os.killpg(proc.pid, signal.SIGINT)
+    res = finish(proc, timeout=60)
+    assert res.code == 130, res.err
+    tracebacks = [line for line in res.err.splitlines() if "Traceback" in line]
+    assert len(tracebacks) == 2 and all(t.startswith("[rank") for t in tracebacks), res.err
+    assert res.err.count("KeyboardInterrupt") == 2, res.err
+    assert "train_until_stopped.py" in res.err, res.err
+    assert str(ROOT / "src" / "phalanx") not in res.err, res.err  # no frame of phalanx's
+    assert "still under way" not in res.err, res.err
+    launcher = [line for line in res.err.splitlines() if line.startswith("[phalanx]")]
+    assert len(launcher) == 1, res.err
+    assert "SIGINT received by the launcher of node 0: stopped every worker" in launcher[0]

@@ -4,7 +4,10 @@ host lost, on loopback (the network cases, cut links included, are in test_store
 
 from __future__ import annotations
 
+import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -22,21 +25,41 @@ from tests.harness import free_port
 
 pytestmark = pytest.mark.slow  # real launchers waiting out timeouts
 
-# A launcher that gives up is done within --rdzv-timeout plus this: its own start (Python,
-# the store helper importing torch) on a loaded 2-core machine, and its exit.
+# A launcher that ends is done within its deadline plus this: its own start (Python, the store
+# helper importing torch) on a loaded 2-core machine, and its exit.
 SLACK_S = 6.0
+# A launcher that gives up waiting for a node is done within --rdzv-timeout plus this, loaded
+# or not: the deadline counts from the launcher's start (its Python, the store helper and the
+# client importing torch: seconds of it on a loaded machine), so only what follows is extra:
+# one look at the board, and the exit (issue 34 item 6: it was 3.4 to 7 s over on a loaded
+# machine; torchrun's is 2.2 s idle).
+GIVE_UP_SLACK_S = 2.0
 
 
-def test_a_node_missing_ends_the_launcher_within_the_rdzv_timeout(tmp_path):
+@pytest.fixture
+def busy_cpus():
+    """Two processes spinning for the test's length: the machine loaded, as a user's is."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    yield
+    for spinner in spinners:
+        spinner.kill()
+        spinner.wait()
+
+
+def test_a_node_missing_ends_the_launcher_within_the_rdzv_timeout(tmp_path, busy_cpus):
     """--nnodes 2 --rdzv-timeout 5, node 1 never started: node 0 says so and exits 1 within
-    5 s plus the slack (not 5 s plus --shutdown-timeout: no workers were running)."""
+    5 s plus the slack on a loaded machine (not 5 s plus --shutdown-timeout: no workers were
+    running, nor 5 s after the launcher's own start: the 5 s count from that start)."""
     res = finish(start(phalanx_cmd("--nnodes", "2", "--node-rank", "0", "--master-addr",
                                    "127.0.0.1", "--master-port", str(free_port()),
                                    "--rdzv-timeout", "5", BEHAVE, "--record", str(tmp_path)),
                        node_env()), timeout=60)
     assert res.code == 1, res.err
-    assert "Only 1 of the 2 node(s) needed (--nnodes 2) were ready after 5 s" in res.err, res.err
-    assert res.seconds < 5 + SLACK_S, res.seconds
+    assert "Only 1 of the 2 node(s) needed (--nnodes 2) were ready after " in res.err, res.err
+    # so loaded that the launcher's own start outlasts the 5 s: it says so, and goes at once
+    late_start = re.search(r"this launcher was ready only ([0-9.]+) s after its start", res.err)
+    began_waiting = float(late_start[1]) if late_start else 0.0
+    assert res.seconds < max(5.0, began_waiting) + GIVE_UP_SLACK_S, res.err
     assert not (tmp_path / "attempts.log").exists()  # no worker ever started
 
 

@@ -14,6 +14,9 @@ The files:
 ``hang.py``
     When a collective waits past the watchdog limit (or a peer leaves): every rank publishes
     its log and stacks to the store; the report names the ranks that never arrived.
+``interrupt.py``
+    Ctrl-C in a worker: the ``KeyboardInterrupt``'s traceback without phalanx's frames (the
+    script's and torch's, as torchrun's workers print it).
 ``straggler.py``
     Per step and rank: compute, waiting in collectives, time between steps; rank 0 names a
     rank that is consistently slower than the others, and a grossly slower one after a handful

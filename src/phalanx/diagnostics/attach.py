@@ -18,6 +18,7 @@ new one, and the old one's watchdog stops.
 from __future__ import annotations
 
 import atexit
+import sys
 import weakref
 from typing import Any
 
@@ -28,6 +29,7 @@ from .. import env as _env
 from .._logging import get_logger
 from ..errors import UsageError
 from ..ledger import Ledger
+from . import interrupt
 from .monitor import Diagnostics
 from .straggler import DEFAULT_EVERY
 
@@ -56,7 +58,7 @@ class _Attached:
         self._closed = True
         unfinished = self.ledger.close()
         if self.diagnostics is not None:
-            self.diagnostics.close()
+            self.diagnostics.close(cleanly=not unfinished and _no_error_under_way())
         if not unfinished:
             return None
         problem = (f"rank {self.ledger.rank} leaves with collectives still under way: "
@@ -67,10 +69,25 @@ class _Attached:
         return problem
 
     def close_at_exit(self) -> None:
-        """The script never destroyed the group: nobody else would say what was left."""
+        """The script never destroyed the group: nobody else would say what was left; unless
+        an exception ended it: the collectives it cut short are its consequence (Ctrl-C's
+        in the middle of a step: nothing to say), as in a failing script's ``finally``."""
         problem = self.close()
-        if problem is not None:
+        ended_by = getattr(sys, "last_value", None)  # the exception that ended the script
+        if problem is None or isinstance(ended_by, KeyboardInterrupt):
+            return
+        if ended_by is not None:
+            _log.warning("%s (the %s that ended the script came first)", problem,
+                         type(ended_by).__name__)
+        else:
             _log.error("%s", problem)
+
+
+def _no_error_under_way() -> bool:
+    """No exception is on its way out of the script: none being handled (a ``finally`` that
+    destroys the group) and none that ended it (at exit, the interpreter keeps it as
+    ``sys.last_value``)."""
+    return sys.exc_info()[1] is None and getattr(sys, "last_value", None) is None
 
 
 def ledger() -> Ledger:
@@ -101,6 +118,7 @@ def attach(group: Any, enabled: bool = True, straggler_every: int = DEFAULT_EVER
         timeout_s: the watchdog limit; default: the group's timeout.
     """
     detach(group)
+    interrupt.install()
     if not enabled:
         found = _Attached(Ledger(0.0, enabled=False), None)
     else:
@@ -108,7 +126,8 @@ def attach(group: Any, enabled: bool = True, straggler_every: int = DEFAULT_EVER
         check_group = dist.new_group(backend="gloo") if "nccl" in str(dist.get_backend(group)) else None
         new = Ledger(timeout_s, check_group=check_group)
         store = dist.distributed_c10d._get_default_store() if store is None else store
-        found = _Attached(new, Diagnostics(new, store, _env.diagnosis_file(), straggler_every))
+        found = _Attached(new, Diagnostics(new, store, _env.diagnosis_file(), straggler_every,
+                                           leave_word=_env.agent_store()))
         # The watchdog thread must stop before the interpreter finalises: a daemon thread coming
         # back from a store call then is killed inside C++ and the process aborts ("terminate
         # called without an active exception"; seen in 1 of 3 runs ending in a hang report).

@@ -17,7 +17,11 @@ Then:
    :data:`REPORT_WAIT_S`: the store may be hosted by the requester, and go with it); a rank
    outside any collective is interrupted by a signal to its main thread; a rank inside one
    raises it when that one fails in turn.
-4. Each rank writes the report beside its torch elastic error file, where ``phalanx run``
+4. A rank that leaves with no error (its script ended, or it destroyed the group) says so in
+   the store first, where a launcher hosts it (:meth:`Watchdog.leave`): a report that finds
+   it gone names it as ended, not lost, and says why that happens (it ran out of batches
+   before the others).
+5. Each rank writes the report beside its torch elastic error file, where ``phalanx run``
    finds it and names the late rank as the root cause, not the rank that timed out first.
 """
 
@@ -31,6 +35,9 @@ import threading
 import time
 import traceback
 from typing import Any, Callable
+
+from ..errors import ranks_text
+from ..ledger.syncpoint import OUT_OF_BATCHES
 
 # How often every rank's watchdog thread looks for a request: one store round trip (~0.1 ms
 # on a LAN) per second per rank is nothing, and a report still comes within seconds of a
@@ -85,19 +92,36 @@ def snapshot(rank: int, logs: dict[str, Any]) -> dict[str, Any]:
             "where": where(main) if main is not None else "?", "stacks": stacks, "groups": groups}
 
 
+def left_cleanly(rank: int, logs: dict[str, Any]) -> dict[str, Any]:
+    """What a rank that leaves the job with no error (its script ended, or it destroyed the
+    group) leaves behind for a report: its host, pid and last collective per group."""
+    last = {name: log.records[-1].describe() if log.records else None
+            for name, log in logs.items()}
+    return {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "last": last}
+
+
 def assemble(kind: str, me: int, group: str, ranks: list[int], waited: dict[str, Any],
-             snaps: dict[int, dict[str, Any]], limit_s: float) -> tuple[str, list[int]]:
+             snaps: dict[int, dict[str, Any]], limit_s: float,
+             ended: dict[int, dict[str, Any]] | None = None) -> tuple[str, list[int]]:
     """The report's text, and the ranks it blames (late, or silent), for a collective of
     ``group`` (global ``ranks``) that failed on rank ``me`` (``kind``: ``"timeout"`` or
-    ``"lost"``, a peer's connection closed). ``waited`` is ``me``'s in-flight record."""
+    ``"lost"``, a peer's connection closed). ``waited`` is ``me``'s in-flight record;
+    ``ended``: what the silent ranks that left with no error said (:func:`left_cleanly`)."""
     seq = waited["seq"]
+    ended = ended or {}
     late, silent, with_me, lines = [], [], [], []
     for rank in ranks:
         snap = snaps.get(rank)
         if snap is None:
             silent.append(rank)
-            lines.append(f"  rank {rank}: no answer within {REPORT_WAIT_S:g} s (exited, killed, "
-                         "or stuck outside Python)")
+            if rank in ended:
+                info = ended[rank]
+                lines.append(f"  rank {rank} ({info['host']}, pid {info['pid']}): ended with no "
+                             "error (its script ran to its end, or destroyed the group); its last "
+                             f"collective was {info['last'].get(group) or 'none'}")
+            else:
+                lines.append(f"  rank {rank}: no answer within {REPORT_WAIT_S:g} s (exited, "
+                             "killed, or stuck outside Python)")
             continue
         info = snap["groups"].get(group, {"next_seq": 0, "in_flight": None, "last": None})
         head = f"  rank {rank} ({snap['host']}, pid {snap['pid']}): at {snap['where']}"
@@ -119,13 +143,17 @@ def assemble(kind: str, me: int, group: str, ranks: list[int], waited: dict[str,
         head = f"A rank left the job: rank {me}'s peer closed its connection in {waited['desc']}"
     culprits = late or silent
     if late:
-        head += f". Late: rank(s) {', '.join(map(str, late))} never reached it"
+        head += f". Late: {ranks_text(late)} never reached it"
+    elif silent and set(silent) <= set(ended):  # they ran fewer steps: no error, no crash
+        head += (f". {ranks_text(silent).capitalize()} ended with no error while rank {me} "
+                 f"still had collectives to do: the ranks ran different numbers of steps. "
+                 + OUT_OF_BATCHES)
     elif silent:
-        head += f". Rank(s) {', '.join(map(str, silent))} did not answer: gone"
+        head += f". {ranks_text(silent).capitalize()} did not answer: gone"
     stacks = "".join(f"rank {r}:\n{snaps[r]['stacks']}" for r in culprits if r in snaps)
     text = "\n".join([head, "Where every rank is:", *lines])
     if stacks:
-        text += "\nStacks of the late rank(s):\n" + stacks.rstrip()
+        text += f"\nStacks of the late {'rank' if len(late) == 1 else 'ranks'}:\n" + stacks.rstrip()
     return text, culprits
 
 
@@ -146,6 +174,7 @@ class Watchdog:
         self._rank = rank
         self._snap = snap
         self._deliver = deliver
+        self._store.delete_key(f"left/{rank}")  # said in an earlier group on this store
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="phalanx-watchdog", daemon=True)
         self._thread.start()
@@ -175,18 +204,27 @@ class Watchdog:
             time.sleep(0.05)
         return None
 
-    def request(self, ranks: list[int]) -> dict[int, dict]:
-        """Ask every rank for its snapshot; return those that came within REPORT_WAIT_S."""
+    def leave(self, info: dict[str, Any]) -> None:
+        """This rank leaves with no error (:func:`left_cleanly`): said before its connections
+        close, for a report that finds it gone. The thread is stopped first (its connection)."""
+        self.close()
+        self._store.set(f"left/{self._rank}", json.dumps(info))
+
+    def request(self, ranks: list[int]) -> tuple[dict[int, dict], dict[int, dict]]:
+        """Ask every rank for its snapshot; return those that came within REPORT_WAIT_S, and
+        what the ranks that left with no error said instead (:meth:`leave`)."""
         self._store.add("request", 1)
         self.publish()
         snaps: dict[int, dict] = {}
+        ended: dict[int, dict] = {}
         deadline = time.monotonic() + REPORT_WAIT_S
         while True:
             for rank in ranks:
-                if rank not in snaps and self._store.check([f"snap/{rank}"]):
-                    snaps[rank] = json.loads(self._store.get(f"snap/{rank}"))
-            if len(snaps) == len(ranks) or time.monotonic() > deadline:
-                return snaps
+                for key, found in ((f"snap/{rank}", snaps), (f"left/{rank}", ended)):
+                    if rank not in snaps and rank not in ended and self._store.check([key]):
+                        found[rank] = json.loads(self._store.get(key))
+            if len(snaps) + len(ended) == len(ranks) or time.monotonic() > deadline:
+                return snaps, ended
             time.sleep(0.05)
 
     def settle(self, text: str, culprits: list[int]) -> tuple[str, list[int]]:

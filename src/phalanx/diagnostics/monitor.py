@@ -25,7 +25,7 @@ from ..comm import all_gather_tensor
 from ..errors import CollectiveTimeoutError, PhalanxError, RankExitedError
 from ..ledger import Ledger, syncpoint
 from ..ledger.log import Record
-from .hang import Watchdog, assemble, snapshot
+from .hang import Watchdog, assemble, left_cleanly, snapshot
 from .straggler import DEFAULT_EVERY, StepClock, assess, look_back
 
 _log = get_logger("phalanx.diagnostics")
@@ -66,11 +66,15 @@ class Diagnostics:
         report_file: where to write the final report for ``phalanx run`` (``None``: nowhere).
         straggler_every: synchronising DDP steps per straggler report; ``0``: none. Default
             :data:`~phalanx.diagnostics.straggler.DEFAULT_EVERY`.
+        leave_word: a rank that leaves with no error says so in the store (see :meth:`close`):
+            where a launcher hosts it. Where rank 0 hosts it, rank 0 may have gone with it,
+            and a store call to it makes c10d log a warning. Default ``False``.
     """
 
     def __init__(self, ledger: Ledger, store: Any, report_file: str | None = None,
-                 straggler_every: int = DEFAULT_EVERY) -> None:
+                 straggler_every: int = DEFAULT_EVERY, leave_word: bool = False) -> None:
         self.ledger = ledger
+        self.leave_word = leave_word
         self.rank = ledger.rank
         self.report_file = report_file
         self.failing = False
@@ -100,9 +104,10 @@ class Diagnostics:
             if final is None:
                 ranks = (list(range(dist.get_world_size())) if record.group == "world"
                          else [int(r) for r in record.group.split()[1].split(",")])
-                snaps = self._watchdog.request(ranks)
-                final = self._watchdog.settle(*assemble(kind, self.rank, record.group, ranks,
-                                                        waited, snaps, self.ledger.timeout_s))
+                snaps, ended = self._watchdog.request(ranks)
+                final = self._watchdog.settle(*assemble(
+                    kind, self.rank, record.group, ranks, waited, snaps, self.ledger.timeout_s,
+                    ended))
                 self._watchdog.linger(len(snaps))
         except Exception as store_error:  # the store is gone too: report what this rank knows
             final = (f"{error}\n(no report from the other ranks: the store is unreachable: "
@@ -189,8 +194,15 @@ class Diagnostics:
         self.straggler = report
         return report
 
-    def close(self) -> None:
+    def close(self, cleanly: bool = False) -> None:
+        """Stop watching; ``cleanly``: this rank leaves with no error, and says so to the
+        store, for the report of a rank still waiting for it (the ranks ran uneven steps)."""
         self._store = None  # rank 0's store server goes with its group, port and all
+        if cleanly and self.leave_word and not self.failing:
+            try:
+                self._watchdog.leave(left_cleanly(self.rank, self.ledger.logs))
+            except RuntimeError:  # the store is gone (rank 0's, with rank 0): nobody to tell
+                pass
         self._watchdog.close()
         if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
             signal.signal(INTERRUPT_SIGNAL, self._previous_handler)

@@ -17,6 +17,13 @@ import stat
 MIN_SECRET_CHARS = 16
 _NEW_SECRET_BYTES = 32
 HOW_TO_MAKE = "e.g. export PHALANX_JOB_SECRET=$(python3 -c 'import secrets; print(secrets.token_hex(32))')"
+# The same for the pods of a Kubernetes job (PET_* variables): one Secret, in every pod's env
+# (docs/launching.md, "Kubernetes").
+ON_KUBERNETES = (
+    "on Kubernetes, one Secret for every pod: kubectl create secret generic phalanx-job "
+    "--from-literal=secret=$(python3 -c 'import secrets; print(secrets.token_hex(32))'), and in "
+    "the container: env: [{name: PHALANX_JOB_SECRET, valueFrom: {secretKeyRef: {name: "
+    "phalanx-job, key: secret}}}]")
 
 
 def new_secret() -> str:

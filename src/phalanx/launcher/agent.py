@@ -99,10 +99,9 @@ class Agent:
                 self._release(record)
                 return status
             self.console.note(
-                f"attempt {restarts + 1} of {last + 1} failed: {record.cause()}: "
-                f"{describe_exit(record.returncode)}"
-                f"{_last_line(record)}; restarting every worker "
-                f"({last - restarts} restart(s) left)"
+                f"attempt {restarts + 1} of {last + 1} failed: {record.cause(_exits(workers))}"
+                f"{_last_line(record)}; restarting every worker ({last - restarts} "
+                f"{'restart' if last - restarts == 1 else 'restarts'} left)"
             )
             self._release(record)
             restarts += 1
@@ -307,7 +306,7 @@ class Agent:
         """The report of a failed run; the root cause's traceback is in it unless the console
         has shown it already, as the worker printed it (the traceback appears once)."""
         name = self.config.entrypoint
-        cause = f"root cause: {record.cause()}: {describe_exit(record.returncode)}"
+        cause = f"root cause: {record.cause(_exits(workers))}"
         alike = self._alike(record, workers)
         if len(alike) > 1:  # one error raised on several ranks: said once, naming them all
             cause = (f"root cause: {record.who(alike)}, the same error on each: "
@@ -356,6 +355,11 @@ def _run_log_dir(log_dir: str, run_id: str) -> str:
     second run keeps the first one's logs."""
     os.makedirs(log_dir, exist_ok=True)
     return tempfile.mkdtemp(prefix=f"{run_id.replace(os.sep, '_')}_", dir=log_dir)
+
+
+def _exits(workers: list[Worker]) -> dict[int, int | None]:
+    """Each worker's exit status, by rank (``None``: still running)."""
+    return {w.rank: w.returncode for w in workers}
 
 
 def _last_line(record: RoundEnd) -> str:

@@ -60,8 +60,10 @@ class NodeBoard:
         spec = str(c.nnodes) if c.min_nnodes == c.nnodes else f"{c.min_nnodes}:{c.nnodes}"
         return {"nnodes": spec, "max_restarts": c.max_restarts}
 
-    def _wait_for(self, key: str, what: str) -> str:
-        deadline = time.monotonic() + self._timeout
+    def _wait_for(self, key: str, what: str, deadline: float | None = None) -> str:
+        """``key``'s value, once node 0 has set it; waited for until ``deadline`` (default:
+        ``--rdzv-timeout`` from now)."""
+        deadline = time.monotonic() + self._timeout if deadline is None else deadline
         while (value := self._s.read(key)) is None:
             self._raise_if()
             if time.monotonic() > deadline:
@@ -72,7 +74,9 @@ class NodeBoard:
 
     def start(self) -> None:
         """Register with node 0."""
-        self.run_id = json.loads(self._wait_for("job", "start the job"))["run_id"]
+        # the first meeting: --rdzv-timeout from the launcher's start, not from here
+        self.run_id = json.loads(self._wait_for("job", "start the job",
+                                                self._config.rdzv_deadline))["run_id"]
         self._register()
 
     def _register(self) -> None:
@@ -281,6 +285,9 @@ class LeaderBoard(NodeBoard):
         round_ = 0 if previous is None else previous.round + 1
         before, ids = self.members, {n.id for n in self.members}
         began, last_call = time.monotonic(), None
+        # the first round's wait ends --rdzv-timeout after the launcher started (its start, a
+        # store helper and torch's import, may take seconds of it on a loaded machine)
+        deadline = self._config.rdzv_deadline if round_ == 0 else began + self._timeout
         while True:
             self._raise_if()
             self._review()
@@ -303,9 +310,8 @@ class LeaderBoard(NodeBoard):
                                       restarts)
             # --rdzv-timeout, and while nodes of the round before still stop their workers,
             # their --shutdown-timeout too
-            waited = time.monotonic() - began
-            if waited > self._timeout + (self._config.shutdown_timeout if unready else 0.0):
-                self._give_up(len(ready), unready, waited)
+            if time.monotonic() > deadline + (self._config.shutdown_timeout if unready else 0.0):
+                self._give_up(len(ready), unready, deadline - self._timeout, began)
             time.sleep(POLL_S)
 
     def _open(self, round_: int, chosen: list[Node], restarts: int) -> Layout:
@@ -316,11 +322,17 @@ class LeaderBoard(NodeBoard):
         self._started = True
         return self._layout(decision)
 
-    def _give_up(self, ready: int, unready: list[Node], waited: float) -> None:
+    def _give_up(self, ready: int, unready: list[Node], since: float, began: float) -> None:
+        """Stop waiting for nodes: ``since`` the wait's start (the launcher's, for the first
+        round), ``began`` when this launcher could first look at the board."""
         spec = self._options()["nnodes"]
+        waited = time.monotonic() - since
         message = (f"Only {ready} of the {self._config.min_nnodes} node(s) needed (--nnodes "
                    f"{spec}) were ready after {waited:.0f} s (--rdzv-timeout "
                    f"{self._timeout:g}) at {self._s.where}")
+        if began - since > self._timeout:  # nothing left of it to wait with: say why
+            message += (f"; this launcher was ready only {began - since:.1f} s after its start "
+                        "(its start and torch's import on a loaded machine count too)")
         if unready:
             message += f"; {', '.join(n.label() for n in unready)} did not stop its workers"
         if self._problems:

@@ -12,11 +12,12 @@ import os
 import re
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 
 from .. import env
 from ..errors import LaunchConfigError
-from ..gate.secret import HOW_TO_MAKE, check_secret, read_secret_file
+from ..gate.secret import HOW_TO_MAKE, ON_KUBERNETES, check_secret, read_secret_file
 
 # torchrun's defaults for a node started without --standalone
 # (torch/distributed/run.py: --master-addr 127.0.0.1; MASTER_PORT 29500 is torch's own default).
@@ -124,7 +125,8 @@ class LaunchConfig:
             ``phalanx.init_process_group`` (a group torch's ``init_process_group`` makes keeps
             torch's default; :func:`launch` says so at start). Default ``None``: phalanx's
             5 minutes.
-        rdzv_timeout (float): seconds to wait for the master and the other nodes. Default ``600``.
+        rdzv_timeout (float): seconds to wait for the master and the other nodes (the first
+            meeting: from ``started``; a later one: from its start). Default ``600``.
         last_call_timeout (float): elastic: once ``min_nnodes`` are there for the first round,
             seconds to wait for more. Default ``3``.
         job_secret (str, optional): the secret every launcher of several nodes proves to node
@@ -141,6 +143,10 @@ class LaunchConfig:
         rank_prefix (bool): start each console line with ``[rankN]: ``. Default ``True``.
         no_python (bool): run ``entrypoint`` as a command, not a Python script. Default ``False``.
         role (str): the workers' ``ROLE_NAME``. Default ``"default"``.
+        started (float): when the launcher started, on :func:`time.monotonic`'s clock: the
+            first meeting of the nodes ends ``rdzv_timeout`` after it, however long the
+            launcher took to start (importing torch on a loaded machine). Default: when the
+            config is made (``phalanx run``: when its process started).
 
     .. warning::
         ``node_rank`` 0 must run on the host that owns ``master_addr``: it listens there.
@@ -178,6 +184,7 @@ class LaunchConfig:
     rank_prefix: bool = True
     no_python: bool = False
     role: str = "default"
+    started: float = field(default_factory=time.monotonic, compare=False)
 
     def __post_init__(self) -> None:
         _at_least("--nproc-per-node", self.nproc_per_node, 1)
@@ -204,7 +211,8 @@ class LaunchConfig:
                 raise LaunchConfigError(
                     f"--nnodes {self._nnodes_spec}: several nodes need a job secret, the same on "
                     "every node, so that no one else can join or write the job's store: set "
-                    f"PHALANX_JOB_SECRET or pass --job-secret-file PATH (mode 0600); {HOW_TO_MAKE}"
+                    f"PHALANX_JOB_SECRET or pass --job-secret-file PATH (mode 0600); "
+                    f"{HOW_TO_MAKE}; {ON_KUBERNETES}"
                 )
             check_secret(self.job_secret, "PHALANX_JOB_SECRET/--job-secret-file", LaunchConfigError)
         _positive("--rdzv-conf last_call_timeout", self.last_call_timeout, zero=True)
@@ -239,6 +247,11 @@ class LaunchConfig:
         if self.no_python and self.module:
             raise LaunchConfigError("--no-python runs a command, -m a Python module: give one of them")
         _check_entrypoint(self.entrypoint, self.module, self.no_python)
+
+    @property
+    def rdzv_deadline(self) -> float:
+        """When the first meeting of the nodes gives up (:func:`time.monotonic`'s clock)."""
+        return self.started + self.rdzv_timeout
 
     @property
     def multi_node(self) -> bool:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Literal, Sequence
+from types import MappingProxyType
+from typing import Literal, Mapping, Sequence
 
+from ..errors import ranks_text
 from .output import exception_line
+from .workers import describe_exit
 
 Kind = Literal["succeeded", "failed", "preempted", "signal", "lost", "membership"]
 
@@ -73,11 +76,22 @@ class RoundEnd:
         """The last line of :attr:`traceback`, its exception, without torch's rank prefix."""
         return exception_line(self.traceback)
 
-    def cause(self) -> str:
-        """The root cause in a few words: the ranks a hang report blames, else the worker."""
+    def cause(self, exits: Mapping[int, int | None] = MappingProxyType({})) -> str:
+        """The root cause in a few words, each rank with its own exit status: the ranks a hang
+        report blames (``exits``: the exit statuses known of them, by rank), else the worker.
+        ``"rank 1 (exit code 0), named by the hang report (rank 0 (local rank 0) on node 0
+        (vm) stopped waiting for it: exit code 1)"``."""
+        own = describe_exit(self.returncode)
         if not self.culprits:
-            return self.who()
-        late = ", ".join(map(str, self.culprits))
+            return f"{self.who()}: {own}"
+        exits = {**exits, self.rank: self.returncode}
+        known = [r for r in self.culprits if exits.get(r) is not None]
+        if len(self.culprits) == 1 and known:
+            late = f"{ranks_text(self.culprits)} ({describe_exit(exits[known[0]])})"
+        else:
+            each = "; ".join(f"rank {r}: {describe_exit(exits[r])}" for r in known)
+            late = ranks_text(self.culprits) + (f" ({each})" if known else "")
         if self.rank in self.culprits:
-            return f"rank(s) {late}, named by the hang report: {self.who()}"
-        return f"rank(s) {late}, named by the hang report ({self.who()} stopped waiting for it)"
+            return f"{late}, named by the hang report: {self.who()}"
+        them = "it" if len(self.culprits) == 1 else "them"
+        return f"{late}, named by the hang report ({self.who()} stopped waiting for {them}: {own})"

@@ -217,7 +217,7 @@ def _check_secret(config: LaunchConfig, interrupted: Callable[[], int | None]) -
     where = f"{config.master_addr}:{config.master_port}"
     try:
         wait_for_gate(config.master_addr, config.master_port, config.job_secret.encode(),
-                      time.monotonic() + config.rdzv_timeout, lambda: _raise_if(interrupted))
+                      config.rdzv_deadline, lambda: _raise_if(interrupted))
     except Refused as e:
         raise LaunchConfigError(
             f"{_who(config)}: node 0's launcher at {where} refused this node's job secret "

@@ -32,7 +32,7 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import torch.distributed as dist
 
-from ..errors import CollectiveMismatchError, UsageError
+from ..errors import CollectiveMismatchError, UsageError, ranks_text
 from . import syncpoint
 from .log import CollectiveLog, Record, call_site, describe_tensors
 
@@ -42,7 +42,8 @@ def _unshadowable(op: str, verdict: syncpoint.Verdict, world: int) -> UsageError
     raise at the same point: :mod:`phalanx.uneven`), instead of waiting for them forever."""
     joined = [r for r in range(world) if r not in verdict.ranks]
     return UsageError(
-        f"{op} inside phalanx.join: rank(s) {', '.join(map(str, joined))} have joined (out of "
+        f"{op} inside phalanx.join: {ranks_text(joined)} "
+        f"{'has' if len(joined) == 1 else 'have'} joined (out of "
         "inputs) and cannot take part in it. Give join every DistributedDataParallel, "
         "fully_shard root module, ZeroRedundancyOptimizer, Checkpointer and PreemptionHandler "
         "in use, and use phalanx's collectives")

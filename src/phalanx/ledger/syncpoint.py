@@ -144,7 +144,13 @@ def _hint(places: list[str]) -> str:
         return (". A barrier waits for every rank of the group: one that some ranks skip (inside "
                 "`if rank == 0:`) waits for ranks that never come; call it on every rank")
     if any("DistributedDataParallel" in p for p in places):
-        return (". A rank that runs out of batches before the others stops joining DDP's "
-                "steps: give every rank as many batches (DistributedSampler, drop_last) or "
-                "wrap the loop in `with model.join():`")
+        return ". " + OUT_OF_BATCHES
     return ""
+
+
+# The likely cause when the ranks part at DDP's steps, or one ends its script while the others
+# still wait for it in a collective (the hang report, :mod:`phalanx.diagnostics.hang`).
+OUT_OF_BATCHES = (
+    "A rank that runs out of batches before the others stops joining DDP's steps: give every "
+    "rank as many batches (DistributedSampler(drop_last=True)) or wrap the loop in "
+    "`with model.join():` (or phalanx.join; torch's torch.distributed.algorithms.Join)")
