@@ -129,6 +129,16 @@ def _grads_close(grads):
     return grads["grad_diff"] <= oracle_bound(grads["torch_grad_diff"], grads["grad_magnitude"])
 
 
+def _norms_compared(norms):
+    """Phalanx's, torch's and one process's gradient norms of each step: the largest
+    difference of phalanx's from one process's, of torch's from it, of phalanx's from torch's,
+    and the largest norm (:func:`close_to_one_process`)."""
+    return {"norm_vs_single": max(abs(a - c) for a, _, c in norms),
+            "norm_torch_vs_single": max(abs(b - c) for _, b, c in norms),
+            "norm_vs_torch": max(abs(a - b) for a, b, _ in norms),
+            "norm_magnitude": max(c for _, _, c in norms)}
+
+
 def close_to_one_process(res, prefix=""):
     """The failed bounds (empty if none) of results with ``{prefix}vs_single``,
     ``{prefix}torch_vs_single``, ``{prefix}vs_torch`` and ``{prefix}magnitude``: phalanx

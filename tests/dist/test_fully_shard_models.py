@@ -43,6 +43,7 @@ from tests.dist.test_fully_shard import (
     _model,
     _shard,
     _step,
+    _norms_compared,
     _without_key_bias,
     close_to_one_process,
 )
@@ -132,16 +133,6 @@ def _features(rank, world_size):
     return out
 
 
-def _norms_compared(norms):
-    """Phalanx's, torch's and one process's gradient norms of each step: the largest
-    difference of phalanx's from one process's, of torch's from it, of phalanx's from torch's,
-    and the largest norm (:func:`~tests.dist.test_fully_shard.close_to_one_process`)."""
-    return {"norm_vs_single": max(abs(a - c) for a, _, c in norms),
-            "norm_torch_vs_single": max(abs(b - c) for _, b, c in norms),
-            "norm_vs_torch": max(abs(a - b) for a, b, _ in norms),
-            "norm_magnitude": max(c for _, _, c in norms)}
-
-
 def _whole(p):
     return p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
 
@@ -165,7 +156,9 @@ def _forward_method(rank, world_size):
     out = {"unregistered": error_of(model.last_logits, x) is not None}
     register_fsdp_forward_method(model, "last_logits")
     with torch.no_grad():
-        out["diff"] = (model.last_logits(x) - plain.last_logits(x)).abs().max().item()
+        logits = plain.last_logits(x)
+        out["diff"] = (model.last_logits(x) - logits).abs().max().item()
+        out["magnitude"] = logits.abs().max().item()
     out["resharded_after"] = all(isinstance(p, DTensor) for p in model.blocks.parameters())
     out["missing"] = error_of(register_fsdp_forward_method, model, "generate")
     return out
@@ -222,7 +215,8 @@ def _unused(rank, world_size):
             "vs_torch": [_max_diff((p.to_local(), q.to_local()) for p, q in zip(mine, params[2]))
                          for mine in params[:2]],
             "moved": _max_diff((p.to_local(), _chunk(q.detach(), world_size, rank))
-                               for p, q in zip(params[0], base.parameters()))}
+                               for p, q in zip(params[0], base.parameters())),
+            "magnitude": max(p.detach().abs().max().item() for p in base.parameters())}
 
 
 def _reset(module):
@@ -316,7 +310,8 @@ def test_forward_method(ranks):
     for out in results:
         res = out["forward_method"]
         assert res["unregistered"] and res["resharded_after"], res
-        assert res["diff"] <= TOL, res
+        # the same forward on the same (gathered) values: a few units in the last place at most
+        assert res["diff"] <= oracle_bound(0.0, res["magnitude"]), res
         assert res["missing"][0] == "ValueError" and res["missing"][1].endswith(
             "does not have a method generate"), res
 
@@ -333,7 +328,9 @@ def test_parameters_unused_on_some_ranks(ranks):
     for out in results:
         res = out["unused"]
         assert res["moved"] > 1e-3, res
-        assert max(res["vs_torch"]) <= (0.0 if world_size == 2 else TOL), res
+        # world 3: another order of a sum of 3 gradients, SGD adding lr times it (smaller
+        # than the parameters): a few units in the last place of the parameters
+        assert max(res["vs_torch"]) <= (0.0 if world_size == 2 else oracle_bound(0.0, res["magnitude"])), res
         # step 0, no rank used the branch: None without the setting, zeros with it (torch's)
         assert res["branch_grads"][0] == [False, True, True], res
         assert all(g == [True, True, True] for g in res["branch_grads"][1:]), res

@@ -15,6 +15,7 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, StepLR
 import phalanx
 from phalanx.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 from tests.harness import run_ranks
+from tests.oracle import oracle_bound
 
 GLOBAL_BATCH = 12  # divisible by the world sizes 2 and 3: every rank gets an equal slice
 STEPS = 10
@@ -106,7 +107,7 @@ def _train_like_plain(rank, world_size, name):
         if grads != ({None} if set_to_none else {0.0}):
             raise AssertionError(f"zero_grad(set_to_none={set_to_none}) left grads {grads}")
     return {"diff": _max_diff(model, ref), "lrs": lrs, "losses": losses,
-            "params": _flat(model).tolist(), "owners": zero.param_owners}
+            "params": _flat(model).tolist(), "ref_params": _flat(ref).tolist(), "owners": zero.param_owners}
 
 
 def _memory(rank, world_size):
@@ -332,7 +333,11 @@ def test_equivalent_to_the_plain_optimizer_with_its_scheduler_and_closures(ranks
     for out in results:
         mine = out[name]
         assert mine["diff"] <= TOL, (name, mine["diff"])
-        assert (torch.tensor(mine["params"]) - expected).abs().max().item() <= TOL, name
+        # one process on the full batch: as close as the plain optimizer on the same averaged
+        # gradients is in this run (their rounding depends on the CPU: tests.oracle)
+        ref_distance = (torch.tensor(mine["ref_params"]) - expected).abs().max().item()
+        bound = oracle_bound(ref_distance, expected.abs().max().item())
+        assert (torch.tensor(mine["params"]) - expected).abs().max().item() <= bound, (name, ref_distance)
         assert mine["params"] == results[0][name]["params"]  # replicas identical
         assert mine["owners"] == results[0][name]["owners"]
         assert all(z == p for z, p in mine["lrs"]), name
