@@ -21,9 +21,10 @@ FP32_EPS = torch.finfo(torch.float32).eps
 ULPS = 4
 
 
-def oracle_bound(torch_distance: float, magnitude: float, ulps: int = ULPS) -> float:
+def oracle_bound(torch_distance: float, magnitude: float, ulps: int = ULPS, factor: float = 2.0) -> float:
     """The largest distance from one process allowed to phalanx where torch's own is
-    ``torch_distance``: twice it, plus ``ulps`` units in the last place of ``magnitude``.
+    ``torch_distance``: twice it (``factor``), plus ``ulps`` units in the last place of
+    ``magnitude``.
 
     phalanx and torch run the same arithmetic on the same numbers but for the order in which
     the ranks' contributions are summed (phalanx's reduce-scatter adds in rank order, Gloo's
@@ -39,8 +40,10 @@ def oracle_bound(torch_distance: float, magnitude: float, ulps: int = ULPS) -> f
         torch_distance: torch's implementation's max-abs distance from one process.
         magnitude: the largest absolute value compared (the ULPs are of it).
         ulps: units in the last place of ``magnitude`` allowed besides. Default: ``ULPS``.
+        factor: the multiple of ``torch_distance`` allowed. Default: 2 (a caller whose
+            phalanx path rounds in more stages than torch's says why it allows more).
     """
-    return 2.0 * torch_distance + ulps * FP32_EPS * magnitude
+    return factor * torch_distance + ulps * FP32_EPS * magnitude
 
 
 def triangle_bound(ours_distance: float, torch_distance: float, magnitude: float) -> float:
