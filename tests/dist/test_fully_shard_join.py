@@ -66,12 +66,12 @@ def _reference(base, world_size, divide_initial, counts):
     return single
 
 
-def _torch_oracle(base, rank, world_size, reshard, divide_initial, counts):
+def _torch_oracle(base, rank, world_size, divide_initial, counts):
     """torch's fully_shard on the same data, where a rank past its batches runs its last one
     (rank 0 of NONE_FIRST its first) with the loss times 0: the zero gradients a joined rank
     sends. Dividing by the active ranks: each loss times world_size / active (torch averages
     over all ranks; the product rounds once more, which only widens torch's distance)."""
-    model = _shard(copy.deepcopy(base), torch_fully_shard, reshard_after_forward=reshard)
+    model = _shard(copy.deepcopy(base), torch_fully_shard)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     for step in range(max(counts[:world_size])):
         opt.zero_grad()
@@ -83,23 +83,34 @@ def _torch_oracle(base, rank, world_size, reshard, divide_initial, counts):
     return model
 
 
-def _uneven(rank, world_size, reshard, divide_initial, counts=COUNTS):
+def _oracles(base, rank, world_size, divide_initial, counts, cache):
+    """(one process's parameters, torch's fully_shard's, torch's distance from one process),
+    computed once per (divide_initial, counts): resharding or not changes no value."""
+    key = divide_initial, counts
+    if key not in cache:
+        single = [p.detach() for p in _reference(base, world_size, divide_initial, counts).parameters()]
+        theirs = _torch_oracle(base, rank, world_size, divide_initial, counts)
+        cache[key] = (single, [q.detach().full_tensor() for q in theirs.parameters()],
+                      _diff(theirs.named_parameters(), single))
+    return cache[key]
+
+
+def _diff(named, tensors):
+    """The largest difference of sharded parameters from whole tensors (less the key biases)."""
+    return _max_diff(_without_key_bias(n, p.detach().full_tensor(), q) for (n, p), q in zip(named, tensors))
+
+
+def _uneven(rank, world_size, reshard, divide_initial, counts, cache):
     base = _model()
     model = _shard(copy.deepcopy(base), fully_shard, reshard_after_forward=reshard)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     with phalanx.join(model, opt, divide_by_initial_world_size=divide_initial):
         _loop(model, opt, rank, counts[rank])
-    single = _reference(base, world_size, divide_initial, counts)
-    theirs = _torch_oracle(base, rank, world_size, reshard, divide_initial, counts)
-
-    def diff(a, b):
-        return _max_diff(_without_key_bias(n, p.detach().full_tensor(), q.detach())
-                         for (n, p), q in zip(a.named_parameters(), b))
-
-    out = {"vs_single": diff(model, single.parameters()),
-           "torch_vs_single": diff(theirs, single.parameters()),
-           "vs_torch": diff(model, [q.detach().full_tensor() for q in theirs.parameters()]),
-           "magnitude": magnitude(single.parameters()),
+    single, theirs, torch_vs_single = _oracles(base, rank, world_size, divide_initial, counts, cache)
+    out = {"vs_single": _diff(model.named_parameters(), single),
+           "torch_vs_single": torch_vs_single,
+           "vs_torch": _diff(model.named_parameters(), theirs),
+           "magnitude": magnitude(single),
            "moved": _max_diff((p.detach().full_tensor(), q) for p, q in zip(model.parameters(), base.parameters()))}
     # after the join the ranks are in step: even training goes on, alike on every rank
     _loop(model, opt, 7, 1)
@@ -171,10 +182,11 @@ def _in_join(join, model, opt, rank, clip=False):
 
 
 def _all_checks(rank, world_size, directory):
-    out = {f"uneven {name}": _uneven(rank, world_size, reshard, divide)
+    cache = {}  # "default" and "keep" share their oracles
+    out = {f"uneven {name}": _uneven(rank, world_size, reshard, divide, COUNTS, cache)
            for name, reshard, divide in (("default", None, True), ("keep", False, True),
                                          ("by active", None, False))}
-    out["uneven none first"] = _uneven(rank, world_size, None, True, NONE_FIRST)
+    out["uneven none first"] = _uneven(rank, world_size, None, True, NONE_FIRST, cache)
     out["bf16"] = _mixed_precision(rank, world_size)
     out["checkpoint"] = _checkpoint(rank, world_size, directory)
     out["refusals"] = _refusals(rank, world_size)
