@@ -53,6 +53,15 @@ def triangle_bound(ours_distance: float, torch_distance: float, magnitude: float
     return ours_distance + torch_distance + FP32_EPS * magnitude
 
 
+def reorder_bound(largest_term: float, terms: int) -> float:
+    """The largest difference between two averages of the same ``terms`` values, each at
+    most ``largest_term`` in size, summed in different orders (phalanx's reduction against
+    torch's, on the same ranks' gradients): each sum rounds ``terms - 1`` times, the division
+    once, each rounding within one unit in the last place of the sum of the terms' sizes
+    (at most ``terms * largest_term``). Arithmetic alone: the same on every CPU."""
+    return 2 * terms * FP32_EPS * terms * largest_term
+
+
 def magnitude(tensors) -> float:
     """The largest absolute value in ``tensors`` (0.0 for none or empty ones)."""
     return max((t.detach().abs().max().item() for t in tensors if t.numel()), default=0.0)

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import phalanx
 from phalanx.ddp.unusual import HIGHER_ORDER_WARNING
 from tests.harness import error_of, run_ranks
-from tests.oracle import oracle_bound
+from tests.oracle import oracle_bound, reorder_bound
 
 
 def _net():
@@ -170,9 +170,7 @@ def _create_graph(rank, world_size):
         expected = torch.autograd.grad(sum((2 * p.grad.detach() / world_size * g).sum()
                                            for p, g in zip(params, local)), params)
         got = _second_order(ours.module)
-        # the same ranks' gradients averaged in another order: each sum rounds world - 1
-        # times, the division once, each within an ULP of the sum of the terms' sizes
-        bound = oracle_bound(0.0, world_size * largest.item(), ulps=2 * world_size)
+        bound = reorder_bound(largest.item(), world_size)  # another order of the same sum
         out[f"mlp view={view}"] = (first, max((a - b).abs().max().item() for a, b in zip(got, expected)),
                                    all(p.grad.requires_grad for p in params), bound)
     return out
