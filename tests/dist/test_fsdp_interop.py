@@ -1,6 +1,6 @@
 """torch's FSDP (``fully_shard``) on a process group made by ``phalanx.init_process_group``:
-it trains as close to one process on the global batch as it does on a Gloo group torch made, and ``phalanx.Checkpointer`` saves and
-loads it (docs/sharding.md, the README's "works with" list)."""
+it trains as close to one process on the global batch as it does on a Gloo group torch made,
+and ``phalanx.Checkpointer`` saves and loads it (docs/sharding.md, the README's "works with" list)."""
 
 from __future__ import annotations
 

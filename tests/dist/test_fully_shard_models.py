@@ -111,7 +111,8 @@ def _features(rank, world_size):
                 opt.step()
                 opt.zero_grad()
         ours, theirs, single = models
-        out[kind] = _norms_compared(norms_seen) if norms_seen else {"norm_diff": norm_diff, "norm_magnitude": norm_magnitude}
+        out[kind] = (_norms_compared(norms_seen) if norms_seen
+                     else {"norm_diff": norm_diff, "norm_magnitude": norm_magnitude})
         out[kind] |= {
             "vs_torch": _max_diff(_without_key_bias(n, _whole(p), _whole(q))
                                   for (n, p), q in zip(ours.named_parameters(), theirs.parameters())),

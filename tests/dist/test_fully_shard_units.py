@@ -109,8 +109,9 @@ def _train(rank, world_size, case):
     group = shard(ours, fully_shard, **kwargs)
     torch_group = shard(theirs, torch_fully_shard, **(torch_kwargs or kwargs))
     opts = [torch.optim.AdamW(m.parameters(), lr=5e-3, weight_decay=0.1) for m in (ours, theirs, single)]
-    out = {"loss_diff": 0.0, "grads_close": True, "grad_vs_torch": 0.0, "returned": (type(group).__name__, [type(m).__name__ for m in group],
-                                          [type(m).__name__ for m in torch_group])}
+    out = {"loss_diff": 0.0, "grads_close": True, "grad_vs_torch": 0.0,
+           "returned": (type(group).__name__, [type(m).__name__ for m in group],
+                        [type(m).__name__ for m in torch_group])}
     for step in range(STEPS):
         batch = _batch(step, world_size)
         x, y = _mine(batch, rank)

@@ -145,7 +145,8 @@ def _against_reference(rank, world_size):
             for wrap in ("phalanx", "plain"):
                 out[(kind, wrap, overlap)] = _compared(_ours(rank, world_size, kind, wrap, overlap), late)
             if overlap == EVERY:  # the meeting of step 6 lands at the end (the reference: at step 9)
-                finished = [_reference(rank, world_size, kind, overlap, steps=9, exact=exact) for exact in (False, True)]
+                finished = [_reference(rank, world_size, kind, overlap, steps=9, exact=exact)
+                            for exact in (False, True)]
                 out[(kind, "finished", overlap)] = _compared(
                     _ours(rank, world_size, kind, "phalanx", overlap, finish=True), finished)
             out[(kind, "overlap changed", overlap)] = (late[0] - want[0]).abs().max().item()
@@ -190,7 +191,8 @@ def test_overlapped_meetings_equal_the_naive_reference(against_reference, kind):
         for overlap in (2, EVERY):
             assert out[(kind, "overlap changed", overlap)] > 1e-4  # a different algorithm
             for wrap in ("phalanx", "plain"):
-                assert _close(out[(kind, wrap, overlap)], world_size), (kind, wrap, overlap, out[(kind, wrap, overlap)])
+                res = out[(kind, wrap, overlap)]
+                assert _close(res, world_size), (kind, wrap, overlap, res)
 
 
 @pytest.mark.parametrize("kind", ["local", "diloco"])
