@@ -204,7 +204,8 @@ def _accumulation(rank, world_size, sync_first=False, keep=False, **kwargs):
     theirs = _shard(copy.deepcopy(base), torch_fully_shard, **kwargs)
     single = copy.deepcopy(base)  # the sum of both global batches' gradients
     for micro in range(2):
-        F.cross_entropy(single(_batch(50 + micro, world_size)[0]), _batch(50 + micro, world_size)[1]).backward()
+        x, y = _batch(50 + micro, world_size)
+        F.cross_entropy(single(x), y).backward()
     log = ledger().logs["world"]
     counts, gathers = [], []
     for model in (ours, theirs):

@@ -14,8 +14,8 @@ The ways a sharded model is compiled (a small GPT: per-block units and the root)
 
 Each trains 3 AdamW steps at world 2 and 3 and must equal itself eager bit for bit (phalanx's
 and torch's alike, with aot_eager), and phalanx's must equal torch's compiled the same way
-bit for bit at world 2, as far as eager from eager at world 3 (Gloo's ring adds in another order than
-phalanx's reduce-scatter, as eager: ``test_fully_shard``), the key third of the qkv biases
+bit for bit at world 2, and at world 3 be as far from it as eager from eager (Gloo's ring
+adds in another order than phalanx's reduce-scatter: ``test_fully_shard``), the key third of the qkv biases
 left out (``_without_key_bias``). Dynamo's counters (``torch._dynamo.utils.counters``) are read for each: graph breaks,
 functions Dynamo skipped, frames compiled, graphs, and graphs compiled after the first step
 (recompiles); phalanx's must be no more than torch's. Per-block compiles run with
