@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import phalanx
 from phalanx.diagnostics import ledger
 from tests.harness import run_ranks
+from tests.oracle import oracle_bound
 
 WIDTH, DEPTH = 512, 6  # a 1 MiB Linear per layer: DDPOptimizer's bucket cap, a bucket per layer
 
@@ -55,7 +56,7 @@ def _compiled(rank, world_size, backend):
     net = _Net()
     x = torch.randn(8, WIDTH) + rank
     grads, out = {}, {}
-    for name, wrap, compiled in (("eager", phalanx.DistributedDataParallel, False),
+    for name, wrap, compiled in (("eager", phalanx.DistributedDataParallel, False), ("torch eager", TorchDDP, False),
                                  ("torch", TorchDDP, True), ("phalanx", phalanx.DistributedDataParallel, True)):
         torch._dynamo.reset()
         model = wrap(copy.deepcopy(net), bucket_cap_mb=1)
@@ -71,6 +72,10 @@ def _compiled(rank, world_size, backend):
         grads[name] = [p.grad for p in model.parameters()]
     out["vs eager"] = max((a - b).abs().max().item() for a, b in zip(grads["phalanx"], grads["eager"]))
     out["vs torch"] = max((a - b).abs().max().item() for a, b in zip(grads["phalanx"], grads["torch"]))
+    # the oracle's own distance: torch's compiled DDP from torch's eager one (inductor's kernels
+    # round otherwise than eager, by how much depends on the CPU's vector width)
+    out["torch vs eager"] = max((a - b).abs().max().item() for a, b in zip(grads["torch"], grads["torch eager"]))
+    out["magnitude"] = max(g.abs().max().item() for g in grads["eager"])
     return out
 
 
@@ -78,7 +83,8 @@ def _compiled(rank, world_size, backend):
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_ddp_keeps_the_overlap_and_torchs_gradients(backend):
     for out in run_ranks(_compiled, 2, backend, timeout=240):
-        assert out["vs torch"] == 0.0 and out["vs eager"] < 1e-6, out
+        assert out["vs torch"] == 0.0, out
+        assert out["vs eager"] <= oracle_bound(out["torch vs eager"], out["magnitude"]), out
         # one compiled backward per bucket, each bucket launched before the next one runs
         assert out["subgraphs"] == DEPTH, out
         launched = out["launched before each compiled backward"]

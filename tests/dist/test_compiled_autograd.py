@@ -20,6 +20,7 @@ from torch.nn.parallel.distributed import _MixedPrecision
 
 import phalanx
 from tests.harness import error_of, marked_line, run_ranks
+from tests.oracle import oracle_bound, triangle_bound
 
 STEPS = 3
 # Training: two 1 MiB layers (512 x 512 float32) and inductor's DDP fusion, whose first bucket
@@ -105,9 +106,6 @@ OPTIMIZERS = {
 }
 
 
-TOLERANCE = {"sgd": 1e-6, "adamw": 1e-5}  # vs eager phalanx DDP (see _check_training)
-
-
 def _training(rank, world_size, backend):
     torch._dynamo.config.optimize_ddp = "python_reducer"
     torch._dynamo.config.compiled_autograd = True  # for the functions compiled from here on
@@ -117,7 +115,10 @@ def _training(rank, world_size, backend):
         eager = _train(rank, net, phalanx.DistributedDataParallel, optimizer)
         ours = _train(rank, net, phalanx.DistributedDataParallel, optimizer, backend)
         torchs = _train(rank, net, TorchDDP, optimizer, backend)
+        torch_eager = _train(rank, net, TorchDDP, optimizer)  # the oracle's own distance
         out[name] = {"vs eager": _diff(ours, eager), "vs torch": _diff(ours, torchs),
+                     "torch vs eager": _diff(torchs, torch_eager), "eager vs torch eager": _diff(eager, torch_eager),
+                     "magnitude": max(t.abs().max().item() for t in eager["state"]),
                      "phalanx": {k: v for k, v in ours.items() if k != "state"},
                      "torch": {k: v for k, v in torchs.items() if k != "state"}}
     if backend != "aot_eager":
@@ -144,8 +145,12 @@ def _check_training(results, backend):
             # inductor's buckets: at world 3 Gloo's ring sums the three ranks' values in an order
             # that depends on the chunking, so the last bits differ; AdamW's division by sqrt(v)
             # grows them to a few 1e-6 in three steps (world 3, inductor: 5.9e-6, and torch's own
-            # compiled DDP is 4.9e-6 from torch's eager DDP); SGD stays within 1.5e-8
-            assert got["vs eager"] < TOLERANCE[name], (name, got)
+            # compiled DDP is 4.9e-6 from torch's eager DDP); SGD stays within 1.5e-8. So no
+            # further from eager than torch's compiled DDP is from torch's eager plus how far the
+            # two eager DDPs are apart (the triangle through torch's compiled run, which ours
+            # equals; eager phalanx against eager torch and one process: test_ddp_equivalence)
+            bound = triangle_bound(got["torch vs eager"], got["eager vs torch eager"], got["magnitude"])
+            assert got["vs eager"] <= bound, (name, got)
             if len(results) == 2:  # a sum of two is the same in any order: the same bits
                 assert got["vs eager"] == 0.0, (name, got)
             ours, torchs = got["phalanx"], got["torch"]
@@ -161,8 +166,10 @@ def _check_training(results, backend):
             assert ours["inductor's DDP buckets"] == torchs["inductor's DDP buckets"], got
             assert ours["inductor's DDP buckets"] == (BUCKETS if backend == "inductor" else 0), got
         if backend == "aot_eager":
+            # world 3: SGD's rounding noise on this network in this run (the two eager DDPs' orders)
+            noise = oracle_bound(out["sgd"]["eager vs torch eager"], out["sgd"]["magnitude"])
             for schedule in ("buffers", "switch", "accumulate", "module"):
-                assert out[schedule] < 1e-6 if len(results) == 3 else out[schedule] == 0.0, (schedule, out)
+                assert out[schedule] <= noise if len(results) == 3 else out[schedule] == 0.0, (schedule, out)
 
 
 @pytest.mark.slow  # compiles six training steps per rank

@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import phalanx
 from phalanx.ddp.unusual import HIGHER_ORDER_WARNING
 from tests.harness import error_of, run_ranks
+from tests.oracle import oracle_bound, reorder_bound
 
 
 def _net():
@@ -163,12 +164,15 @@ def _create_graph(rank, world_size):
         params = list(ours.module.parameters())
         first = max((p.grad - q.grad).abs().max().item() for p, q in zip(params, oracle.module.parameters()))
         local = torch.autograd.grad(ours.module(x).pow(2).sum(), params, create_graph=True)
+        largest = torch.stack([g.detach().abs().max() for g in local]).max()
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # every rank's gradient is at most this
         # the averaged .grad's derivative with respect to this rank's gradient is 1/world size
         expected = torch.autograd.grad(sum((2 * p.grad.detach() / world_size * g).sum()
                                            for p, g in zip(params, local)), params)
         got = _second_order(ours.module)
+        bound = reorder_bound(largest.item(), world_size)  # another order of the same sum
         out[f"mlp view={view}"] = (first, max((a - b).abs().max().item() for a, b in zip(got, expected)),
-                                   all(p.grad.requires_grad for p in params))
+                                   all(p.grad.requires_grad for p in params), bound)
     return out
 
 
@@ -200,8 +204,8 @@ def test_create_graph_warns_that_higher_order_gradients_are_not_averaged(create_
 def test_create_graph_on_an_mlp_where_torchs_ddp_fails(create_graph, view):
     _, results = create_graph
     for out in results:
-        first, second, requires_grad = out[f"mlp view={view}"]
-        assert first < 1e-6 and second < 1e-5 and requires_grad, (view, first, second)
+        first, second, requires_grad, bound = out[f"mlp view={view}"]
+        assert first <= bound and second < 1e-5 and requires_grad, (view, first, second, bound)
 
 
 class Tables(nn.Module):
@@ -223,22 +227,41 @@ def _ids(rank, step):
     return torch.randint(0, 12, (3, 4), generator=torch.Generator().manual_seed(10 * step + rank))
 
 
-def _grads_vs_torch(ours, theirs):
-    """Worst relative difference of the gradients, and what ours look like: layout, coalesced."""
-    worst, looks = 0.0, {}
+def _rel(pairs):
+    """The worst difference of a pair of tensors relative to the second's largest value."""
+    return max(((a.to_dense() - b.to_dense()).abs().max() / b.to_dense().abs().max()).item() for a, b in pairs)
+
+
+def _grads_vs_torch(ours, theirs, single):
+    """Worst relative difference of the gradients from one process's, of torch's from it,
+    and what ours look like: layout, coalesced."""
+    looks = {}
     for (name, p), q in zip(ours.module.named_parameters(), theirs.module.parameters()):
         if p.grad.is_sparse:
             looks[name] = (p.grad.layout, p.grad.is_coalesced(), q.grad.layout)
             assert torch.equal(p.grad._indices(), q.grad.coalesce()._indices()), name
-        mine, oracle = p.grad.to_dense(), q.grad.to_dense()
-        worst = max(worst, ((mine - oracle).abs().max() / oracle.abs().max()).item())
-    return worst, looks
+    singles = [q.grad for q in single.parameters()]
+    return ((_rel(zip([p.grad for p in ours.parameters()], singles)),
+             _rel(zip([q.grad for q in theirs.parameters()], singles))), looks)
+
+
+def _one_process_loss(model, step, world_size):
+    """What DDP averages, on one process: every rank's loss (and its micro-batch at step 1)
+    summed, divided by the world size."""
+    total = 0.0
+    for rank in range(world_size):
+        if step == 1:
+            total = total + model(_ids(rank, 99)).sum()
+        total = total + model(_ids(rank, step)).pow(2).sum()
+    return total / world_size
 
 
 def _sparse_training(rank, view):
+    world_size = dist.get_world_size()
     ours = phalanx.DistributedDataParallel(Tables(), gradient_as_bucket_view=view)
     theirs = TorchDDP(Tables(), gradient_as_bucket_view=view)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ours, theirs)]
+    single = Tables()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ours, theirs, single)]
     out = {"grads": [], "params": []}
     for step in range(3):
         for opt in opts:
@@ -248,11 +271,12 @@ def _sparse_training(rank, view):
                 with m.no_sync():
                     m(_ids(rank, 99)).sum().backward()
             m(_ids(rank, step)).pow(2).sum().backward()
-        out["grads"].append(_grads_vs_torch(ours, theirs))
+        _one_process_loss(single, step, world_size).backward()
+        out["grads"].append(_grads_vs_torch(ours, theirs, single))
         for opt in opts:
             opt.step()
-        out["params"].append(max(((p - q).abs().max() / q.abs().max()).item()
-                                 for p, q in zip(ours.parameters(), theirs.parameters())))
+        out["params"].append((_rel(zip(ours.parameters(), single.parameters())),
+                              _rel(zip(theirs.parameters(), single.parameters()))))
     return out
 
 
@@ -296,10 +320,12 @@ def test_sparse_embeddings_train_equal_to_torch(sparse, view):
     _, results = sparse
     for out in results:
         res = out["view"][view]
-        for worst, looks in res["grads"]:
-            assert worst < 1e-6, (view, worst)
+        # relative to one process (ULPs of 1.0): as close as torch's DDP, in this run
+        for (worst, torchs), looks in res["grads"]:
+            assert worst <= oracle_bound(torchs, 1.0), (view, worst, torchs)
             assert looks == {n: (torch.sparse_coo, True, torch.sparse_coo) for n in ("emb.weight", "bag.weight")}
-        assert max(res["params"]) < 1e-6, (view, res["params"])
+        for worst, torchs in res["params"]:
+            assert worst <= oracle_bound(torchs, 1.0), (view, res["params"])
 
 
 def test_a_sparse_table_used_on_one_rank_or_none(sparse):

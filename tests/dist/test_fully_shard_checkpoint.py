@@ -27,8 +27,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import phalanx
 from phalanx import Checkpointer
 from phalanx.fsdp import fully_shard, initialize
-from tests.dist.test_fully_shard import TOL, _batch, _max_diff, _mine, _model, _shard, _without_key_bias
+from tests.dist.test_fully_shard import _batch, _max_diff, _mine, _model, _shard, _without_key_bias
 from tests.dist.test_fully_shard_models import _variant, _whole
+from tests.oracle import magnitude, oracle_bound
 from tests.harness import error_of, run_ranks
 
 VOCAB, TOKENS = 50, 8  # as _model's
@@ -95,6 +96,21 @@ def _fresh(directory, fs, world_size, name):
     Checkpointer(Path(directory) / name, model, opt, sampler=sampler).save(0, K)
 
 
+def _vs_single(model, single):
+    return _max_diff(_without_key_bias(n, p.detach().full_tensor(), q.detach())
+                     for (n, p), q in zip(model.named_parameters(), single.parameters()))
+
+
+def _uninterrupted(world_size):
+    """torch's fully_shard trained every step at ``world_size`` on the same global batches:
+    its distance from one process is the rounding noise a resumed run is held to."""
+    model, opt, sampler = _run(torch_fully_shard, seed=0)
+    sampler.set_epoch(0)
+    _train(model, opt, sampler, STEPS, world_size, [])
+    single = _single(STEPS)
+    return {"vs_single": _vs_single(model, single), "magnitude": magnitude(single.parameters())}
+
+
 def _resume(directory, fs, world_size, name):
     """Load ``directory/name`` at this world size, train to STEPS; compare with one process."""
     model, opt, sampler = _run(fs)
@@ -108,8 +124,7 @@ def _resume(directory, fs, world_size, name):
         "saved_at": state.world_size, "step": state.step, "taken": taken,
         "types": sorted({type(p).__name__ for p in model.parameters()} |
                         {type(t).__name__ for t in exp_avg}),
-        "vs_single": _max_diff(_without_key_bias(n, p.detach().full_tensor(), q.detach())
-                               for (n, p), q in zip(model.named_parameters(), single.parameters())),
+        "vs_single": _vs_single(model, single),
         "moved": _max_diff((p.detach().full_tensor(), q.detach())
                            for p, q in zip(model.parameters(), _model().parameters())),
     }
@@ -142,7 +157,9 @@ def _tiny_load(directory, name):
             "params": _max_diff((p.detach().full_tensor(), q.detach())
                                 for p, q in zip(model.parameters(), single.parameters())),
             "exp_avg": _max_diff((opt.state[p]["exp_avg"].full_tensor(), single_opt.state[q]["exp_avg"])
-                                 for p, q in zip(model.parameters(), single.parameters()))}
+                                 for p, q in zip(model.parameters(), single.parameters())),
+            "magnitudes": (magnitude(single.parameters()),
+                           magnitude(single_opt.state[q]["exp_avg"] for q in single.parameters()))}
 
 
 VARIANTS = ["tied", "frozen"]  # tests/dist/test_fully_shard_models.py's models
@@ -198,7 +215,8 @@ def _world2(rank, world_size, directory):
 
 def _world3(rank, world_size, directory):
     out = {"from2": _resume(directory, fully_shard, world_size, "w2"),
-           "torch_from2": _resume(directory, torch_fully_shard, world_size, "torch2")}
+           "torch_from2": _resume(directory, torch_fully_shard, world_size, "torch2"),
+           "uninterrupted": _uninterrupted(world_size)}
     out["damaged"] = _damaged(rank, Path(directory) / "w2")
     out["tiny_from2"] = _tiny_load(directory, "tiny2")
     out["variants"] = _variants(rank, world_size, directory, save=False)
@@ -317,13 +335,18 @@ def runs(tmp_path_factory):
             "w2_again": run_ranks(_world2_again, 2, directory, timeout=300)}
 
 
-def _check_resume(results, key, saved_at, world_size):
+def _check_resume(results, key, saved_at, world_size, oracle):
+    """``oracle``: every rank's ``_uninterrupted`` at world 3 (steps at world 3 round no less
+    than at world 2): a resumed run is as close to one process as torch's fully_shard run
+    without a break, measured in this run (``tests.oracle``)."""
     for rank, out in enumerate(results):
         res = out[key]
         assert (res["saved_at"], res["step"]) == (saved_at, K), (key, rank)
         assert res["types"] == ["DTensor"], (key, rank, res["types"])
         assert res["moved"] > 1e-2, (key, rank, "training changed nothing")
-        assert res["vs_single"] <= TOL, (key, rank, res["vs_single"])
+        bound = max(oracle_bound(o["uninterrupted"]["vs_single"], o["uninterrupted"]["magnitude"])
+                    for o in oracle)
+        assert res["vs_single"] <= bound, (key, rank, res["vs_single"], bound)
         assert all(len(m) == GLOBAL // world_size for m in res["taken"]), res["taken"]
     # the sampler resumed mid-epoch: each step's samples, all ranks together, are the
     # uninterrupted run's global batch
@@ -334,15 +357,15 @@ def _check_resume(results, key, saved_at, world_size):
 
 
 def test_saved_at_world_2_resumed_at_world_3_equals_an_uninterrupted_run(runs):
-    _check_resume(runs["w3"], "from2", 2, 3)
+    _check_resume(runs["w3"], "from2", 2, 3, runs["w3"])
 
 
 def test_saved_at_world_3_resumed_at_world_2_equals_an_uninterrupted_run(runs):
-    _check_resume(runs["w2_again"], "from3", 3, 2)
+    _check_resume(runs["w2_again"], "from3", 3, 2, runs["w3"])
 
 
 def test_torchs_fully_shard_saved_at_2_resumed_at_3(runs):
-    _check_resume(runs["w3"], "torch_from2", 2, 3)
+    _check_resume(runs["w3"], "torch_from2", 2, 3, runs["w3"])
 
 
 def test_empty_shards_are_saved_and_loaded(runs):
@@ -352,7 +375,10 @@ def test_empty_shards_are_saved_and_loaded(runs):
     for key, world in (("w3", 3), ("w2_again", 2)):
         res = [out[f"tiny_from{5 - world}"] for out in runs[key]]
         assert [r["rows"] for r in res] == rows[world], res
-        assert all(r["params"] <= TOL and r["exp_avg"] <= TOL for r in res), res
+        # the same batch on every rank: the average of equal gradients rounds once (a sum of
+        # 3 and a division), a few units in the last place of the values, whatever the CPU
+        assert all(r["params"] <= oracle_bound(0.0, r["magnitudes"][0])
+                   and r["exp_avg"] <= oracle_bound(0.0, r["magnitudes"][1]) for r in res), res
 
 
 @pytest.mark.parametrize("kind", VARIANTS)

@@ -14,8 +14,8 @@ The ways a sharded model is compiled (a small GPT: per-block units and the root)
 
 Each trains 3 AdamW steps at world 2 and 3 and must equal itself eager bit for bit (phalanx's
 and torch's alike, with aot_eager), and phalanx's must equal torch's compiled the same way
-bit for bit at world 2, within 1e-6 at world 3 (Gloo's ring adds in another order than
-phalanx's reduce-scatter, as eager: ``test_fully_shard``), the key third of the qkv biases
+bit for bit at world 2, and at world 3 be as far from it as eager from eager (Gloo's ring
+adds in another order than phalanx's reduce-scatter: ``test_fully_shard``), the key third of the qkv biases
 left out (``_without_key_bias``). Dynamo's counters (``torch._dynamo.utils.counters``) are read for each: graph breaks,
 functions Dynamo skipped, frames compiled, graphs, and graphs compiled after the first step
 (recompiles); phalanx's must be no more than torch's. Per-block compiles run with
@@ -43,8 +43,6 @@ from phalanx.fsdp.compile import REASON
 from tests.harness import error_of, run_ranks
 
 STEPS = 3
-TOL = 1e-6  # the bound of test_fully_shard at world 3
-INDUCTOR_TOL = 1e-6  # inductor against eager after 3 steps (fused kernels round otherwise): 2.2e-7 measured
 VOCAB, TOKENS, BATCH = 50, 8, 3  # BATCH sequences per rank and step
 MODES = ["block_after", "block_before", "block_wrapped", "whole"]
 # more cases, per block after sharding: the root kept unsharded, bf16 parameters
@@ -239,8 +237,9 @@ def test_compiled_equals_eager_and_torch(ranks, mode):
         assert res["moved"] > 1e-2, (mode, rank, "training changed nothing: the test would prove nothing")
         assert res["phalanx"]["equal_eager"], (mode, rank, res)
         assert res["torch"]["equal_eager"], (mode, rank, res)
-        assert res["vs_torch"] <= TOL, (mode, rank, res)
-        # world 3: Gloo's ring adds in another order than phalanx (test_fully_shard)
+        # world 3: Gloo's ring adds in another order than phalanx, so compiled phalanx is as
+        # far from compiled torch as eager from eager (each equals itself eager, above), which
+        # test_fully_shard bounds by torch's own distance from one process
         assert res["equal_torch"] or world_size > 2, (mode, rank, res)
 
 
@@ -303,7 +302,8 @@ def test_inductor_equal_to_torch_compiled_alike():
             res = out[mode]
             assert res["equal_torch"], (mode, rank, res)
             ours, torchs = res["phalanx"], res["torch"]
-            # inductor's fused kernels round otherwise than eager: as far from it as torch's
-            assert ours["vs_eager"] == torchs["vs_eager"] <= INDUCTOR_TOL, (mode, rank, res)
+            # inductor's fused kernels round otherwise than eager (by how much depends on the
+            # CPU's vector width): exactly as far from it as torch's compiled alike
+            assert ours["vs_eager"] == torchs["vs_eager"], (mode, rank, res)
             for key in ("graph_breaks", "skipped", "frames", "graphs", "recompiles"):
                 assert ours[key] <= torchs[key], (mode, rank, key, ours, torchs)

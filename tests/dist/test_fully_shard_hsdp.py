@@ -4,8 +4,8 @@ against torch's ``fully_shard`` on the same mesh and single-process training.
 Parameters are sharded across the shard dimension and replicated across the other
 (``(Replicate(), Shard(0))``); after each unit's reduce-scatter (within a replica) one
 all-reduce averages the shards across the replicas. After several AdamW steps on the small GPT
-of ``test_fully_shard``: equal to torch's bit for bit (every sum is of two terms), within
-1e-6 of one process on the global batch. A checkpoint saved under HSDP loads into an HSDP
+of ``test_fully_shard``: equal to torch's bit for bit (every sum is of two terms), and so as
+close to one process on the global batch as torch's own HSDP. A checkpoint saved under HSDP loads into an HSDP
 model and, at world 2, into a model sharded on a 1-D mesh, equal; ``phalanx.join`` is refused.
 """
 
@@ -26,8 +26,9 @@ from phalanx import Checkpointer
 from phalanx.diagnostics import ledger
 from phalanx.bench.engine import GPT
 from phalanx.fsdp import clip_grad_norm_, fully_shard, initialize
-from tests.dist.test_fully_shard import (BF16, STEPS, TOL, _batch, _chunk, _compared, _max_diff, _mine,
-                                         _model, _shard)
+from tests.dist.test_fully_shard import (BF16, STEPS, _batch, _compared, _grads_close, _grads_compared,
+                                         _max_diff, _mine, _model, _norms_compared, _shard,
+                                         close_to_one_process)
 from tests.dist.test_fully_shard_models import _reset
 from tests.dist.test_fully_shard_units import _ends
 from tests.dist.test_reduce_scatter import _written
@@ -59,7 +60,7 @@ def _train(rank, world_size, case):
     shard(theirs, torch_fully_shard, mesh=mesh, **kwargs)
     single = copy.deepcopy(base)
     opts = [torch.optim.AdamW(m.parameters(), lr=5e-3, weight_decay=0.1) for m in (ours, theirs, single)]
-    out = {"loss_diff": 0.0, "norm_diff": 0.0}
+    out, norms_seen = {"loss_diff": 0.0, "grads_close": True}, []
     for step in range(STEPS):
         batch = _batch(step, world_size)
         x, y = _mine(batch, rank)
@@ -73,16 +74,17 @@ def _train(rank, world_size, case):
             norms = (clip_grad_norm_(ours.parameters(), MAX_NORM),
                      torch.nn.utils.clip_grad_norm_(theirs.parameters(), MAX_NORM).full_tensor(),
                      torch.nn.utils.clip_grad_norm_(single.parameters(), MAX_NORM))
-            out["norm_diff"] = max(out["norm_diff"], (norms[0] - norms[1]).abs().item(),
-                                   (norms[0] - norms[2]).abs().item())
-        out["grad_diff"] = _max_diff((p.grad.to_local(), _chunk(q.grad, WORLD // 2, rank % 2))
-                                     for p, q in zip(ours.parameters(), single.parameters()))
+            norms_seen.append([n.item() for n in norms])
+        grads = _grads_compared(ours, theirs, single, WORLD // 2, rank % 2)
+        out["grad_diff"] = grads["grad_diff"]  # (the last step's: bf16's bound below)
+        out["grads_close"] = out["grads_close"] and _grads_close(grads)
         out["loss_diff"] = max(out["loss_diff"], (losses[0] - losses[1]).abs().item())
         for opt in opts:
             opt.step()
             opt.zero_grad()
     out["placements"] = sorted({str(tuple(p.placements)) for p in ours.parameters()})
     out.update(_compared(ours, theirs, single))
+    out.update(_norms_compared(norms_seen) if norms_seen else {})
     out["moved"] = _max_diff((p.detach().full_tensor(), q.detach())
                              for p, q in zip(ours.parameters(), base.parameters()))
     mine, torchs = ours.state_dict(), theirs.state_dict()
@@ -219,14 +221,18 @@ def test_equal_to_torch_and_to_one_process(ranks, case):
         assert res["moved"] > 1e-2, (case, rank)
         assert res["torch_equal"] and res["loss_diff"] == 0.0, (case, rank, res["vs_torch"])
         assert res["state_dict"], (case, rank)
-        assert res["grad_diff"] <= (1e-2 if case == "bf16" else TOL), (case, rank, res["grad_diff"])
+        if case == "bf16":
+            assert res["grad_diff"] <= 1e-2, (case, rank, res["grad_diff"])
+        else:  # as close to one process as torch's HSDP's, measured in this run
+            assert res["grads_close"], (case, rank)
         # one process: as far as torch's own HSDP (3.4e-6 after 4 steps: Adam's normalisation
         # of the gradients' last bits, which two sums of four ranks round otherwise)
         assert res["vs_single"] == res["torch_vs_single"], (case, rank, res["vs_single"],
                                                             res["torch_vs_single"])
         if case != "bf16":
-            assert res["vs_single"] <= 1e-5, (case, rank, res["vs_single"])
-        assert res["norm_diff"] <= TOL, (case, rank, res["norm_diff"])
+            assert not close_to_one_process(res), (case, rank, close_to_one_process(res))
+        if case == "clip":  # the norms as torch's clip_grad_norm_ gives, and as near one process
+            assert not close_to_one_process(res, "norm_"), (case, rank, close_to_one_process(res, "norm_"))
 
 
 def test_one_all_reduce_across_the_replicas_per_unit(ranks):

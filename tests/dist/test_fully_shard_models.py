@@ -35,7 +35,6 @@ from phalanx.fsdp.unit import unit_of
 from tests.dist.test_ddp_errors import Branchy
 from tests.dist.test_fully_shard import (
     TOKENS,
-    TOL,
     VOCAB,
     _batch,
     _chunk,
@@ -44,9 +43,12 @@ from tests.dist.test_fully_shard import (
     _model,
     _shard,
     _step,
+    _norms_compared,
     _without_key_bias,
+    close_to_one_process,
 )
 from tests.harness import error_of, run_ranks
+from tests.oracle import oracle_bound
 
 
 class _Checkpointed(GPT):
@@ -88,7 +90,7 @@ def _features(rank, world_size):
         models = [_shard(m, fs, **kwargs(m)) for m, fs in zip(models, (fully_shard, torch_fully_shard))]
         models.append(copy.deepcopy(base))
         opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=5e-3) for m in models]
-        norm_diff, ignored_grads = 0.0, []
+        norm_diff, norm_magnitude, norms_seen, ignored_grads = 0.0, 0.0, [], []
         for step in range(3):
             batch = _batch(step, world_size)
             for i, model in enumerate(models):
@@ -97,19 +99,21 @@ def _features(rank, world_size):
             if kind != "ignored":  # phalanx's clip on phalanx's model, torch's on the others
                 norms = [clip_grad_norm_(models[0].parameters(), 0.05)]
                 norms += [nn.utils.clip_grad_norm_(m.parameters(), 0.05) for m in models[1:]]
-                norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
-                norm_diff = max(norm_diff, (norms[0] - norms[2]).abs().item(), (norms[0] - norms[1]).abs().item())
+                norms_seen.append([(n.full_tensor() if isinstance(n, DTensor) else n).item() for n in norms])
             else:  # torch's clip refuses DTensor and plain gradients together; phalanx's
                 # measures them (a limit above the norm: the models stay comparable)
                 ignored_grads.append(models[0].ln.weight.grad.clone())
                 by_hand = sum(_whole(p.grad).pow(2).sum() for p in models[0].parameters()).sqrt()
                 norm = clip_grad_norm_(models[0].parameters(), 1e9)
                 norm_diff = max(norm_diff, (norm - by_hand).abs().item())
+                norm_magnitude = max(norm_magnitude, by_hand.item())
             for opt in opts:
                 opt.step()
                 opt.zero_grad()
         ours, theirs, single = models
-        out[kind] = {
+        out[kind] = (_norms_compared(norms_seen) if norms_seen
+                     else {"norm_diff": norm_diff, "norm_magnitude": norm_magnitude})
+        out[kind] |= {
             "vs_torch": _max_diff(_without_key_bias(n, _whole(p), _whole(q))
                                   for (n, p), q in zip(ours.named_parameters(), theirs.parameters())),
             "vs_single": _max_diff(_without_key_bias(n, _whole(p), q.detach())
@@ -118,7 +122,7 @@ def _features(rank, world_size):
                                          for (n, p), q in zip(theirs.named_parameters(), single.parameters())),
             "torch_equal": all(torch.equal(_whole(p), _whole(q)) for p, q in
                                zip(ours.parameters(), theirs.parameters())),
-            "norm_diff": norm_diff,
+            "magnitude": max(_whole(p).abs().max().item() for p in single.parameters()),
             "names": [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()],
             "plain": sorted(n for n, p in ours.named_parameters() if not isinstance(p, DTensor)),
             "frozen": sorted(n for n, p in ours.named_parameters() if not p.requires_grad),
@@ -153,7 +157,9 @@ def _forward_method(rank, world_size):
     out = {"unregistered": error_of(model.last_logits, x) is not None}
     register_fsdp_forward_method(model, "last_logits")
     with torch.no_grad():
-        out["diff"] = (model.last_logits(x) - plain.last_logits(x)).abs().max().item()
+        logits = plain.last_logits(x)
+        out["diff"] = (model.last_logits(x) - logits).abs().max().item()
+        out["magnitude"] = logits.abs().max().item()
     out["resharded_after"] = all(isinstance(p, DTensor) for p in model.blocks.parameters())
     out["missing"] = error_of(register_fsdp_forward_method, model, "generate")
     return out
@@ -210,7 +216,8 @@ def _unused(rank, world_size):
             "vs_torch": [_max_diff((p.to_local(), q.to_local()) for p, q in zip(mine, params[2]))
                          for mine in params[:2]],
             "moved": _max_diff((p.to_local(), _chunk(q.detach(), world_size, rank))
-                               for p, q in zip(params[0], base.parameters()))}
+                               for p, q in zip(params[0], base.parameters())),
+            "magnitude": max(p.detach().abs().max().item() for p in base.parameters())}
 
 
 def _reset(module):
@@ -277,13 +284,20 @@ def test_tied_frozen_ignored_checkpointed(ranks, kind):
         res = out["features"][kind]
         assert res["names"], (kind, rank)
         assert res["torch_equal"] or world_size > 2, (kind, rank, res)  # every element
-        assert res["vs_torch"] <= TOL, (kind, rank, res)
-        assert res["norm_diff"] <= TOL, (kind, rank, res)
         if kind != "ignored":
-            # world 3, clipped: 6e-6 (tied), 1.3e-5 (frozen) after 3 steps, torch's FSDP the
-            # same to the last bit: Adam magnifies the rounding of a different order
-            bound = TOL if world_size == 2 else max(TOL, res["torch_vs_single"])
-            assert res["vs_single"] <= bound, (kind, world_size, rank, res)
+            # as close to one process as torch's fully_shard in this run (world 3, clipped:
+            # 6e-6 (tied), 1.3e-5 (frozen) after 3 steps, torch's the same to the last bit:
+            # Adam magnifies the rounding of a different order), the norms as torch's are
+            assert not close_to_one_process(res), (kind, rank, close_to_one_process(res), res)
+            assert not close_to_one_process(res, "norm_"), (kind, rank, close_to_one_process(res, "norm_"))
+        else:  # no one process to compare with (each rank keeps its own ln.weight gradient):
+            # torch's within the rounding noise torch's own shows on the other models of this run
+            noise = max(oracle_bound(out["features"][k]["torch_vs_single"], res["magnitude"])
+                        for k in FEATURES if k != "ignored")
+            assert res["vs_torch"] <= noise, (kind, rank, res, noise)
+            # the norm against one computed by hand from the same gradients: a sum of squares
+            # in another order, within a few units in the last place of the norm
+            assert res["norm_diff"] <= oracle_bound(0.0, res["norm_magnitude"]), (kind, rank, res)
     first = results[0]["features"]
     assert first["tied"]["tied"] and first["tied"]["plain"] == []
     assert first["frozen"]["frozen"] == ["blocks.1.fc1.weight", "ln.bias"]
@@ -297,7 +311,8 @@ def test_forward_method(ranks):
     for out in results:
         res = out["forward_method"]
         assert res["unregistered"] and res["resharded_after"], res
-        assert res["diff"] <= TOL, res
+        # the same forward on the same (gathered) values: a few units in the last place at most
+        assert res["diff"] <= oracle_bound(0.0, res["magnitude"]), res
         assert res["missing"][0] == "ValueError" and res["missing"][1].endswith(
             "does not have a method generate"), res
 
@@ -314,7 +329,9 @@ def test_parameters_unused_on_some_ranks(ranks):
     for out in results:
         res = out["unused"]
         assert res["moved"] > 1e-3, res
-        assert max(res["vs_torch"]) <= (0.0 if world_size == 2 else TOL), res
+        # world 3: another order of a sum of 3 gradients, SGD adding lr times it (smaller
+        # than the parameters): a few units in the last place of the parameters
+        assert max(res["vs_torch"]) <= (0.0 if world_size == 2 else oracle_bound(0.0, res["magnitude"])), res
         # step 0, no rank used the branch: None without the setting, zeros with it (torch's)
         assert res["branch_grads"][0] == [False, True, True], res
         assert all(g == [True, True, True] for g in res["branch_grads"][1:]), res

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import phalanx
 from tests.harness import error_of, run_ranks
+from tests.oracle import oracle_bound, triangle_bound
 
 COUNTS = (5, 8, 11)  # batches of rank 0, 1, 2
 
@@ -35,6 +36,25 @@ def _params(model) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _one_process(net, world, divide):
+    """SGD on one process: step t's gradient is the sum over the ranks with a batch t of
+    their losses' gradients, divided by ``world`` (``divide``) or by their number."""
+    single = copy.deepcopy(net)
+    opt = torch.optim.SGD(single.parameters(), lr=0.1, momentum=0.9)
+    batches = [_batches(r, COUNTS[r]) for r in range(world)]
+    for step in range(max(COUNTS[:world])):
+        opt.zero_grad()
+        active = [r for r in range(world) if step < COUNTS[r]]
+        loss = sum(F.mse_loss(single(batches[r][step][0]), batches[r][step][1]) for r in active)
+        (loss / (world if divide else len(active))).backward()
+        opt.step()
+    return _params(single)
+
+
+def _distance(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
 def _against_torch(rank, world_size):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -46,7 +66,11 @@ def _against_torch(rank, world_size):
             _train(theirs, torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9), data)
         with ours.join(divide_by_initial_world_size=divide):
             _train(ours, torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9), data)
-        out[divide] = max((a - b).abs().max().item() for a, b in zip(_params(ours), _params(theirs)))
+        single = _one_process(net, world_size, divide)
+        out[divide] = {"vs_torch": _distance(_params(ours), _params(theirs)),
+                       "vs_single": _distance(_params(ours), single),
+                       "torch_vs_single": _distance(_params(theirs), single),
+                       "magnitude": max(p.abs().max().item() for p in single)}
         out[f"moved {divide}"] = max((a - b).abs().max().item() for a, b in zip(_params(ours), net.parameters()))
     # after the join, the ranks are in step again: even training goes on
     _train(ours, torch.optim.SGD(ours.parameters(), lr=0.1), _batches(9, 2))
@@ -57,15 +81,19 @@ def _against_torch(rank, world_size):
 def test_uneven_batches_train_equal_to_torchs_join_in_both_divide_modes():
     results = run_ranks(_against_torch, 3)
     for out in results:
-        assert out[True] < 1e-6 and out[False] < 1e-6, out
+        for divide in (True, False):  # as close to one process as torch's join, in this run
+            res = out[divide]
+            assert res["vs_single"] <= oracle_bound(res["torch_vs_single"], res["magnitude"]), (divide, res)
+            assert res["vs_torch"] <= triangle_bound(res["vs_single"], res["torch_vs_single"],
+                                                     res["magnitude"]), (divide, res)
         assert out["moved True"] > 1e-2 and out["moved False"] > 1e-2  # it did train
     assert results[0]["after"] == results[2]["after"]
 
 
-def _reference_step(model, optimizer, step, world, divide):
+def _reference_step(model, optimizer, step, world, divide, dtype=torch.float32):
     """One process: the batches of the ranks still active at ``step``, concatenated."""
     active = [r for r in range(world) if COUNTS[r] > step]
-    parts = [_batches(r, COUNTS[r], 3)[step] for r in active]
+    parts = [[t.to(dtype) for t in _batches(r, COUNTS[r], 3)[step]] for r in active]
     x = torch.cat([p[0].view(4, 3, 1, 1).expand(4, 3, 2, 2) for p in parts])
     out = model(x).flatten(1)
     optimizer.zero_grad()
@@ -98,18 +126,27 @@ def _sync_bn_and_zero(rank, world_size):
                     opt.zero_grad()
                     F.mse_loss(ddp(x).flatten(1), y).backward()
                     opt.step()
-            ref_opt = make(reference.parameters())
-            for step in range(max(COUNTS[:world_size])):
-                _reference_step(reference, ref_opt, step, world_size, divide)
-            mine = list(net.state_dict().values())
-            theirs = list(reference.state_dict().values())
-            out[kind, divide] = max((a.double() - b.double()).abs().max().item() for a, b in zip(mine, theirs))
+            truth = copy.deepcopy(reference).double()  # the one process in float64
+            for model, dtype in ((reference, torch.float32), (truth, torch.float64)):
+                ref_opt = make(model.parameters())
+                for step in range(max(COUNTS[:world_size])):
+                    _reference_step(model, ref_opt, step, world_size, divide, dtype)
+            exact = [t.double() for t in truth.state_dict().values()]
+            out[kind, divide] = {
+                "ours": _distance([t.double() for t in net.state_dict().values()], exact),
+                "torch": _distance([t.double() for t in reference.state_dict().values()], exact),
+                "magnitude": max(t.abs().max().item() for t in truth.state_dict().values()
+                                 if t.is_floating_point())}  # (not the batch count)
     return out
 
 
 def test_sync_batchnorm_and_zero_under_join_equal_one_process_on_the_data_consumed():
+    """As close to the float64 truth as torch's float32 one process (tests.oracle); phalanx's
+    path rounds in more stages (each rank's statistics and gradients, their all-reduces):
+    twice the multiple, as in test_sync_batchnorm."""
     for out in run_ranks(_sync_bn_and_zero, 3, timeout=180):
-        assert all(diff < 1e-5 for diff in out.values()), out
+        for key, res in out.items():
+            assert res["ours"] <= oracle_bound(res["torch"], res["magnitude"], factor=4.0), (key, res)
 
 
 def _early(rank, world_size):

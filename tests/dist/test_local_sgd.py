@@ -1,7 +1,12 @@
 """Local SGD and DiLoCo (issue 12) against a naive reference written here: every parameter
 all-reduced on its own, the outer Nesterov step spelled out, and with ``overlap`` the meeting
 applied that many steps later over the local progress; on phalanx's DDP, torch's DDP and a
-plain module, with BatchNorm statistics averaged too; argument errors."""
+plain module, with BatchNorm statistics averaged too; argument errors.
+
+At world 2 phalanx equals the reference bit for bit (a sum of two rounds once, whatever the
+order). At world 3 the orders differ: phalanx must be as close to the reference averaging in
+float64 (each meeting rounded once) as the float32 reference is, measured in the same run
+(``tests.oracle``), not within a constant tuned on one CPU."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import phalanx
 from tests.harness import error_of, run_ranks
+from tests.oracle import oracle_bound
 
 EVERY, STEPS, LR, OUTER_LR, OUTER_MOMENTUM = 3, 8, 0.1, 0.7, 0.9
 
@@ -28,12 +34,20 @@ def _batch(rank, step):
 
 
 def _state(module):
-    return torch.cat([t.detach().flatten().double() for t in module.state_dict().values()])
+    """Every value of the state dict, floating ones first (then BatchNorm's batch count)."""
+    values = sorted(module.state_dict().values(), key=lambda t: not t.is_floating_point())
+    return torch.cat([t.detach().flatten().double() for t in values])
 
 
-def _reference(rank, world_size, kind, overlap=0, steps=STEPS):
+def _floats():
+    """How many of :func:`_state`'s values are floating (the rest count batches)."""
+    return sum(t.numel() for t in _net().state_dict().values() if t.is_floating_point())
+
+
+def _reference(rank, world_size, kind, overlap=0, steps=STEPS, exact=False):
     """The naive algorithm: local SGD steps; every EVERY steps each tensor averaged by itself,
-    applied ``overlap`` steps later plus what the tensor moved meanwhile."""
+    applied ``overlap`` steps later plus what the tensor moved meanwhile (``exact``: each
+    average summed in float64, then rounded to the tensor's dtype once)."""
     net = _net()
     with torch.no_grad():
         for t in list(net.parameters()) + list(net.buffers()):
@@ -80,8 +94,9 @@ def _reference(rank, world_size, kind, overlap=0, steps=STEPS):
                 then = t.detach().clone()
                 i = pseudo_gradient(t)
                 message = then.clone() if i is None else global_params[i] - then
+                message = message.double() if exact else message
                 dist.all_reduce(message)
-                sent.append((t, then, message / world_size))
+                sent.append((t, then, (message / world_size).to(t.dtype)))
             meeting = (step + overlap, sent)
             if not overlap:
                 land(sent)
@@ -108,24 +123,33 @@ def _ours(rank, world_size, kind, wrap, overlap=0, finish=False):
     return _state(net)
 
 
+def _compared(got, references):
+    """(distance from the float32 reference, from the float64-averaged one, the float32
+    reference's own distance from it, the largest value)."""
+    want, exact = references
+    return ((got - want).abs().max().item(), (got - exact).abs().max().item(),
+            (want - exact).abs().max().item(), exact[:_floats()].abs().max().item())
+
+
 def _against_reference(rank, world_size):
     out = {}
     for kind in ("local", "diloco"):
-        want = _reference(rank, world_size, kind)
+        want = [_reference(rank, world_size, kind, exact=exact) for exact in (False, True)]
         for wrap in ("phalanx", "torch", "plain"):
-            got = _ours(rank, world_size, kind, wrap)
-            out[(kind, wrap)] = (got - want).abs().max().item()
-        out[(kind, "moved")] = (want - _state(_net())).abs().max().item()
+            out[(kind, wrap)] = _compared(_ours(rank, world_size, kind, wrap), want)
+        out[(kind, "moved")] = (want[0] - _state(_net())).abs().max().item()
         # overlapped meetings: 2 steps behind (meetings at 3 and 6 land at 5 and 8), and a
         # whole period behind (3 lands at 6, where the next begins; 6 is under way at the end)
         for overlap in (2, EVERY):
-            late = _reference(rank, world_size, kind, overlap)
+            late = [_reference(rank, world_size, kind, overlap, exact=exact) for exact in (False, True)]
             for wrap in ("phalanx", "plain"):
-                out[(kind, wrap, overlap)] = (_ours(rank, world_size, kind, wrap, overlap) - late).abs().max().item()
+                out[(kind, wrap, overlap)] = _compared(_ours(rank, world_size, kind, wrap, overlap), late)
             if overlap == EVERY:  # the meeting of step 6 lands at the end (the reference: at step 9)
-                out[(kind, "finished", overlap)] = (_ours(rank, world_size, kind, "phalanx", overlap, finish=True)
-                                                    - _reference(rank, world_size, kind, overlap, steps=9)).abs().max().item()
-            out[(kind, "overlap changed", overlap)] = (late - want).abs().max().item()
+                finished = [_reference(rank, world_size, kind, overlap, steps=9, exact=exact)
+                            for exact in (False, True)]
+                out[(kind, "finished", overlap)] = _compared(
+                    _ours(rank, world_size, kind, "phalanx", overlap, finish=True), finished)
+            out[(kind, "overlap changed", overlap)] = (late[0] - want[0]).abs().max().item()
     ddp = phalanx.DistributedDataParallel(_net())
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     out["every"] = error_of(phalanx.LocalSGD, ddp, opt, every=0)
@@ -142,34 +166,40 @@ def against_reference(request):
     return request.param, run_ranks(_against_reference, request.param)
 
 
+def _close(compared, world_size):
+    """2 ranks: a + b whatever the packing, the reference's bits; 3: Gloo's ring order may
+    differ, so as close to the float64-averaged reference as the float32 one is."""
+    vs_reference, vs_exact, reference_vs_exact, size = compared
+    if world_size == 2:
+        return vs_reference == 0.0
+    return vs_exact <= oracle_bound(reference_vs_exact, size)
+
+
 @pytest.mark.parametrize("kind", ["local", "diloco"])
 def test_local_sgd_and_diloco_equal_the_naive_reference(against_reference, kind):
     world_size, results = against_reference
     for out in results:
         assert out[(kind, "moved")] > 0.05  # training did something
-        # 2 ranks: a + b whatever the packing, bit for bit; 3: Gloo's ring order may differ
-        tolerance = 0.0 if world_size == 2 else 1e-6
         for wrap in ("phalanx", "torch", "plain"):
-            assert out[(kind, wrap)] <= tolerance, (kind, wrap, out[(kind, wrap)])
+            assert _close(out[(kind, wrap)], world_size), (kind, wrap, out[(kind, wrap)])
 
 
 @pytest.mark.parametrize("kind", ["local", "diloco"])
 def test_overlapped_meetings_equal_the_naive_reference(against_reference, kind):
     world_size, results = against_reference
     for out in results:
-        tolerance = 0.0 if world_size == 2 else 1e-6
         for overlap in (2, EVERY):
             assert out[(kind, "overlap changed", overlap)] > 1e-4  # a different algorithm
             for wrap in ("phalanx", "plain"):
-                assert out[(kind, wrap, overlap)] <= tolerance, (kind, wrap, overlap, out[(kind, wrap, overlap)])
+                res = out[(kind, wrap, overlap)]
+                assert _close(res, world_size), (kind, wrap, overlap, res)
 
 
 @pytest.mark.parametrize("kind", ["local", "diloco"])
 def test_finish_meeting_lands_the_meeting_under_way(against_reference, kind):
     world_size, results = against_reference
     for out in results:
-        tolerance = 0.0 if world_size == 2 else 1e-6
-        assert out[(kind, "finished", EVERY)] <= tolerance
+        assert _close(out[(kind, "finished", EVERY)], world_size), out[(kind, "finished", EVERY)]
 
 
 def test_wrong_arguments_are_named(against_reference):

@@ -15,10 +15,10 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, StepLR
 import phalanx
 from phalanx.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 from tests.harness import run_ranks
+from tests.oracle import oracle_bound
 
 GLOBAL_BATCH = 12  # divisible by the world sizes 2 and 3: every rank gets an equal slice
 STEPS = 10
-TOL = 1e-6
 
 # name -> (optimizer class, hyper-parameters, lr scheduler factory)
 OPTIMIZERS = {
@@ -106,7 +106,7 @@ def _train_like_plain(rank, world_size, name):
         if grads != ({None} if set_to_none else {0.0}):
             raise AssertionError(f"zero_grad(set_to_none={set_to_none}) left grads {grads}")
     return {"diff": _max_diff(model, ref), "lrs": lrs, "losses": losses,
-            "params": _flat(model).tolist(), "owners": zero.param_owners}
+            "params": _flat(model).tolist(), "ref_params": _flat(ref).tolist(), "owners": zero.param_owners}
 
 
 def _memory(rank, world_size):
@@ -268,14 +268,20 @@ def _bucket_views(rank, world_size):
                                    lr=0.01)
     alone = _model()
     plain = torch.optim.Adam(alone.parameters(), lr=0.01)
+    # the oracle: torch's DDP and optimizer in the same ranks, as far from one process
+    theirs = torch.nn.parallel.DistributedDataParallel(_model())
+    torch_opt = torch.optim.Adam(theirs.parameters(), lr=0.01)
     for step in range(3):
-        _loss(ddp, step, rank, world_size).backward()
-        zero.step()
-        zero.zero_grad()
+        for model, opt in ((ddp, zero), (theirs, torch_opt)):
+            _loss(model, step, rank, world_size).backward()
+            opt.step()
+            opt.zero_grad()
         _loss(alone, step).backward()
         plain.step()
         plain.zero_grad()
     out["ddp_diff"] = _max_diff(ddp.module, alone)
+    out["torch_ddp_diff"] = _max_diff(theirs.module, alone)
+    out["magnitude"] = _flat(alone).abs().max().item()
     scaled = torch.nn.Parameter(torch.zeros(3))
     sgd = ZeroRedundancyOptimizer([scaled], _ScaledSGD, parameters_as_bucket_view=False,
                                   overlap_with_ddp=False, lr=1.0)
@@ -331,13 +337,17 @@ def test_equivalent_to_the_plain_optimizer_with_its_scheduler_and_closures(ranks
     expected = _flat(_plain_run(name, STEPS)[0])
     for out in results:
         mine = out[name]
-        assert mine["diff"] <= TOL, (name, mine["diff"])
-        assert (torch.tensor(mine["params"]) - expected).abs().max().item() <= TOL, name
+        assert mine["diff"] == 0.0, (name, mine["diff"])  # torch's optimizer, same gradients
+        # one process on the full batch: as close as the plain optimizer on the same averaged
+        # gradients is in this run (their rounding depends on the CPU: tests.oracle)
+        ref_distance = (torch.tensor(mine["ref_params"]) - expected).abs().max().item()
+        bound = oracle_bound(ref_distance, expected.abs().max().item())
+        assert (torch.tensor(mine["params"]) - expected).abs().max().item() <= bound, (name, ref_distance)
         assert mine["params"] == results[0][name]["params"]  # replicas identical
         assert mine["owners"] == results[0][name]["owners"]
         assert all(z == p for z, p in mine["lrs"]), name
         assert mine["lrs"][0][0] != mine["lrs"][-1][0], name  # the scheduler did act
-        assert all(abs(a - b) <= TOL for a, b in mine["losses"]), name
+        assert all(a == b for a, b in mine["losses"]), name  # the same model on the same values
     assert sorted(set(results[0][name]["owners"])) == list(range(world_size))
 
 
@@ -350,7 +360,7 @@ def test_each_rank_holds_the_state_of_its_own_parameters_only(ranks):
         assert m["stateful"] == [i for i, owner in enumerate(owners) if owner == rank]
         assert m["local"] == sum(b for b, owner in zip(per_param, owners) if owner == rank)
     assert sum(m["local"] for m in mem) == total
-    assert all(m["diff"] <= TOL and m["checksum"] == mem[0]["checksum"] for m in mem)
+    assert all(m["diff"] == 0.0 and m["checksum"] == mem[0]["checksum"] for m in mem)
     assert owners.count(owners[0]) == 1  # the big table's owner holds nothing else
 
 
@@ -358,8 +368,10 @@ def test_bucket_views_one_buffer_and_one_broadcast_per_owner(ranks):
     world_size, results = ranks
     for rank, out in enumerate(results):
         buckets = out["buckets"]
-        assert buckets["diff"] <= TOL and buckets["scaled"] == [-0.5] * 3
-        assert buckets["ddp_diff"] <= TOL
+        assert buckets["diff"] == 0.0 and buckets["scaled"] == [-0.5] * 3
+        # one process: as close as torch's DDP and optimizer are, in this run (tests.oracle)
+        bound = oracle_bound(buckets["torch_ddp_diff"], buckets["magnitude"])
+        assert buckets["ddp_diff"] <= bound, (buckets["ddp_diff"], buckets["torch_ddp_diff"])
         owners = set(buckets["owners"])
         assert buckets["storages"] == {o: 1 for o in owners}  # one buffer per owner
         assert buckets["broadcasts"] == 2 * len(owners)  # one broadcast per owner and step
@@ -371,7 +383,7 @@ def test_add_param_group_equals_the_plain_optimizers(ranks):
     _, results = ranks
     for out in results:
         add = out["add_group"]
-        assert add["diff"] <= TOL
+        assert add["diff"] == 0.0
         assert add["owners_after"][:3] == add["owners_before"]
         assert len(add["owners_after"]) == 6 and add["lr"] == [0.1, 0.02]
     assert sum(sum(out["add_group"]["local_groups"]) for out in results) == 6
@@ -381,7 +393,7 @@ def test_add_param_group_equals_the_plain_optimizers(ranks):
 def test_over_a_subgroup_owners_and_consolidation_are_in_its_ranks(ranks):
     _, results = ranks
     sub = [out["subgroup"] for out in results]
-    assert sub[0] is None and all(s["diff"] <= TOL for s in sub[1:])
+    assert sub[0] is None and all(s["diff"] == 0.0 for s in sub[1:])
     assert set(sub[1]["owners"]) == {0, 1} and sub[2]["state"] == list(range(6))
 
 
@@ -390,7 +402,7 @@ def test_a_rank_that_owns_nothing_still_steps_and_consolidates(ranks):
     _, results = ranks
     tiny = [out["tiny"] for out in results]
     assert [t["local"] for t in tiny] == [1, 1, 0] and tiny[2]["state"] == [0, 1]
-    assert all(t["diff"] <= TOL for t in tiny)
+    assert all(t["diff"] == 0.0 for t in tiny)
 
 
 def _expect(errors, key, fn, kind):
