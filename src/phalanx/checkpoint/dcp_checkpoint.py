@@ -14,7 +14,10 @@ and broadcasts the outcome: every rank returns, or every rank raises the same er
 the write and the commit above on a thread, over a Gloo group of their own (so that their
 collectives never interleave with training's). At most one is in flight: the next save,
 :meth:`~phalanx.checkpoint.Checkpointer.load`, ``wait()`` and ``close()`` wait for it and raise
-its error, if any (on every rank).
+its error, if any (on every rank). So does the end of the job: the save is registered with
+its process group (:mod:`phalanx.unfinished`), which ``phalanx.destroy_process_group``
+finishes first; at interpreter exit Python lets the writer thread end, and an error nobody
+waited for is logged.
 
 **Loading**. Every rank checks the manifest and every file's size, then checksums its share
 of the files (split by size, see :func:`~phalanx.checkpoint.dcp_layout.share`) before any
@@ -29,6 +32,7 @@ prefix, the whole of it) into the model, and its ``"optimizer"`` tensors, if giv
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,6 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
+from .. import unfinished
 from .._logging import get_logger
 from ..agreement import agree
 from ..errors import CheckpointError, RankMismatchError
@@ -86,6 +91,7 @@ class ShardedIO:
         self.owner = owner
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
+        self._owed_by: Any = None  # the group whose destruction waits for the save in flight
         self._background_group: Any = None
         self._warned_foreign = False
 
@@ -117,6 +123,10 @@ class ShardedIO:
         group = self._group()
         self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="phalanx-checkpoint")
         self._pending = self._pool.submit(self._write, staged, *job, group)
+        self._owed_by = (o.group or dist.group.WORLD) if dist.is_initialized() else None
+        if self._owed_by is not None:
+            unfinished.owe(self._owed_by, self.wait)  # destroy_process_group finishes it first
+        atexit.register(self._wait_at_exit)
         return final
 
     def _group(self) -> Any:
@@ -213,7 +223,20 @@ class ShardedIO:
         """The path of the background save in flight once it is committed (``None`` if none);
         raises its error (on every rank)."""
         pending, self._pending = self._pending, None
-        return None if pending is None else pending.result()
+        if pending is None:
+            return None
+        atexit.unregister(self._wait_at_exit)
+        if self._owed_by is not None:
+            unfinished.settle(self._owed_by, self.wait)
+        return pending.result()
+
+    def _wait_at_exit(self) -> None:
+        """At interpreter exit (after Python has let the writer thread finish): the
+        outcome of a background save nobody waited for, logged if it failed."""
+        try:
+            self.wait()
+        except Exception as e:
+            _log.error("%s", e)
 
     def close(self) -> None:
         try:
