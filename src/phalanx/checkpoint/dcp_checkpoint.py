@@ -119,8 +119,8 @@ class ShardedIO:
         job = (o.directory / name, final, temp, state)
         if blocking:
             return self._write(tensors, *job, o.group)
+        group = self._group()  # (a collective: before the staging, which may fail on one rank)
         staged = stage(tensors)  # this rank's shards and replicated tensors: one copy in host memory
-        group = self._group()
         self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="phalanx-checkpoint")
         self._pending = self._pool.submit(self._write, staged, *job, group)
         self._owed_by = (o.group or dist.group.WORLD) if dist.is_initialized() else None
