@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import env as _env
+from . import unfinished
 from ._logging import get_logger
 from . import diagnostics as _diagnostics
 from .diagnostics.attach import attach, detach, look_back
@@ -318,6 +319,10 @@ _GLOO_SETTLE_S = 0.05
 def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
     """Leave the job (or destroy ``group``). A no-op when nothing is initialised.
 
+    A checkpoint still being written in the background (``Checkpointer.save(blocking=False)``)
+    is finished first, every rank agreeing whether it was committed; if it was not, its
+    :class:`~phalanx.errors.CheckpointError` is raised once the group is gone.
+
     Collectives still under way raise :class:`~phalanx.errors.UsageError` (their results would
     never land), unless this is called while an exception is on its way out of the caller (a
     ``finally`` of a failing script): that exception is the story, and the collectives it cut
@@ -325,7 +330,12 @@ def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
     if not dist.is_initialized():
         return
     failing = sys.exc_info()[1]  # (a finally during an exception sees it here)
+    owed = None
     try:
+        owed = unfinished.finish(group)  # a checkpoint still being written: committed first
+        if owed is not None and failing is not None:
+            _log.warning("%s (not raised: the %s on its way out came first)", owed, type(failing).__name__)
+            owed = None
         if group is None:
             look_back()  # a straggler in the steps since the last report, named by rank 0
             try:
@@ -337,6 +347,8 @@ def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
     finally:
         time.sleep(_GLOO_SETTLE_S)  # releases the GIL: see _GLOO_SETTLE_S
         dist.destroy_process_group(group)
+    if owed is not None:
+        raise owed
 
 
 def is_initialized() -> bool:

@@ -63,7 +63,7 @@ from ..diagnostics import ledger
 from ..errors import CheckpointError, RankMismatchError
 from ..uneven import Joinable
 from .dcp_checkpoint import ShardedIO
-from .dcp_layout import list_all, prune_all, step_of
+from .dcp_layout import DamagedCheckpoint, list_all, prune_all, step_of
 from .file import checkpoint_name, clean_stale_temps, read_checkpoint, write_checkpoint
 from .sharded import ShardedState, mesh_of, optimizer_state, restore, rows_for
 from .state import (
@@ -409,11 +409,17 @@ class Checkpointer(Joinable):
         skipped = []
         for path in candidates:
             state, problem = attempt(self._read, path)
+            loading = False
             try:
                 agree(f"Reading {path}", self.group, problem=problem)
+                if path.is_dir():  # DCP reads the tensors, each item checked as it is read
+                    loading = True
+                    _, problem = attempt(self._sharded.apply, state, path)
+                    agree(f"Loading {path}", self.group, problem=problem)
                 return state, path
             except CheckpointError as e:
-                if not auto:
+                # (while loading, only damage is a reason to try an older checkpoint)
+                if not auto or (loading and not isinstance(e, DamagedCheckpoint)):
                     raise
                 _log0.warning("skipping checkpoint: %s; kept aside as %s", e,
                               self._set_aside(path).name)
@@ -456,9 +462,7 @@ class Checkpointer(Joinable):
         return state
 
     def _apply(self, state: dict, path: Path) -> None:
-        if path.is_dir():  # a sharded checkpoint: DCP loads the model and the optimizer
-            self._sharded.apply(state, path)
-        else:
+        if not path.is_dir():  # (a sharded checkpoint's tensors are loaded already)
             check_fits(self.module, state["model"], path)
             self.module.load_state_dict(state["model"])
         for name in _OPTIONAL:

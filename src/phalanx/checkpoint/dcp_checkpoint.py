@@ -14,21 +14,27 @@ and broadcasts the outcome: every rank returns, or every rank raises the same er
 the write and the commit above on a thread, over a Gloo group of their own (so that their
 collectives never interleave with training's). At most one is in flight: the next save,
 :meth:`~phalanx.checkpoint.Checkpointer.load`, ``wait()`` and ``close()`` wait for it and raise
-its error, if any (on every rank).
+its error, if any (on every rank). So does the end of the job: the save is registered with
+its process group (:mod:`phalanx.unfinished`), which ``phalanx.destroy_process_group``
+finishes first; at interpreter exit Python lets the writer thread end, and an error nobody
+waited for is logged.
 
-**Loading**. Every rank checks the manifest and every file's size, then checksums its share
-of the files (split by size, see :func:`~phalanx.checkpoint.dcp_layout.share`) before any
-byte is decoded; the verdicts are agreed (a damaged file is named; ``resume="auto"`` sets the
-checkpoint aside as ``.damaged`` and tries the previous one). Then ``dcp.load`` reads into the
-model's and optimizer's own state dicts, so each rank reads only what its layout needs:
-its rows of each tensor (``fully_shard``) or every tensor whole (DDP, one process), at any
-world size. A directory without a manifest (written by torch's ``dcp.save``) is loaded
+**Loading**. Every rank checks the manifest and every file's size and reads the state file
+(checked by its own CRC-32); the verdicts are agreed. Then ``dcp.load`` reads into the
+model's and optimizer's own state dicts, so each rank reads only what its layout needs: its
+rows of each tensor (``fully_shard``) or every tensor whole (DDP, one process), at any world
+size. :class:`~phalanx.checkpoint.dcp_engine.SafeReader` checks each stored item's bytes
+against the manifest's CRC-32 as it reads them, before they are decoded, so no byte is read
+twice; DCP gathers every rank's failures, so every rank raises the same
+:class:`~phalanx.checkpoint.dcp_layout.DamagedCheckpoint` naming the file, and
+``resume="auto"`` sets the checkpoint aside as ``.damaged`` and tries the previous one. A directory without a manifest (written by torch's ``dcp.save``) is loaded
 without checksums, after a warning: its ``"model"`` (or, if its keys have no ``model.``
 prefix, the whole of it) into the model, and its ``"optimizer"`` tensors, if given.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,14 +44,17 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from .. import unfinished
 from .._logging import get_logger
 from ..agreement import agree
 from ..errors import CheckpointError, RankMismatchError
 from .dcp_engine import BalancedSavePlanner, ChecksummingWriter, SafeReader, merge, split, stage
 from .dcp_layout import (
     MANIFEST,
+    DamagedCheckpoint,
     STATE_FILE,
     TempDir,
     checksum,
@@ -86,8 +95,10 @@ class ShardedIO:
         self.owner = owner
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
+        self._owed_by: Any = None  # the group whose destruction waits for the save in flight
         self._background_group: Any = None
         self._warned_foreign = False
+        self._manifest: dict | None = None  # of the checkpoint read last
 
     # ---- saving ----------------------------------------------------------------------------
     def save(self, epoch: int, step: int, consumed: int | None, extra: Mapping | None,
@@ -113,10 +124,14 @@ class ShardedIO:
         job = (o.directory / name, final, temp, state)
         if blocking:
             return self._write(tensors, *job, o.group)
+        group = self._group()  # (a collective: before the staging, which may fail on one rank)
         staged = stage(tensors)  # this rank's shards and replicated tensors: one copy in host memory
-        group = self._group()
         self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="phalanx-checkpoint")
         self._pending = self._pool.submit(self._write, staged, *job, group)
+        self._owed_by = (o.group or dist.group.WORLD) if dist.is_initialized() else None
+        if self._owed_by is not None:
+            unfinished.owe(self._owed_by, self.wait)  # destroy_process_group finishes it first
+        atexit.register(self._wait_at_exit)
         return final
 
     def _group(self) -> Any:
@@ -169,7 +184,7 @@ class ShardedIO:
         try:
             dcp.save(tensors, storage_writer=writer, planner=BalancedSavePlanner(),
                      process_group=group, no_dist=not dist.is_initialized())
-            sums = {name: checksum(temp_path / name) for name in writer.written}
+            sums = {name: checksum(temp_path / name, items) for name, items in writer.written.items()}
         except Exception as e:
             error = f"rank {rank}: {type(e).__name__}: {e}"
         reports = gather_to_writer((sums, error), group)
@@ -213,7 +228,20 @@ class ShardedIO:
         """The path of the background save in flight once it is committed (``None`` if none);
         raises its error (on every rank)."""
         pending, self._pending = self._pending, None
-        return None if pending is None else pending.result()
+        if pending is None:
+            return None
+        atexit.unregister(self._wait_at_exit)
+        if self._owed_by is not None:
+            unfinished.settle(self._owed_by, self.wait)
+        return pending.result()
+
+    def _wait_at_exit(self) -> None:
+        """At interpreter exit (after Python has let the writer thread finish): the
+        outcome of a background save nobody waited for, logged if it failed."""
+        try:
+            self.wait()
+        except Exception as e:
+            _log.error("%s", e)
 
     def close(self) -> None:
         try:
@@ -238,8 +266,13 @@ class ShardedIO:
             if found != expected["bytes"]:
                 raise CheckpointError(f"Checkpoint {path} is damaged: its file {name} has {found} "
                                       f"bytes, the manifest says {expected['bytes']}")
-        sizes = {n: f["bytes"] for n, f in manifest["files"].items()}
-        verify(path, manifest, share(sizes, world)[rank])
+        # Each byte is checked once, as it is read, before it is decoded: the tensor files'
+        # items as DCP reads them and .metadata (SafeReader), the state file by its own
+        # CRC-32 (read_checkpoint); anything else whole, the ranks sharing the reading.
+        whole = {n: f["bytes"] for n, f in manifest["files"].items()
+                 if "items" not in f and n not in (".metadata", STATE_FILE)}
+        verify(path, manifest, share(whole, world)[rank])
+        self._manifest = manifest
         state = read_checkpoint(path / STATE_FILE, map_location=self.owner.map_location)
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise CheckpointError(f"Checkpoint {path}: {STATE_FILE} holds no state of version {STATE_VERSION}")
@@ -267,7 +300,7 @@ class ShardedIO:
         if o.optimizer is not None:
             target["optimizer"] = get_optimizer_state_dict(o.module, o.optimizer)
         tensors, rest = split(target)
-        reader = SafeReader(path)
+        reader = SafeReader(path, None if state.get("foreign") else self._manifest)
         bare = False
         if state.get("foreign"):
             keys = reader.read_metadata().state_dict_metadata
@@ -276,8 +309,14 @@ class ShardedIO:
                 raise CheckpointError(f"Checkpoint {path} holds no optimizer state, but an optimizer was given")
         else:
             rest = state["skeleton"]
-        dcp.load(tensors["model"] if bare else tensors, storage_reader=reader, process_group=o.group,
-                 no_dist=not dist.is_initialized())
+        try:
+            dcp.load(tensors["model"] if bare else tensors, storage_reader=reader,
+                     process_group=o.group, no_dist=not dist.is_initialized())
+        except CheckpointException as e:  # every rank sees every rank's failures
+            damage = [str(f) for _, (f, _) in sorted(e.failures.items()) if isinstance(f, DamagedCheckpoint)]
+            if damage:
+                raise DamagedCheckpoint(damage[0]) from None
+            raise
         loaded = merge(tensors, rest)
         o.module.load_state_dict(loaded["model"])
         if o.optimizer is not None:

@@ -5,9 +5,11 @@
   the ranks' bytes come out even: the shards each rank must write are counted first, then the
   replicated tensors go, largest first, to the least loaded rank holding them.
 * :class:`ChecksummingWriter`: DCP's ``FileSystemWriter`` (fsyncs its files) that remembers
-  which files this rank wrote, so that each rank checksums its own.
+  which files this rank wrote and where each item lies in them, so that each rank checksums
+  its own files and their items.
 * :class:`SafeReader`: DCP's ``FileSystemReader`` whose ``.metadata`` is unpickled with an
-  allow-list of DCP's metadata classes (torch's reader runs ``pickle.load`` on it).
+  allow-list of DCP's metadata classes (torch's reader runs ``pickle.load`` on it), and which
+  checks each item's bytes against the manifest's CRC-32 as it reads them, before decoding.
 * :func:`split` / :func:`merge`: only tensors go to DCP; every other leaf of a state dict goes
   to phalanx's state file (loaded ``weights_only``). phalanx never asks DCP for a non-tensor
   item, which torch's planner would unpickle with ``weights_only=False``.
@@ -21,7 +23,7 @@ import io
 import pickle
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -29,6 +31,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
+
+from .dcp_layout import check_item
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 # What a DCP ``.metadata`` pickle is made of (torch 2.13: found by unpickling torch's own).
@@ -80,12 +84,14 @@ class ChecksummingWriter(FileSystemWriter):
 
     def __init__(self, path: Path) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, overwrite=False)
-        self.written: list[str] = []
+        self.written: dict[str, list[tuple[int, int]]] = {}
 
     def write_data(self, plan: SavePlan, planner: Any) -> Any:
         future = super().write_data(plan, planner)
-        results = future.wait()
-        self.written = sorted({r.storage_data.relative_path for r in results})
+        self.written = {}
+        for result in future.wait():
+            info = result.storage_data  # DCP's _StorageInfo: where the item's bytes are
+            self.written.setdefault(info.relative_path, []).append((info.offset, info.length))
         return future
 
 
@@ -102,11 +108,34 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeReader(FileSystemReader):
-    """DCP's ``FileSystemReader``, its ``.metadata`` unpickled with an allow-list."""
+    """DCP's ``FileSystemReader``, its ``.metadata`` unpickled with an allow-list; with a
+    ``manifest``, every byte checked against its CRC-32 before it is decoded: ``.metadata``
+    whole, each stored item (a tensor's chunk) as DCP reads it, so no byte is read twice."""
+
+    def __init__(self, path: Path, manifest: dict | None = None) -> None:
+        super().__init__(path)
+        self.manifest = manifest
+        self._crcs = {} if manifest is None else {
+            (name, offset): crc for name, entry in manifest["files"].items()
+            for offset, _, crc in entry.get("items", ())}
+
+    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
+        # torch's FileSystemReader.read_data reads each item through this view (torch 2.13)
+        if self.manifest is None:
+            return super()._slice_file(file, sinfo)
+        file.seek(sinfo.offset)
+        data = file.read(sinfo.length)
+        check_item(Path(self.path), sinfo.relative_path, sinfo.offset, data,
+                   self._crcs.get((sinfo.relative_path, sinfo.offset)))
+        return io.BytesIO(data)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with open(Path(self.path) / ".metadata", "rb") as f:
-            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+            data = f.read()
+        if self.manifest is not None:
+            expected = self.manifest["files"].get(".metadata", {}).get("crc32")
+            check_item(Path(self.path), ".metadata", 0, data, expected)
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not DCP's Metadata")
         # the rest as torch's reader does

@@ -142,16 +142,44 @@ def clean_stale_dirs(directory: str | os.PathLike) -> list[Path]:
     return removed
 
 
-def checksum(path: Path) -> dict[str, Any]:
-    """``{"bytes": size, "crc32": "0x..."}`` of the file at ``path``, read in chunks."""
+def checksum(path: Path, items: list[tuple[int, int]] = ()) -> dict[str, Any]:
+    """``{"bytes": size, "crc32": "0x..."}`` of the file at ``path``, read once in chunks;
+    with ``items`` (``(offset, length)`` ranges of it), also ``"items"``: ``[offset, length,
+    "0x..."]`` for each, their CRC-32s computed in the same pass."""
     crc, size = 0, 0
+    ranges = sorted(items)
+    crcs = [0] * len(ranges)
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
     with open(path, "rb") as f:
         while n := f.readinto(buffer):
             crc = zlib.crc32(view[:n], crc)
+            for i, (offset, length) in enumerate(ranges):  # (a few items per file)
+                lo, hi = max(offset, size), min(offset + length, size + n)
+                if lo < hi:
+                    crcs[i] = zlib.crc32(view[lo - size:hi - size], crcs[i])
             size += n
-    return {"bytes": size, "crc32": f"{crc:#010x}"}
+    found: dict[str, Any] = {"bytes": size, "crc32": f"{crc:#010x}"}
+    if ranges:
+        found["items"] = [[o, n, f"{c:#010x}"] for (o, n), c in zip(ranges, crcs)]
+    return found
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint's bytes differ from what its manifest says: ``resume="auto"`` sets it aside."""
+
+
+def check_item(directory: Path, name: str, offset: int, data: bytes, expected: str | None) -> None:
+    """Raise :class:`DamagedCheckpoint` unless ``data``, read at ``offset`` of the file
+    ``name``, has the CRC-32 ``expected`` (``None``: the manifest lists no such item)."""
+    if expected is None:
+        raise DamagedCheckpoint(f"Checkpoint {directory} is damaged: its file {name} has no item at "
+                                f"offset {offset} in {MANIFEST} (.metadata and the manifest disagree)")
+    found = f"{zlib.crc32(data):#010x}"
+    if found != expected:
+        raise DamagedCheckpoint(f"Checkpoint {directory} is damaged: its file {name} fails its "
+                                f"checksum at offset {offset} ({len(data)} bytes: CRC-32 stored "
+                                f"{expected}, computed {found})")
 
 
 def fsync_files(paths: list[Path]) -> None:
@@ -203,12 +231,12 @@ def verify(directory: Path, manifest: dict, names: list[str]) -> None:
         try:
             found = checksum(path)
         except FileNotFoundError:
-            raise CheckpointError(f"Checkpoint {directory} is damaged: its file {name} is missing") from None
+            raise DamagedCheckpoint(f"Checkpoint {directory} is damaged: its file {name} is missing") from None
         if found["bytes"] != expected["bytes"]:
-            raise CheckpointError(f"Checkpoint {directory} is damaged: its file {name} has "
+            raise DamagedCheckpoint(f"Checkpoint {directory} is damaged: its file {name} has "
                                   f"{found['bytes']} bytes, the manifest says {expected['bytes']}")
         if found["crc32"] != expected["crc32"]:
-            raise CheckpointError(f"Checkpoint {directory} is damaged: its file {name} fails its "
+            raise DamagedCheckpoint(f"Checkpoint {directory} is damaged: its file {name} fails its "
                                   f"checksum (CRC-32 stored {expected['crc32']}, computed {found['crc32']})")
 
 

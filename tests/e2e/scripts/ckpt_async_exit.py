@@ -1,0 +1,38 @@
+"""Save a sharded checkpoint in the background and end at once (tests/e2e/test_checkpoint_async_exit.py).
+
+    python ckpt_async_exit.py DIR destroy|exit|alone
+
+``destroy``: join the job, save, ``phalanx.destroy_process_group()`` at once; ``exit``: join,
+save, end without destroying the group; ``alone``: no process group at all, save, end. Every
+rank's writer sleeps 2 s first, so the save is surely still in flight when the script ends.
+"""
+
+import sys
+import time
+
+import torch
+
+import phalanx
+from phalanx.checkpoint import dcp_engine
+
+write_data = dcp_engine.ChecksummingWriter.write_data
+
+
+def slow_write_data(self, *args, **kwargs):  # a slow disk: the script ends long before the save
+    time.sleep(2.0)
+    return write_data(self, *args, **kwargs)
+
+
+dcp_engine.ChecksummingWriter.write_data = slow_write_data
+
+directory, mode = sys.argv[1], sys.argv[2]
+if mode != "alone":
+    phalanx.init_process_group(backend="gloo")
+model = torch.nn.Linear(256, 256)
+with torch.no_grad():
+    for p in model.parameters():
+        p.fill_(float(phalanx.get_world_size()) + 0.5)
+ckpt = phalanx.Checkpointer(directory, model, format="sharded")
+ckpt.save(0, 7, extra={"mode": mode}, blocking=False)
+if mode == "destroy":
+    phalanx.destroy_process_group()
