@@ -60,10 +60,10 @@ from .. import comm, process_group
 from .._logging import get_logger
 from ..agreement import agree
 from ..diagnostics import ledger
-from ..errors import CheckpointError, RankMismatchError
+from ..errors import CheckpointError
 from ..uneven import Joinable
 from .dcp_checkpoint import ShardedIO
-from .dcp_layout import DamagedCheckpoint, list_all, prune_all, step_of
+from .dcp_layout import DamagedCheckpoint, check_save_step, list_all, prune_all
 from .file import checkpoint_name, clean_stale_temps, read_checkpoint, write_checkpoint
 from .sharded import ShardedState, mesh_of, optimizer_state, restore, rows_for
 from .state import (
@@ -325,24 +325,7 @@ class Checkpointer(Joinable):
 
     def _write(self, path: Path, gathered: list, consumed: int | None, extra: dict,
                sharded: ShardedState, frames: Iterator[torch.Tensor] | None) -> None:
-        epoch, step = gathered[0][:2]
-        differ = [r for r, (e, s, *_) in enumerate(gathered) if (e, s) != (epoch, step)]
-        if differ:
-            e, s = gathered[differ[0]][:2]
-            raise RankMismatchError(
-                f"save(epoch, step) differs across ranks: ranks {', '.join(map(str, differ))} "
-                f"disagree with rank 0, which has epoch={epoch}, step={step}; rank {differ[0]} "
-                f"has epoch={e}, step={s}"
-            )
-        existing = list_all(self.directory)
-        if existing and step_of(existing[-1]) > step:
-            # keep-last-K and resume="auto" go by step: this file would be pruned at once,
-            # and a resume would pick up the other run's newer checkpoint.
-            raise CheckpointError(
-                f"Cannot save step {step} in {self.directory}: it already holds "
-                f"{existing[-1].name}, a later step (another run?). Use a new directory or "
-                "remove the old checkpoints"
-            )
+        epoch, step = check_save_step(gathered, self.directory)
         model, optim, places = sharded.skeleton()
         state = {"version": STATE_VERSION, "epoch": epoch, "step": step,
                  "world_size": len(gathered), "model": model,

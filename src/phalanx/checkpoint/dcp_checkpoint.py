@@ -50,23 +50,22 @@ from torch.distributed.tensor import DTensor
 from .. import unfinished
 from .._logging import get_logger
 from ..agreement import agree
-from ..errors import CheckpointError, RankMismatchError
+from ..errors import CheckpointError
 from .dcp_engine import BalancedSavePlanner, ChecksummingWriter, SafeReader, merge, split, stage
 from .dcp_layout import (
     MANIFEST,
     DamagedCheckpoint,
     STATE_FILE,
     TempDir,
+    check_save_step,
     checksum,
     clean_stale_dirs,
     commit,
     fsync_files,
-    list_all,
     prune_all,
     read_manifest,
     share,
     sharded_name,
-    step_of,
     verify,
     write_manifest,
 )
@@ -145,19 +144,7 @@ class ShardedIO:
                tensors: dict) -> dict:
         """Rank 0: the non-tensor state, checked; the directory checked and tidied."""
         o = self.owner
-        epoch, step = gathered[0][:2]
-        differ = [r for r, (e, s, *_) in enumerate(gathered) if (e, s) != (epoch, step)]
-        if differ:
-            e, s = gathered[differ[0]][:2]
-            raise RankMismatchError(
-                f"save(epoch, step) differs across ranks: ranks {', '.join(map(str, differ))} "
-                f"disagree with rank 0, which has epoch={epoch}, step={step}; rank {differ[0]} "
-                f"has epoch={e}, step={s}")
-        existing = list_all(o.directory)
-        if existing and step_of(existing[-1]) > step:
-            raise CheckpointError(
-                f"Cannot save step {step} in {o.directory}: it already holds {existing[-1].name}, "
-                "a later step (another run?). Use a new directory or remove the old checkpoints")
+        epoch, step = check_save_step(gathered, o.directory)
         sharded = any(isinstance(t, DTensor) for t in _leaves(tensors))
         state = {"version": STATE_VERSION, "epoch": epoch, "step": step, "world_size": len(gathered),
                  "layout": "sharded" if sharded else "replicated", "skeleton": rest,

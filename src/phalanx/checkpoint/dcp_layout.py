@@ -33,8 +33,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
-from .file import fsync_path, list_checkpoints
+from ..errors import CheckpointError, RankMismatchError
+from .file import fsync_path, list_checkpoints, remove_unlocked
 
 MANIFEST = "phalanx-manifest.json"
 STATE_FILE = "phalanx-state.ckpt"
@@ -114,32 +114,31 @@ class TempDir:
             self._fd = None
 
 
+def check_save_step(gathered: list, directory: Path) -> tuple[int, int]:
+    """Rank 0 of a save: the ``(epoch, step)`` every rank passed (``gathered``: each rank's
+    ``(epoch, step, ...)``), checked to agree and to come after the newest checkpoint in
+    ``directory`` (keep-last-K and ``resume="auto"`` go by step: an earlier step would be pruned
+    at once, and a resume would pick up the other run's newer checkpoint)."""
+    epoch, step = gathered[0][:2]
+    differ = [r for r, (e, s, *_) in enumerate(gathered) if (e, s) != (epoch, step)]
+    if differ:
+        e, s = gathered[differ[0]][:2]
+        raise RankMismatchError(
+            f"save(epoch, step) differs across ranks: ranks {', '.join(map(str, differ))} "
+            f"disagree with rank 0, which has epoch={epoch}, step={step}; rank {differ[0]} "
+            f"has epoch={e}, step={s}")
+    existing = list_all(directory)
+    if existing and step_of(existing[-1]) > step:
+        raise CheckpointError(
+            f"Cannot save step {step} in {directory}: it already holds {existing[-1].name}, "
+            "a later step (another run?). Use a new directory or remove the old checkpoints")
+    return epoch, step
+
+
 def clean_stale_dirs(directory: str | os.PathLike) -> list[Path]:
     """Remove temporary checkpoint directories whose writer died (their lock can be taken)."""
-    directory = Path(directory)
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        path = directory / name
-        if not _DIR_TEMP.match(name) or not path.is_dir():
-            continue
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # its writer is alive
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-        finally:
-            os.close(fd)
-    return removed
+    return remove_unlocked(directory, lambda path: bool(_DIR_TEMP.match(path.name)) and path.is_dir(),
+                           lambda path: shutil.rmtree(path, ignore_errors=True))
 
 
 def checksum(path: Path, items: list[tuple[int, int]] = ()) -> dict[str, Any]:

@@ -229,10 +229,17 @@ def _remove(path: Path) -> None:
 
 
 def clean_stale_temps(directory: str | os.PathLike) -> list[Path]:
-    """Remove temporary files left by writers that died; return what was removed.
+    """Remove temporary files left by writers that died; return what was removed."""
+    return remove_unlocked(directory, lambda path: bool(_TEMP.match(path.name)), _remove)
 
-    A temporary whose ``flock`` can be taken has no living writer (the kernel drops a
-    process's locks when it dies), so a concurrent save in progress is never touched.
+
+def remove_unlocked(directory: str | os.PathLike, match: Callable[[Path], bool],
+                    remove: Callable[[Path], None]) -> list[Path]:
+    """``remove`` each entry of ``directory`` that ``match`` accepts and whose writer died;
+    return what was removed.
+
+    An entry whose ``flock`` can be taken has no living writer (the kernel drops a process's
+    locks when it dies), so a concurrent save in progress is never touched.
     """
     directory = Path(directory)
     removed = []
@@ -241,9 +248,9 @@ def clean_stale_temps(directory: str | os.PathLike) -> list[Path]:
     except FileNotFoundError:
         return removed
     for name in names:
-        if not _TEMP.match(name):
-            continue
         path = directory / name
+        if not match(path):
+            continue
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -253,7 +260,7 @@ def clean_stale_temps(directory: str | os.PathLike) -> list[Path]:
         except BlockingIOError:
             continue  # its writer is alive
         else:
-            _remove(path)
+            remove(path)
             removed.append(path)
         finally:
             os.close(fd)
