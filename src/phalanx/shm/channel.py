@@ -67,10 +67,10 @@ class Channel:
         self.timeout_s = timeout_s
         self._describe = describe
         self._mm = segment.mm
-        self._bytes = memoryview(segment.mm)
+        self._bytes = memoryview(segment.mm.buffer).cast("B")
         self._words = self._bytes[_CONTROL_OFFSET:].cast("q")
         data, total = layout(size, capacity)
-        self._data = torch.frombuffer(segment.mm, dtype=torch.uint8, offset=data,
+        self._data = torch.frombuffer(segment.mm.buffer, dtype=torch.uint8, offset=data,
                                       count=total - data)
         self.seq = 0
         self._pidfds: dict[int, int] = {}
@@ -155,7 +155,5 @@ class Channel:
         self._data = torch.empty(0, dtype=torch.uint8)
         self._words.release()
         self._bytes.release()
-        try:
-            self._mm.close()
-        except BufferError:  # a tensor view of a slot still alive: the mapping goes with it
-            pass
+        # Unmapping while a view of a slot may live on (a result's future, a traceback) would
+        # leave it pointing at nothing: the mapping goes with the process instead.

@@ -12,6 +12,7 @@ long as some member maps it, and nothing is left behind however the job ends.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
@@ -59,11 +60,38 @@ def _usable(ids: list[dict[str, object]]) -> bool:
             and first["machine"] in ("x86_64", "AMD64") and first["pid_ns"] != -1)
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long)
+_LIBC.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class Mapping:
+    """A shared mapping of a file that keeps no descriptor open (Python's ``mmap`` keeps a
+    duplicate, through which another process of the user could reopen the segment from
+    ``/proc/<pid>/fd``); ``buffer`` exposes its bytes."""
+
+    def __init__(self, fd: int, nbytes: int) -> None:
+        address = _LIBC.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if address in (None, _MAP_FAILED):
+            raise OSError(ctypes.get_errno(), "mmap of the shared segment failed")
+        self.address, self.nbytes = address, nbytes
+        self.buffer = (ctypes.c_ubyte * nbytes).from_address(address)
+
+    def close(self) -> None:
+        """Unmap (only once no tensor or view of :attr:`buffer` is left)."""
+        if self.address:
+            _LIBC.munmap(self.address, self.nbytes)
+            self.address = 0
+
+
 @dataclass
 class Segment:
     """A mapped segment and the pids of the group's members (``pids[r]`` is rank r's)."""
 
-    mm: mmap.mmap
+    mm: Mapping
     pids: list[int]
 
 
@@ -109,7 +137,7 @@ def open_segment(store: dist.Store, rank: int, size: int, nbytes: int,
     return Segment(mm, [int(p) for p in pids])  # type: ignore[arg-type]
 
 
-def _attach(rank: int, where: dict, nbytes: int) -> mmap.mmap | None:
+def _attach(rank: int, where: dict, nbytes: int) -> Mapping | None:
     """Map the segment rank 0 created, if this process can open it and its token matches."""
     path = f"/proc/{where['pid']}/fd/{where['fd']}"
     try:
@@ -119,10 +147,10 @@ def _attach(rank: int, where: dict, nbytes: int) -> mmap.mmap | None:
     try:
         if os.fstat(fd).st_size != nbytes:
             return None
-        mm = mmap.mmap(fd, nbytes)
+        mm = Mapping(fd, nbytes)
     finally:
         os.close(fd)
-    if mm[TOKEN_OFFSET:TOKEN_OFFSET + TOKEN_BYTES] != bytes.fromhex(where["token"]):
+    if bytes(mm.buffer[TOKEN_OFFSET:TOKEN_OFFSET + TOKEN_BYTES]) != bytes.fromhex(where["token"]):
         mm.close()
         return None
     return mm
