@@ -85,7 +85,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
                 fn = _call(op, world, numel, group)
                 reps = args.repeats or max(5, min(200, int(_BUDGET_S / max(est or 1e-4, 1e-5))))
                 took = _time(fn, reps, group)
-                est = est or took
+                if est is None:  # rank 0's estimate, so every rank repeats alike
+                    agreed = torch.tensor([took], dtype=torch.float64)
+                    dist.broadcast(agreed, 0)
+                    est = agreed.item()
                 rows.append((op, size, name, took))
                 del fn
             size *= 4
