@@ -281,3 +281,21 @@ def test_nothing_is_left_when_every_rank_is_killed_mid_collective():
         os.unlink(path)
         assert int(mapped) >= 1 and open_fds == "0" and probe == "FileNotFoundError"
     assert not [n for n in set(os.listdir("/dev/shm")) - before if "phalanx" in n]
+
+
+def _phalanx_switch(rank, world):
+    import phalanx
+    import phalanx.shm
+    phalanx.init_process_group(shared_memory=True)
+    try:
+        t = torch.full((3,), float(rank))
+        dist.all_reduce(t)
+        phalanx.barrier()
+        return phalanx.shm.uses_shared_memory(), t.tolist()
+    finally:
+        phalanx.destroy_process_group()
+
+
+def test_phalanx_init_process_group_shared_memory_switch():
+    for used, values in run_ranks(_phalanx_switch, 2, init=False, timeout=60):
+        assert used and values == [1.0, 1.0, 1.0]
