@@ -58,7 +58,7 @@ def _reductions(rank, world, g, bad):
             dist.reduce(red, dst=world - 1, op=op, group=g)
             if rank == world - 1 and not torch.equal(red, want):
                 bad.append(f"reduce {dtype} {op}")
-            rs = torch.empty(n // world * 0 + 10, dtype=dtype)
+            rs = torch.empty(10, dtype=dtype)
             ins = [_input(r, dtype, 10 * world, 5) for r in range(world)]
             dist.reduce_scatter_tensor(rs, ins[rank], op=op, group=g)
             if not torch.equal(rs, _reference([i[10 * rank:10 * rank + 10] for i in ins], op)):
@@ -121,12 +121,10 @@ def _shapes(rank, world, g, bad):
     dist.all_reduce(nc, group=g)
     bad += [] if torch.equal(nc, want) and torch.equal(base[:, 1::2], _input(
         rank, torch.float32, 64 * 9).view(64, 9)[:, 1::2]) else ["non-contiguous all_reduce"]
-    out = torch.empty(9, 64 * world).t()  # non-contiguous output
     dist.all_gather_into_tensor(torch.empty(0), torch.empty(0), group=g)
     z = torch.empty(0)
     dist.all_reduce(z, group=g)
     dist.broadcast(z, 0, group=g)
-    del out
     big = 3 * (4 << 20) // 4 + 123  # elements: three staging slots and some
     x = _input(rank, torch.float32, big)
     want = _reference([_input(r, torch.float32, big) for r in range(world)], dist.ReduceOp.SUM)
