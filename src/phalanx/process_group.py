@@ -97,6 +97,18 @@ def _resolve_backend(backend: str | None, env: _env.DistEnv,
     return name
 
 
+def _shared_memory_backend(backend: str) -> str:
+    """``init_process_group(shared_memory=True)``'s backend: the shared-memory one in Gloo's place."""
+    if backend != "gloo":
+        raise ValueError(
+            f"shared_memory=True serves CPU tensors: it needs backend='gloo' (or None on a "
+            f"process without a GPU), got backend={backend!r}"
+        )
+    from . import shm  # registers the backend with torch (opt-in: only when asked for)
+
+    return shm.BACKEND_NAME
+
+
 def _uses_cuda(backend: str) -> bool:
     return "nccl" in backend or backend == "xccl"
 
@@ -215,6 +227,7 @@ def init_process_group(
     *,
     diagnostics: bool = True,
     straggler_every: int = DEFAULT_EVERY,
+    shared_memory: bool = False,
 ) -> _env.DistEnv:
     """Join the job: create the default process group and pin this process's device.
 
@@ -249,6 +262,10 @@ def init_process_group(
             report hangs and stragglers (:mod:`phalanx.diagnostics`). Default ``True``.
         straggler_every (int, keyword-only): synchronising DDP steps between straggler
             reports; ``0`` for none. Default ``200``.
+        shared_memory (bool, keyword-only): on CPU, run the collectives over same-host shared
+            memory (the ``"phalanx_shm"`` backend, :mod:`phalanx.shm`) where every rank is on
+            this host; a group that spans hosts stays on Gloo. Needs ``backend`` ``None`` or
+            ``"gloo"`` on a process without a GPU. Default ``False`` (see docs/shared_memory.md).
 
     Returns:
         The :class:`~phalanx.env.DistEnv` this process joined with.
@@ -275,6 +292,8 @@ def init_process_group(
         )
     found = _env.for_arguments(rank, world_size)
     backend = _resolve_backend(backend, found, device_id)
+    if shared_memory:
+        backend = _shared_memory_backend(backend)
     if timeout is None:
         seconds = _env.watchdog_seconds()
         timeout = DEFAULT_TIMEOUT if seconds is None else timedelta(seconds=seconds)

@@ -25,7 +25,8 @@ ALLOWED = {
     "diagnostics": {"ledger", "env", "errors", "_logging", "comm"},
     "uneven": {"diagnostics", "ledger", "errors", "comm"},
     "metrics": {"diagnostics", "ledger"},
-    "process_group": {"env", "errors", "gate", "_logging", "diagnostics", "ledger"},
+    "shm": {"errors"},  # the one transport phalanx owns (same-host shared memory), under c10d
+    "process_group": {"env", "errors", "gate", "_logging", "diagnostics", "ledger", "shm"},
     "agreement": {"comm", "errors", "diagnostics"},
     "sampler": {"process_group"},
     "streaming": {"process_group", "diagnostics", "ledger"},

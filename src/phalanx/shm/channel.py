@@ -1,0 +1,159 @@
+"""The step every shared-memory collective is made of: write, arrive, wait for all, read.
+
+Each member owns a control block (its arrival count and the header of the collective it is
+in) and a data slot in each of two halves of the staging area. Step ``s`` uses half
+``s % 2``: a member writes its slot of that half, publishes the header, then its arrival
+count ``s``, and waits until every member has arrived at ``s``; then it reads any slot of
+that half. A member writes half ``s % 2`` again only at step ``s + 2``, after every member
+arrived at ``s + 1``, that is after every member finished reading step ``s``: one wait per
+step is all the synchronisation there is.
+
+Ordering: data and header are stored before the arrival count by the same thread, and read
+after it; x86-64's total store order keeps those stores, and those loads, in program order,
+which is why a group uses shared memory only on x86-64 (:func:`phalanx.shm.segment.identity`).
+
+While waiting, a member checks every ~50 ms that each member it waits for still lives (a
+pidfd per peer, readable once that process has exited): a peer killed at any point makes
+every survivor raise within about that, naming it. The group's timeout bounds any wait.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+from typing import Callable
+
+import torch
+
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError, RankExitedError, ranks_text
+from .segment import Segment
+
+# The first page holds the token; control blocks start at the second (4096: a page).
+_CONTROL_OFFSET = 4096
+# One control block per member, 128 bytes: two 64-byte cache lines, so that no two members
+# write the same line, nor a line the adjacent-line prefetcher pairs with another's.
+_BLOCK_BYTES = 128
+_BLOCK_WORDS = _BLOCK_BYTES // 8
+# Header words: op, dtype, numel, extra, extra2; one header per half, at words 1 and 9 of
+# the block (a member may publish step s + 1's header while another still reads step s's).
+HEADER_WORDS = 5
+_HEADER_AT = (1, 9)
+# Liveness checks every 50 ms while waiting: a dead peer is named within about that.
+_LIVENESS_S = 0.05
+# Waiting starts by yielding the CPU (lowest latency); after 2 ms it sleeps 50 us per look,
+# which costs a long wait at most a few percent and spares a machine with more ranks than cores.
+_YIELD_S = 0.002
+_SLEEP_S = 50e-6
+
+
+class BrokenGroupError(RuntimeError):
+    """Internal: marks errors after which the group cannot be used again."""
+
+
+def layout(size: int, capacity: int) -> tuple[int, int]:
+    """``(data offset, total bytes)`` of a segment for ``size`` members of ``capacity`` bytes."""
+    control = -(-size * _BLOCK_BYTES // 4096) * 4096
+    data = _CONTROL_OFFSET + control
+    return data, data + 2 * size * capacity
+
+
+class Channel:
+    """The steps of one group over its segment (see the module's notes)."""
+
+    def __init__(self, segment: Segment, rank: int, size: int, capacity: int,
+                 timeout_s: float, describe: Callable[[tuple[int, ...]], str]) -> None:
+        self.rank, self.size, self.capacity = rank, size, capacity
+        self.timeout_s = timeout_s
+        self._describe = describe
+        self._mm = segment.mm
+        self._bytes = memoryview(segment.mm.buffer).cast("B")
+        self._words = self._bytes[_CONTROL_OFFSET:].cast("q")
+        data, total = layout(size, capacity)
+        self._data = torch.frombuffer(segment.mm.buffer, dtype=torch.uint8, offset=data,
+                                      count=total - data)
+        self.seq = 0
+        self._pidfds: dict[int, int] = {}
+        self._poll = select.poll()
+        for r, pid in enumerate(segment.pids):
+            if r != rank:
+                try:
+                    fd = os.pidfd_open(pid)
+                except ProcessLookupError:
+                    raise RankExitedError(f"phalanx_shm: rank {r} (pid {pid}) exited while "
+                                          "the group was being created", [r]) from None
+                self._pidfds[fd] = r
+                self._poll.register(fd, select.POLLIN)
+
+    def slot(self, rank: int, seq: int | None = None) -> torch.Tensor:
+        """Member ``rank``'s bytes in the half of step ``seq`` (default: the next step)."""
+        half = (self.seq + 1 if seq is None else seq) % 2
+        start = (half * self.size + rank) * self.capacity
+        return self._data[start:start + self.capacity]
+
+    def step(self, header: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """Publish ``header``, arrive at the next step and wait for every member; returns
+        every member's header. The caller wrote its slot of :meth:`slot` before."""
+        seq = self.seq + 1
+        words = self._words
+        at = _HEADER_AT[seq % 2]
+        base = self.rank * _BLOCK_WORDS
+        for i, value in enumerate(header):
+            words[base + at + i] = value
+        words[base] = seq
+        self.seq = seq
+        waiting = [r * _BLOCK_WORDS for r in range(self.size) if r != self.rank]
+        waiting = [b for b in waiting if words[b] < seq]
+        if waiting:
+            self._wait(waiting, seq)
+        headers = [tuple(words[r * _BLOCK_WORDS + at:r * _BLOCK_WORDS + at + HEADER_WORDS])
+                   for r in range(self.size)]
+        if any(h != headers[0] for h in headers):
+            raise BrokenGroupError(CollectiveMismatchError(self._mismatch(headers)))
+        return headers
+
+    def _wait(self, waiting: list[int], seq: int) -> None:
+        words = self._words
+        start = time.monotonic()
+        next_check = start + _LIVENESS_S
+        while True:
+            os.sched_yield()
+            waiting = [b for b in waiting if words[b] < seq]
+            if not waiting:
+                return
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + _LIVENESS_S
+                self._check_alive()
+                if now - start > self.timeout_s:
+                    late = [b // _BLOCK_WORDS for b in waiting]
+                    raise BrokenGroupError(CollectiveTimeoutError(
+                        f"phalanx_shm: rank {self.rank} waited {self.timeout_s:g} s (the group's "
+                        f"timeout) in collective #{seq} for {ranks_text(late)}, which never "
+                        "arrived", late))
+            if now - start > _YIELD_S:
+                time.sleep(_SLEEP_S)
+
+    def _check_alive(self) -> None:
+        dead = sorted(self._pidfds[fd] for fd, _ in self._poll.poll(0))
+        if dead:
+            raise BrokenGroupError(RankExitedError(
+                f"phalanx_shm: {ranks_text(dead)} exited (killed or crashed) while rank "
+                f"{self.rank} waited for it in a collective", dead))
+
+    def _mismatch(self, headers: list[tuple[int, ...]]) -> str:
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for r, h in enumerate(headers):
+            groups.setdefault(h, []).append(r)
+        said = "; ".join(f"{ranks_text(rs)} called {self._describe(h)}" for h, rs in groups.items())
+        return f"phalanx_shm: ranks called different collectives at collective #{self.seq}: {said}"
+
+    def close(self) -> None:
+        for fd in self._pidfds:
+            os.close(fd)
+        self._pidfds.clear()
+        self._data = torch.empty(0, dtype=torch.uint8)
+        self._words.release()
+        self._bytes.release()
+        # Unmapping while a view of a slot may live on (a result's future, a traceback) would
+        # leave it pointing at nothing: the mapping goes with the process instead.

@@ -1,0 +1,213 @@
+"""The process group: torch's collectives on CPU tensors over the shared segment, the rest on
+the Gloo group created beneath it.
+
+``ShmProcessGroup`` is a ``torch.distributed.ProcessGroup`` subclass (c10d does not let Python
+subclass its ``Backend``). It registers its Gloo group as the group's CPU backend, so every
+operation it does not override (gather, scatter, send/recv, the coalesced forms, functional
+collectives...) goes to Gloo through c10d's own dispatch; an overridden operation whose
+arguments it does not serve (several tensors per call, a dtype outside
+:data:`~phalanx.shm.ops.DTYPES`, PREMUL_SUM, another device) is handed to Gloo explicitly.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+from .channel import Channel
+from .segment import Segment
+from .worker import ShmWork, Worker
+
+BACKEND_NAME = "phalanx_shm"
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as one flat run of elements: a view when contiguous, else a copy."""
+    return t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+
+
+def _write_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for t, flat in pairs:
+        if flat.data_ptr() != t.data_ptr() or not t.is_contiguous():
+            t.copy_(flat.view(t.shape))
+
+
+class ShmProcessGroup(dist.ProcessGroup):
+    """A c10d process group over one host's shared memory (see :mod:`phalanx.shm`).
+
+    Created by c10d through the registered backend ``"phalanx_shm"``; not meant to be built
+    directly. Each group maps its own segment and runs its collectives on a thread of its own.
+
+    Args:
+        rank, size: this member's rank in the group, and the group's size.
+        segment: the mapped segment (:func:`phalanx.shm.segment.open_segment`).
+        gloo: the group's Gloo backend, for what shared memory does not serve.
+        capacity: bytes of each member's staging slot.
+        timeout: the longest any collective waits for the others.
+    """
+
+    def __init__(self, rank: int, size: int, segment: Segment, gloo: Any, capacity: int,
+                 timeout: timedelta) -> None:
+        super().__init__(rank, size)
+        self._gloo = gloo
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+        self._channel = Channel(segment, rank, size, capacity, timeout.total_seconds(),
+                                ops.describe)
+        self._worker = Worker(f"phalanx_shm-r{rank}")
+
+    def getBackendName(self) -> str:  # noqa: N802 - c10d's name
+        return BACKEND_NAME
+
+    def _served(self, tensors: list[torch.Tensor]) -> bool:
+        return all(t.device.type == "cpu" and t.layout == torch.strided
+                   and t.dtype in ops.DTYPE_CODES for t in tensors)
+
+    def _submit(self, run: Callable[[], None], result: list[Any], opts: Any) -> ShmWork:
+        return self._worker.submit(run, result, bool(getattr(opts, "asyncOp", True)))
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        code = ops.reduce_code(opts.reduceOp)
+        if len(tensors) != 1 or code is None or not self._served(tensors):
+            return self._gloo.allreduce(tensors, opts)
+        t = tensors[0]
+        flat = _flat(t)
+
+        def run() -> None:
+            ops.all_reduce(self._channel, flat, code)
+            _write_back([(t, flat)])
+        return self._submit(run, [t], opts)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.ReduceOptions()
+        code = ops.reduce_code(opts.reduceOp)
+        if len(tensors) != 1 or code is None or not self._served(tensors):
+            return self._gloo.reduce(tensors, opts)
+        t, root = tensors[0], opts.rootRank
+        flat = _flat(t)
+
+        def run() -> None:
+            ops.all_reduce(self._channel, flat, code, root)
+            if self.rank() == root:
+                _write_back([(t, flat)])
+        return self._submit(run, [t], opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        if len(tensors) != 1 or opts.rootTensor != 0 or not self._served(tensors):
+            return self._gloo.broadcast(tensors, opts)
+        t, root = tensors[0], opts.rootRank
+        flat = _flat(t)
+
+        def run() -> None:
+            ops.broadcast(self._channel, flat, root)
+            if self.rank() != root:
+                _write_back([(t, flat)])
+        return self._submit(run, [t], opts)
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        if (len(inputs) != 1 or len(outputs) != 1 or not self._served(inputs + outputs[0])
+                or len(outputs[0]) != self.size()
+                or any(o.numel() != inputs[0].numel() or o.dtype != inputs[0].dtype
+                       for o in outputs[0])):
+            return self._gloo.allgather(outputs, inputs, opts)
+        return self._gather(outputs[0], inputs[0], outputs, opts)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        if (not self._served([output, input]) or output.dtype != input.dtype
+                or output.numel() != input.numel() * self.size() or not output.is_contiguous()):
+            return self._gloo._allgather_base(output, input, opts)
+        return self._gather(list(output.view(-1).chunk(self.size())) if input.numel()
+                            else [output.view(-1)] * self.size(), input, [output], opts)
+
+    all_gather_single = _allgather_base
+
+    def _gather(self, outs: list[torch.Tensor], t: torch.Tensor, result: list[Any],
+                opts: Any) -> ShmWork:
+        flat = _flat(t)
+        flats = [_flat(o) for o in outs]
+
+        def run() -> None:
+            ops.all_gather(self._channel, flats, flat)
+            _write_back(list(zip(outs, flats)))
+        return self._submit(run, result, opts)
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+                       opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        code = ops.reduce_code(opts.reduceOp)
+        if (len(outputs) != 1 or len(inputs) != 1 or code is None or len(inputs[0]) != self.size()
+                or not self._served(outputs + inputs[0])
+                or any(i.numel() != outputs[0].numel() or i.dtype != outputs[0].dtype
+                       for i in inputs[0])):
+            return self._gloo.reduce_scatter(outputs, inputs, opts)
+        return self._scatter(outputs[0], [_flat(i) for i in inputs[0]], code, outputs, opts)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
+                             opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        code = ops.reduce_code(opts.reduceOp)
+        if (code is None or not self._served([output, input]) or output.dtype != input.dtype
+                or input.numel() != output.numel() * self.size()):
+            return self._gloo._reduce_scatter_base(output, input, opts)
+        flat = _flat(input)
+        ins = list(flat.chunk(self.size())) if flat.numel() else [flat] * self.size()
+        return self._scatter(output, ins, code, [output], opts)
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def _scatter(self, out: torch.Tensor, ins: list[torch.Tensor], code: int,
+                 result: list[Any], opts: Any) -> ShmWork:
+        flat = _flat(out)
+
+        def run() -> None:
+            ops.reduce_scatter(self._channel, flat, ins, code)
+            _write_back([(out, flat)])
+        return self._submit(run, result, opts)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: list[int], input_split_sizes: list[int],
+                      opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        if not self._served([output, input]) or output.dtype != input.dtype:
+            return self._gloo.alltoall_base(output, input, output_split_sizes,
+                                            input_split_sizes, opts)
+        sends = self._counts(input, input_split_sizes, "input")
+        receives = self._counts(output, output_split_sizes, "output")
+        flat, out = _flat(input), _flat(output)
+
+        def run() -> None:
+            ops.all_to_all(self._channel, out, flat, sends, receives)
+            _write_back([(output, out)])
+        return self._submit(run, [output], opts)
+
+    def _counts(self, t: torch.Tensor, splits: list[int], what: str) -> list[int]:
+        """Elements per member of ``t`` split along dim 0 (evenly without ``splits``)."""
+        w = self.size()
+        row = t[0].numel() if t.dim() and t.shape[0] else (t.numel() if t.dim() == 0 else 0)
+        if not splits:
+            if t.dim() == 0 or t.shape[0] % w:
+                raise ValueError(f"all_to_all_single: {what} tensor's first dimension "
+                                 f"({t.shape[0] if t.dim() else 'none'}) must be divisible by "
+                                 f"the group's size {w} when no split sizes are given")
+            return [t.numel() // w] * w
+        if len(splits) != w or sum(splits) != (t.shape[0] if t.dim() else 1):
+            raise ValueError(f"all_to_all_single: {what} split sizes {list(splits)} must be "
+                             f"{w} numbers summing to the {what} tensor's first dimension")
+        return [s * row for s in splits]
+
+    def barrier(self, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.BarrierOptions()
+        return self._submit(lambda: ops.barrier(self._channel), [], opts)
+
+    def shutdown(self) -> None:
+        """Finish what is queued, stop the worker and unmap the segment."""
+        self._worker.close()
+        self._channel.close()

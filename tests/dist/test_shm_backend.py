@@ -1,0 +1,299 @@
+"""The shared-memory backend (phalanx.shm) against Gloo and against rank-order references,
+on real processes: every op, dtypes, odd shapes, sizes past the staging area, async work
+waited out of order, two groups on two threads, torch's DDP, and the faults."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import RankError, error_of, run_ranks
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64,
+          torch.bool)
+OPS = (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.MAX)
+
+
+def _input(rank: int, dtype: torch.dtype, n: int, salt: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + 17 * DTYPES.index(dtype) + salt)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g, dtype=torch.float32).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    return torch.randint(-50, 50, (n,), generator=g).to(dtype)
+
+
+def _reference(parts: list[torch.Tensor], op: object) -> torch.Tensor:
+    """The reduction in rank order, as every replica must compute it."""
+    fn = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.PRODUCT: torch.mul,
+          dist.ReduceOp.MIN: torch.minimum, dist.ReduceOp.MAX: torch.maximum}
+    for known, f in fn.items():
+        if op == known:
+            out = parts[0].clone()
+            for p in parts[1:]:
+                out = f(out, p)
+            return out
+    raise AssertionError(op)
+
+
+def _reductions(rank, world, g, bad):
+    n = 1000
+    for dtype in DTYPES:
+        for op in OPS:
+            if dtype == torch.bool and op == dist.ReduceOp.PRODUCT:
+                continue
+            parts = [_input(r, dtype, n) for r in range(world)]
+            want = _reference(parts, op)
+            got = parts[rank].clone()
+            dist.all_reduce(got, op=op, group=g)
+            if not torch.equal(got, want):
+                bad.append(f"all_reduce {dtype} {op}")
+            red = parts[rank].clone()
+            dist.reduce(red, dst=world - 1, op=op, group=g)
+            if rank == world - 1 and not torch.equal(red, want):
+                bad.append(f"reduce {dtype} {op}")
+            rs = torch.empty(10, dtype=dtype)
+            ins = [_input(r, dtype, 10 * world, 5) for r in range(world)]
+            dist.reduce_scatter_tensor(rs, ins[rank], op=op, group=g)
+            if not torch.equal(rs, _reference([i[10 * rank:10 * rank + 10] for i in ins], op)):
+                bad.append(f"reduce_scatter_tensor {dtype} {op}")
+    for dtype in (torch.float32, torch.float64, torch.int64):  # SUM against Gloo itself
+        x = _input(rank, dtype, 4099)
+        a, b = x.clone(), x.clone()
+        dist.all_reduce(a)
+        dist.all_reduce(b, group=g)
+        if world == 2 and not torch.equal(a, b):
+            bad.append(f"all_reduce {dtype} SUM differs from Gloo's")
+    avg = torch.full((4,), float(rank + 1))
+    dist.all_reduce(avg, op=dist.ReduceOp.AVG, group=g)
+    if not torch.equal(avg, torch.full((4,), (world + 1) / 2)):
+        bad.append(f"AVG {avg}")
+
+
+def _movements(rank, world, g, bad):
+    for dtype in DTYPES:
+        x = _input(rank, dtype, 37)
+        for root in range(world):
+            a, b = x.clone(), x.clone()
+            dist.broadcast(a, root)
+            dist.broadcast(b, root, group=g)
+            bad += [] if torch.equal(a, b) else [f"broadcast {dtype} {root}"]
+        outs = [torch.empty(37, dtype=dtype) for _ in range(world)]
+        dist.all_gather(outs, x, group=g)
+        ref = [_input(r, dtype, 37) for r in range(world)]
+        bad += [] if all(map(torch.equal, outs, ref)) else [f"all_gather {dtype}"]
+        flat = torch.empty(37 * world, dtype=dtype)
+        dist.all_gather_into_tensor(flat, x, group=g)
+        bad += [] if torch.equal(flat, torch.cat(ref)) else [f"all_gather_into_tensor {dtype}"]
+        rs = torch.empty(37, dtype=dtype)
+        dist.reduce_scatter(rs, [_input(rank, dtype, 37, q) for q in range(world)], group=g)
+        want = _reference([_input(r, dtype, 37, rank) for r in range(world)], dist.ReduceOp.SUM)
+        bad += [] if torch.equal(rs, want) else [f"reduce_scatter {dtype}"]
+    # all_to_all_single, even and with split sizes (rank r sends r + q + 1 rows to q)
+    sends = [rank + q + 1 for q in range(world)]
+    receives = [q + rank + 1 for q in range(world)]
+    x = torch.arange(sum(sends) * 3, dtype=torch.float32).view(-1, 3) + 1000 * rank
+    for group in (None, g):
+        out = torch.empty(sum(receives), 3)
+        dist.all_to_all_single(out, x, receives, sends, group=group)
+        if group is None:
+            want = out
+        elif not torch.equal(out, want):
+            bad.append("all_to_all_single with splits")
+    even = torch.arange(world * 4.0) + 100 * rank
+    a, b = torch.empty(world * 4), torch.empty(world * 4)
+    dist.all_to_all_single(a, even)
+    dist.all_to_all_single(b, even, group=g)
+    bad += [] if torch.equal(a, b) else ["all_to_all_single even"]
+
+
+def _shapes(rank, world, g, bad):
+    base = _input(rank, torch.float32, 64 * 9).view(64, 9)
+    nc = base[:, ::2]  # non-contiguous, in place
+    want = _reference([_input(r, torch.float32, 64 * 9).view(64, 9)[:, ::2] for r in range(world)],
+                      dist.ReduceOp.SUM)
+    dist.all_reduce(nc, group=g)
+    bad += [] if torch.equal(nc, want) and torch.equal(base[:, 1::2], _input(
+        rank, torch.float32, 64 * 9).view(64, 9)[:, 1::2]) else ["non-contiguous all_reduce"]
+    dist.all_gather_into_tensor(torch.empty(0), torch.empty(0), group=g)
+    z = torch.empty(0)
+    dist.all_reduce(z, group=g)
+    dist.broadcast(z, 0, group=g)
+    big = 3 * (4 << 20) // 4 + 123  # elements: three staging slots and some
+    x = _input(rank, torch.float32, big)
+    want = _reference([_input(r, torch.float32, big) for r in range(world)], dist.ReduceOp.SUM)
+    dist.all_reduce(x, group=g)
+    bad += [] if torch.equal(x, want) else ["all_reduce past the staging area"]
+    outs = torch.empty(big * world)
+    dist.all_gather_into_tensor(outs, _input(rank, torch.float32, big), group=g)
+    bad += [] if torch.equal(outs[big:2 * big], _input(1, torch.float32, big)) else ["big gather"]
+    rs = torch.empty(big // world)
+    dist.reduce_scatter_tensor(rs, x[:big // world * world].clone(), group=g)
+    bad += [] if torch.equal(rs, x[rank * (big // world):(rank + 1) * (big // world)] * world) \
+        else ["big reduce_scatter"]
+    works = [dist.all_reduce(torch.full((5,), float(i + rank)), group=g, async_op=True)
+             for i in range(6)]
+    for i, w in reversed(list(enumerate(works))):
+        w.wait()
+        got = w.get_future().wait()[0]
+        bad += [] if torch.equal(got, torch.full((5,), float(world * i + sum(range(world))))) \
+            else [f"async {i}"]
+
+
+def _threads(rank, world, bad):
+    groups = [dist.new_group(backend="phalanx_shm") for _ in range(2)]
+    sums = [[], []]
+
+    def loop(i):
+        for k in range(40):
+            t = torch.full((100,), float(k + i))
+            dist.all_reduce(t, group=groups[i])
+            sums[i].append(t[0].item())
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for i in range(2):
+        if sums[i] != [float((k + i) * world) for k in range(40)]:
+            bad.append(f"thread {i}")
+
+
+def _ddp(rank, world, g, bad):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    params = []
+    for group in (None, g):
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(),
+                                        torch.nn.Linear(64, 8)), process_group=group,
+                    bucket_cap_mb=0.002)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(16, 20, generator=torch.Generator().manual_seed(rank * 10 + step))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        params.append([p.detach().clone() for p in model.parameters()])
+    if not all(map(torch.equal, *params)):
+        bad.append("DDP over phalanx_shm differs from DDP over Gloo")
+
+
+def _all_checks(rank, world):
+    import phalanx.shm
+    g = dist.new_group(backend="phalanx_shm")
+    bad = [] if phalanx.shm.uses_shared_memory(g) else ["not on shared memory"]
+    _reductions(rank, world, g, bad)
+    _movements(rank, world, g, bad)
+    _shapes(rank, world, g, bad)
+    _threads(rank, world, bad)
+    if world == 2:
+        _ddp(rank, world, g, bad)
+    # a gather is served by Gloo beneath
+    got = [torch.empty(1) for _ in range(world)] if rank == 0 else None
+    dist.gather(torch.tensor([float(rank)]), got, 0, group=g)
+    if rank == 0 and [t.item() for t in got] != list(map(float, range(world))):
+        bad.append("gather through Gloo")
+    # a mismatch is named on every rank, then the group stays broken
+    m = dist.new_group(backend="phalanx_shm")
+    mismatch = error_of(dist.all_reduce, torch.ones(4 + rank), group=m)
+    again = error_of(dist.all_reduce, torch.ones(4), group=m)
+    return bad, mismatch, again
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_op_matches_gloo_and_the_rank_order_reference(world):
+    for rank, (bad, mismatch, again) in enumerate(run_ranks(_all_checks, world, timeout=300)):
+        assert bad == [], (rank, bad)
+        assert mismatch[0] == "CollectiveMismatchError", mismatch
+        assert "rank 0 called all_reduce(float32, 4 elements, SUM)" in mismatch[1]
+        assert "rank 1 called all_reduce(float32, 5 elements, SUM)" in mismatch[1]
+        assert again == mismatch
+
+
+def _killed_peer(rank, world):
+    import phalanx.shm  # noqa: F401
+    g = dist.new_group(backend="phalanx_shm", timeout=timedelta(seconds=60))
+    dist.barrier(group=g)
+    if rank == world - 1:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    err = error_of(dist.all_reduce, torch.ones(10), group=g)
+    return err, time.monotonic() - start
+
+
+def test_a_killed_peer_is_named_on_every_survivor_within_a_second():
+    results = run_ranks(_killed_peer, 3, return_exceptions=True, timeout=60)
+    assert isinstance(results[2], RankError)
+    for err, took in results[:2]:
+        assert err[0] == "RankExitedError" and "rank 2 exited" in err[1], err
+        assert took < 0.5 + 1.0, took
+
+
+def _hang(rank, world):
+    import phalanx.shm  # noqa: F401
+    g = dist.new_group(backend="phalanx_shm", timeout=timedelta(seconds=1))
+    if rank == 0:
+        start = time.monotonic()
+        return error_of(dist.all_reduce, torch.ones(3), group=g), time.monotonic() - start
+    time.sleep(2.5)
+    return None
+
+
+def test_a_hang_honours_the_group_timeout():
+    (err, took), _ = run_ranks(_hang, 2, timeout=60)
+    assert err[0] == "CollectiveTimeoutError" and "rank 1, which never arrived" in err[1], err
+    assert 1.0 <= took < 2.0, took
+
+
+def _segment_then_killed(rank, world, parent_pid):
+    import phalanx.shm  # noqa: F401
+    g = dist.new_group(backend="phalanx_shm")
+    dist.barrier(group=g)
+    maps = open("/proc/self/maps").read()
+    memfd = [line for line in maps.splitlines() if "memfd:phalanx-shm-" in line]
+    fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+           if os.path.exists(f"/proc/self/fd/{fd}")]
+    name = memfd[0].split()[-2] if memfd else ""
+    # a process of another job tries the name in /dev/shm and rank 0's descriptors
+    probe = error_of(os.open, f"/dev/shm/{name.removeprefix('memfd:')}", os.O_RDWR)
+    with open(f"/tmp/phalanx-shm-test-{parent_pid}-{rank}", "w") as f:
+        f.write(f"{len(memfd)}|{sum('phalanx-shm' in p for p in fds)}|{probe and probe[0]}")
+    dist.all_reduce(torch.ones(1 << 20), group=g, async_op=True)
+    if rank == 0:
+        time.sleep(0.3)  # rank 1 is dead; rank 0 is mid-collective
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_nothing_is_left_when_every_rank_is_killed_mid_collective():
+    before = set(os.listdir("/dev/shm"))
+    results = run_ranks(_segment_then_killed, 2, os.getpid(), return_exceptions=True, timeout=60)
+    assert all(isinstance(r, RankError) for r in results)
+    for rank in range(2):
+        path = f"/tmp/phalanx-shm-test-{os.getpid()}-{rank}"
+        mapped, open_fds, probe = open(path).read().split("|")
+        os.unlink(path)
+        assert int(mapped) >= 1 and open_fds == "0" and probe == "FileNotFoundError"
+    assert not [n for n in set(os.listdir("/dev/shm")) - before if "phalanx" in n]
+
+
+def _phalanx_switch(rank, world):
+    import phalanx
+    import phalanx.shm
+    phalanx.init_process_group(shared_memory=True)
+    try:
+        t = torch.full((3,), float(rank))
+        dist.all_reduce(t)
+        phalanx.barrier()
+        return phalanx.shm.uses_shared_memory(), t.tolist()
+    finally:
+        phalanx.destroy_process_group()
+
+
+def test_phalanx_init_process_group_shared_memory_switch():
+    for used, values in run_ranks(_phalanx_switch, 2, init=False, timeout=60):
+        assert used and values == [1.0, 1.0, 1.0]
