@@ -25,8 +25,11 @@ ALLOWED = {
     "diagnostics": {"ledger", "env", "errors", "_logging", "comm"},
     "uneven": {"diagnostics", "ledger", "errors", "comm"},
     "metrics": {"diagnostics", "ledger"},
+    # background work a group must finish before it is destroyed (an async checkpoint save)
+    "unfinished": set(),
     "shm": {"errors"},  # the one transport phalanx owns (same-host shared memory), under c10d
-    "process_group": {"env", "errors", "gate", "_logging", "diagnostics", "ledger", "shm"},
+    "process_group": {"env", "errors", "gate", "_logging", "diagnostics", "ledger", "shm",
+                      "unfinished"},
     "agreement": {"comm", "errors", "diagnostics"},
     "sampler": {"process_group"},
     "streaming": {"process_group", "diagnostics", "ledger"},
@@ -42,7 +45,7 @@ ALLOWED = {
     "comm_hooks": {"hooks"},
     "model_averaging": {"comm", "diagnostics", "ledger", "hooks", "comm_hooks"},
     "checkpoint": {"comm", "agreement", "process_group", "errors", "_logging", "ddp",
-                   "diagnostics", "ledger", "uneven"},
+                   "diagnostics", "ledger", "uneven", "unfinished"},
     "launcher": {"env", "errors", "_logging", "gate"},
     "bench": {"ddp", "fsdp", "comm_hooks", "process_group", "launcher", "gate", "diagnostics"},
     "cli": {"launcher", "env", "errors", "bench"},  # env: torchrun's PET_ variables
