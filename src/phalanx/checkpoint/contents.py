@@ -118,7 +118,7 @@ def _describe_file(path: Path) -> Contents:
         found.damage = [str(e)]
         return found
     found.step, found.epoch, found.world_size = state["step"], state["epoch"], state["world_size"]
-    found.layout = "sharded" if state.get("sharded") is not None else "replicated"
+    found.layout = state["layout"]
     found.tensors = [Tensor(f"model.{k}", v.dtype, tuple(v.shape))
                      for k, v in state["model"].items() if isinstance(v, torch.Tensor)]
     optimizer = state.get("optimizer") or {}
@@ -129,12 +129,14 @@ def _describe_file(path: Path) -> Contents:
 
 
 def _read_file(path: Path) -> dict:
-    """A single-file checkpoint's state, every tensor whole on the CPU."""
+    """A single-file checkpoint's state, every tensor whole on the CPU, and its ``"layout"``
+    (as the sharded format's manifest names it)."""
     state = read_checkpoint(path, map_location="cpu")
     if not isinstance(state, dict) or not {"step", "epoch", "world_size", "model"} <= set(state):
         raise CheckpointError(f"Checkpoint {path} holds no Checkpointer state (step, epoch, "
                               "world_size, model)")
-    if state.get("sharded") is not None:
+    state["layout"] = "sharded" if state.get("sharded") is not None else "replicated"
+    if state["layout"] == "sharded":
         restore(state, None, path)  # the fully_shard tensors, whole, in their places
     return state
 
