@@ -48,7 +48,8 @@ ALLOWED = {
                    "diagnostics", "ledger", "uneven", "unfinished"},
     "launcher": {"env", "errors", "_logging", "gate"},
     "bench": {"ddp", "fsdp", "comm_hooks", "process_group", "launcher", "gate", "diagnostics"},
-    "cli": {"launcher", "env", "errors", "bench"},  # env: torchrun's PET_ variables
+    # env: torchrun's PET_ variables; checkpoint: imported by `phalanx checkpoint` when it runs
+    "cli": {"launcher", "env", "errors", "bench", "checkpoint"},
     "__main__": {"cli"},
 }
 # Parts that must not import torch when imported (the launcher starts before its workers and

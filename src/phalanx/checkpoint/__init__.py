@@ -22,6 +22,9 @@ The files, in the order data flows through them:
     size, :mod:`dcp_engine`); phalanx adds the checksummed manifest, the atomic commit and
     background saves (:mod:`dcp_checkpoint`), and the names, listing and pruning of both
     formats (:mod:`dcp_layout`).
+``contents.py``
+    A checkpoint of either format seen from outside a run (``phalanx checkpoint``): what it
+    holds, every byte checked, its model's state dict whole, exported.
 ``file.py``
     One file on disk: header, CRC-32, atomic write (temporary, fsync, rename, directory
     fsync), verified and safe read, pruning, stale temporaries; frames for tensors streamed

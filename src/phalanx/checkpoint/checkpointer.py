@@ -62,7 +62,7 @@ from ..agreement import agree
 from ..diagnostics import ledger
 from ..errors import CheckpointError
 from ..uneven import Joinable
-from .dcp_checkpoint import ShardedIO
+from .dcp_checkpoint import ShardedIO, auto_format
 from .dcp_layout import DamagedCheckpoint, check_save_step, list_all, prune_all
 from .file import checkpoint_name, clean_stale_temps, read_checkpoint, write_checkpoint
 from .sharded import ShardedState, mesh_of, optimizer_state, restore, rows_for
@@ -92,7 +92,7 @@ DAMAGED_SUFFIX = ".damaged"
 # Layout of the saved dict; the file format around it has its own version.
 STATE_VERSION = 1
 _OPTIONAL = ("optimizer", "scheduler", "scaler", "sampler")
-FORMATS = ("consolidated", "sharded")
+FORMATS = ("consolidated", "sharded", "auto")
 
 
 class CheckpointAction(IntEnum):
@@ -161,8 +161,10 @@ class Checkpointer(Joinable):
             written by rank 0, or ``"sharded"``, a directory ``ckpt-<step>.dcp`` in torch's
             DCP format that every rank writes its part of, checksummed and committed
             atomically (see :mod:`phalanx.checkpoint.dcp_checkpoint`; not with a sharded
-            optimizer such as ``ZeroRedundancyOptimizer`` yet). :meth:`load` reads both.
-            Default ``"consolidated"``.
+            optimizer such as ``ZeroRedundancyOptimizer`` yet), or ``"auto"``: sharded for a
+            ``fully_shard`` model (DTensor parameters) or a group of 9 ranks or more (past one
+            8-GPU node), else consolidated; :attr:`format` says which. :meth:`load` reads
+            both. Default ``"consolidated"``.
 
     .. warning::
         ``save`` and ``load`` are collectives. If loading fails part-way (e.g. the optimizer
@@ -207,6 +209,8 @@ class Checkpointer(Joinable):
             raise ValueError(f"Invalid keep {keep!r}, expected a positive integer or None")
         if format not in FORMATS:
             raise ValueError(f"Invalid format {format!r}, expected one of {', '.join(map(repr, FORMATS))}")
+        if format == "auto":
+            format = auto_format(model, optimizer, group)
         if format == "sharded" and hasattr(optimizer, "consolidate_state_dict"):
             raise TypeError("Checkpointer(format='sharded') does not save a sharded optimizer "
                             f"({type(optimizer).__name__}) yet: use format='consolidated'")

@@ -80,6 +80,25 @@ _log = get_logger(__package__)
 STATE_VERSION = 1
 
 
+# format="auto": sharded from this world size up. Up to one node's worth of ranks (8 GPUs, the
+# common node) share one host's disk and link: the single file's cost there is one sequential
+# write, which that disk bounds whichever rank writes, plus rank 0's gather over the node's
+# fast link. Past one node, the single file funnels every byte through one node's link and
+# disk while the sharded format writes on every node's disk at once.
+AUTO_SHARDED_WORLD = 9
+
+
+def auto_format(model: Any, optimizer: Any, group: Any) -> str:
+    """What ``format="auto"`` picks: ``"sharded"`` for a model with DTensor parameters
+    (``fully_shard``) or a group of :data:`AUTO_SHARDED_WORLD` ranks or more, else
+    ``"consolidated"`` (also with a sharded optimizer, which the sharded format does not save)."""
+    if hasattr(optimizer, "consolidate_state_dict"):
+        return "consolidated"
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return "sharded"
+    return "sharded" if _rank_world(group)[1] >= AUTO_SHARDED_WORLD else "consolidated"
+
+
 def _rank_world(group: Any) -> tuple[int, int]:
     if not dist.is_initialized():
         return 0, 1

@@ -223,20 +223,31 @@ def read_manifest(directory: Path) -> dict | None:
 
 def verify(directory: Path, manifest: dict, names: list[str]) -> None:
     """Check the files ``names`` of ``directory`` against the manifest's sizes and checksums;
-    raise :class:`CheckpointError` naming the first file that is missing or differs."""
+    raise :class:`DamagedCheckpoint` naming the first file that is missing or differs."""
     for name in names:
-        expected = manifest["files"][name]
-        path = directory / name
-        try:
-            found = checksum(path)
-        except FileNotFoundError:
-            raise DamagedCheckpoint(f"Checkpoint {directory} is damaged: its file {name} is missing") from None
-        if found["bytes"] != expected["bytes"]:
-            raise DamagedCheckpoint(f"Checkpoint {directory} is damaged: its file {name} has "
-                                  f"{found['bytes']} bytes, the manifest says {expected['bytes']}")
-        if found["crc32"] != expected["crc32"]:
-            raise DamagedCheckpoint(f"Checkpoint {directory} is damaged: its file {name} fails its "
-                                  f"checksum (CRC-32 stored {expected['crc32']}, computed {found['crc32']})")
+        problem = _problem(directory, name, manifest["files"][name])
+        if problem is not None:
+            raise DamagedCheckpoint(problem)
+
+
+def problems(directory: Path, manifest: dict, names: list[str]) -> list[str]:
+    """What :func:`verify` would say of each of the files ``names`` that is missing or differs."""
+    found = [_problem(directory, name, manifest["files"][name]) for name in names]
+    return [p for p in found if p is not None]
+
+
+def _problem(directory: Path, name: str, expected: dict) -> str | None:
+    try:
+        found = checksum(directory / name)
+    except FileNotFoundError:
+        return f"Checkpoint {directory} is damaged: its file {name} is missing"
+    if found["bytes"] != expected["bytes"]:
+        return (f"Checkpoint {directory} is damaged: its file {name} has "
+                f"{found['bytes']} bytes, the manifest says {expected['bytes']}")
+    if found["crc32"] != expected["crc32"]:
+        return (f"Checkpoint {directory} is damaged: its file {name} fails its "
+                f"checksum (CRC-32 stored {expected['crc32']}, computed {found['crc32']})")
+    return None
 
 
 def share(sizes: dict[str, int], world: int) -> list[list[str]]:

@@ -5,7 +5,7 @@ The files:
 
 ``command.py``
     :func:`main` and :func:`build_parser`: ``phalanx --version``, ``phalanx run``,
-    ``phalanx bench``, one-line errors for bad input.
+    ``phalanx bench``, ``phalanx checkpoint``, one-line errors for bad input.
 ``run.py``
     ``phalanx run``: its manual (the module docstring is ``phalanx run -h``), its options and
     :func:`config_from_args`, which turns them into a :class:`~phalanx.launcher.LaunchConfig`.
@@ -17,6 +17,9 @@ The files:
     ``phalanx run``'s options, checked naming the variable.
 ``bench.py``
     ``phalanx bench``: starts the benchmark's ranks through the launcher and prints its table.
+``checkpoint.py``
+    ``phalanx checkpoint info|verify|export``: its parser here; the work, which needs torch, in
+    :mod:`phalanx.checkpoint.contents`, imported when the command runs.
 ``text.py``
     Docstrings made readable in a terminal (reST markup taken out).
 """

@@ -11,10 +11,12 @@ from typing import Any, Callable
 
 from .. import __version__
 from .bench import add_bench
+from .checkpoint import add_checkpoint
 from .run import add_run
 
 # Subcommands: each adds its parser and sets `handler(namespace) -> exit status`.
-COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_run, add_bench)
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_run, add_bench,
+                                                                       add_checkpoint)
 
 
 class _Parser(argparse.ArgumentParser):

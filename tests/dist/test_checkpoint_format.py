@@ -1,0 +1,42 @@
+"""Checkpointer(format="auto"): sharded for a fully_shard model or past one 8-GPU node,
+consolidated otherwise; and what each choice then writes."""
+
+import pytest
+import torch
+
+from phalanx.checkpoint import Checkpointer, dcp_checkpoint
+from phalanx.fsdp import fully_shard
+from tests.harness import run_ranks
+
+
+class _Zero(torch.optim.SGD):
+    """An optimizer that consolidates its state, as ZeroRedundancyOptimizer does."""
+
+    def consolidate_state_dict(self, to=0):
+        pass
+
+
+def test_auto_picks_by_world_size_and_optimizer(tmp_path, monkeypatch):
+    model = torch.nn.Linear(4, 4)
+    ckpt = Checkpointer(tmp_path, model, format="auto")  # no process group: one process
+    assert ckpt.format == "consolidated"
+    assert ckpt.save(0, 1).name == "ckpt-000000000001.ckpt"
+    for world, expected in ((8, "consolidated"), (9, "sharded"), (64, "sharded")):
+        monkeypatch.setattr(dcp_checkpoint, "_rank_world", lambda group, w=world: (0, w))
+        assert Checkpointer(tmp_path, model, format="auto").format == expected, world
+        zero = _Zero(model.parameters(), lr=0.1)  # the sharded format does not save it yet
+        assert Checkpointer(tmp_path, model, zero, format="auto").format == "consolidated"
+    with pytest.raises(ValueError, match="Invalid format 'fast', expected one of 'consolidated', "
+                                         "'sharded', 'auto'"):
+        Checkpointer(tmp_path, model, format="fast")
+
+
+def _fully_shard(rank, world_size, directory):
+    model = fully_shard(torch.nn.Linear(4, 4))
+    ckpt = Checkpointer(directory, model, format="auto")
+    return ckpt.format, ckpt.save(0, 1).name
+
+
+@pytest.mark.slow
+def test_auto_shards_a_fully_shard_model(tmp_path):
+    assert run_ranks(_fully_shard, 1, tmp_path) == [("sharded", "ckpt-000000000001.dcp")]
