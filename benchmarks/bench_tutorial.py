@@ -13,11 +13,14 @@ step, plus whatever the data-parallel system adds per step. It is the worst case
 overheads such as phalanx's forward sync point (the check that every rank issues the same
 collectives, :mod:`phalanx.ledger`).
 
-Three implementations take turns, round by round (T P N, P N T, ...), each a fresh launch:
+Four implementations take turns, round by round (rotating the order), each a fresh launch:
 
 * ``torch``: ``torchrun`` and torch's own DDP and sampler (the tutorial as written);
 * ``phalanx``: ``phalanx run`` and phalanx's imports (diagnostics on: the default);
-* ``phalanx-nodiag``: the same with ``init_process_group(diagnostics=False)``.
+* ``phalanx-nodiag``: the same with ``init_process_group(diagnostics=False)``;
+* ``phalanx-shm``: diagnostics on, ``init_process_group(shared_memory=True)``: the gradient's
+  all-reduce and the sync point over same-host shared memory (:mod:`phalanx.shm`) instead of
+  Gloo's loopback.
 
 Each launch trains ``--epochs`` epochs; rank 0 reports each epoch's wall time, the first epoch
 left out (start-up: the first all-reduces, page faults). The table gives the median epoch of
@@ -37,7 +40,7 @@ import sys
 import tempfile
 import time
 
-IMPLS = ("torch", "phalanx", "phalanx-nodiag")
+IMPLS = ("torch", "phalanx", "phalanx-nodiag", "phalanx-shm")
 
 
 def _worker(impl: str, epochs: int, batch_size: int, result: str) -> None:
@@ -55,7 +58,8 @@ def _worker(impl: str, epochs: int, batch_size: int, result: str) -> None:
         import phalanx as dist
         from phalanx import DistributedDataParallel as DDP
         from phalanx import DistributedSampler
-        dist.init_process_group(backend="gloo", diagnostics=impl == "phalanx")
+        dist.init_process_group(backend="gloo", diagnostics=impl != "phalanx-nodiag",
+                                shared_memory=impl == "phalanx-shm")
     torch.manual_seed(0)  # the tutorial's MyTrainDataset(2048): random inputs and targets
     data = [(torch.rand(20), torch.rand(1)) for _ in range(2048)]
     model = DDP(torch.nn.Linear(20, 1))
