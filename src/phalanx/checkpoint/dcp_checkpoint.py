@@ -37,6 +37,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
@@ -110,13 +111,22 @@ class ShardedIO:
     (see the module notes); the Checkpointer holds one and calls it."""
 
     def __init__(self, owner: Checkpointer) -> None:
-        self.owner = owner
+        # weakly: the Checkpointer holds this object, and a cycle would keep it (and its
+        # comm_state, a LocalSGD meeting in flight included) alive until the cyclic GC ran
+        self._owner = weakref.ref(owner)
+        self._saving_for: Checkpointer | None = None  # held while a background save runs
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._owed_by: Any = None  # the group whose destruction waits for the save in flight
         self._background_group: Any = None
         self._warned_foreign = False
         self._manifest: dict | None = None  # of the checkpoint read last
+
+    @property
+    def owner(self) -> Checkpointer:
+        owner = self._owner()
+        assert owner is not None, "a Checkpointer's ShardedIO outlived it"  # the owner holds it
+        return owner
 
     # ---- saving ----------------------------------------------------------------------------
     def save(self, epoch: int, step: int, consumed: int | None, extra: Mapping | None,
@@ -146,6 +156,7 @@ class ShardedIO:
         staged = stage(tensors)  # this rank's shards and replicated tensors: one copy in host memory
         self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="phalanx-checkpoint")
         self._pending = self._pool.submit(self._write, staged, *job, group)
+        self._saving_for = o
         self._owed_by = (o.group or dist.group.WORLD) if dist.is_initialized() else None
         if self._owed_by is not None:
             unfinished.owe(self._owed_by, self.wait)  # destroy_process_group finishes it first
@@ -239,7 +250,10 @@ class ShardedIO:
         atexit.unregister(self._wait_at_exit)
         if self._owed_by is not None:
             unfinished.settle(self._owed_by, self.wait)
-        return pending.result()
+        try:
+            return pending.result()
+        finally:
+            self._saving_for = None
 
     def _wait_at_exit(self) -> None:
         """At interpreter exit (after Python has let the writer thread finish): the
