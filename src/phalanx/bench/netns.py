@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 from typing import Iterator
 
@@ -51,8 +52,9 @@ def veth_namespaces(prefix: str, subnet: str, rate: str | None = None) -> Iterat
     created: list[str] = []
     try:
         for ns, _, _ in nodes:
-            _ip("netns", "add", ns, nothing_created=not created)
-            created.append(ns)
+            first = not created
+            created.append(ns)  # before it exists: a Ctrl-C during `ip netns add` leaves none
+            _ip("netns", "add", ns, nothing_created=first)
         _ip("link", "add", nodes[0][1], "type", "veth", "peer", "name", nodes[1][1])
         for ns, dev, addr in nodes:
             _ip("link", "set", dev, "netns", ns)
@@ -64,5 +66,11 @@ def veth_namespaces(prefix: str, subnet: str, rate: str | None = None) -> Iterat
                     "burst", TBF_BURST, "latency", TBF_LATENCY)
         yield nodes
     finally:
-        for ns in created:  # deleting a namespace deletes its end of the veth pair (and the other)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        # a second Ctrl-C (or SIGTERM) must not cut the removal short: the namespaces would
+        # outlive the run; the signals are held until it is done, then delivered
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+        try:
+            for ns in created:  # deleting a namespace deletes its end of the veth pair (and the other)
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
