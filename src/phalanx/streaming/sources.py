@@ -10,8 +10,9 @@ A *shard* is one random-access sequence of samples (usually one file). Built-in 
 * ``.jsonl`` (:class:`JsonlShard`): one JSON value per line; sample ``i`` is the ``i``-th
   non-blank line, parsed. Blank lines are not records (skipped, as JSON Lines readers do).
 
-Readers open their file lazily and read with ``os.pread``, so a reader copied into forked
-DataLoader workers never shares a file offset with another process.
+Readers open their file lazily, per process: token and ``.npy`` files are mapped (each sample
+a view of the file's pages), ``.jsonl`` is read with ``os.pread``, so a reader copied into
+forked DataLoader workers never shares a file offset with another process.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import errno
 import glob
 import json
 import math
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,18 +51,40 @@ class _File:
     def __init__(self, path: str) -> None:
         self.name = path
         self._fd: int | None = None
+        self._map: mmap.mmap | None = None
         self._pid = -1
 
-    def pread(self, size: int, offset: int) -> bytes:
+    def _open(self) -> int:
         if self._fd is None or self._pid != os.getpid():
-            self._fd, self._pid = os.open(self.name, os.O_RDONLY), os.getpid()
-        data = os.pread(self._fd, size, offset)
+            self._fd, self._map, self._pid = os.open(self.name, os.O_RDONLY), None, os.getpid()
+        return self._fd
+
+    def pread(self, size: int, offset: int) -> bytes:
+        data = os.pread(self._open(), size, offset)
         if len(data) != size:
             raise ValueError(
                 f"{self.name}: truncated: expected {size} bytes at offset {offset}, got "
                 f"{len(data)} (the file changed or was cut short after it was indexed)"
             )
         return data
+
+    def tensor(self, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
+        """``count`` elements of ``dtype`` at byte ``offset``, viewing the file's pages: mapped
+        once per process, copy-on-write (a sample written to leaves the file as it is), no
+        system call and no copy per sample (``pread`` per sample took ~1.8x a plain loop's
+        time in benchmarks/bench_data.py)."""
+        if count == 0:  # (frombuffer refuses an empty view)
+            return torch.empty(0, dtype=dtype)
+        fd = self._open()
+        if self._map is None:
+            self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        size = count * dtype.itemsize
+        if offset + size > len(self._map):
+            raise ValueError(
+                f"{self.name}: truncated: expected {size} bytes at offset {offset}, the file has "
+                f"{len(self._map)} (the file changed or was cut short after it was indexed)"
+            )
+        return torch.frombuffer(self._map, dtype=dtype, count=count, offset=offset)
 
     def __getstate__(self) -> dict:
         return {"name": self.name}
@@ -134,8 +158,8 @@ class NpyShard:
         return self.shape[0]
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        data = self._file.pread(self._row_bytes, self._data_offset + index * self._row_bytes)
-        return torch.frombuffer(bytearray(data), dtype=self.dtype).reshape(self.shape[1:])
+        count = self._row_bytes // self.dtype.itemsize
+        return self._file.tensor(self.dtype, count, self._data_offset + index * self._row_bytes).reshape(self.shape[1:])
 
 
 class TokenBinShard:
@@ -159,8 +183,7 @@ class TokenBinShard:
         return self._len
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        data = self._file.pread(self._sample_bytes, index * self._sample_bytes)
-        return torch.frombuffer(bytearray(data), dtype=self.dtype)
+        return self._file.tensor(self.dtype, self.seq_len, index * self._sample_bytes)
 
 
 class JsonlShard:
