@@ -164,11 +164,13 @@ def _alone(rank, world_size):
             "moved": _max_diff((p.detach().full_tensor(), b) for p, b in zip(params[0], base.parameters()))}
 
 
+# the world-2 spawn behind these (7-19 s) runs in the slow tier; world 1 stays in the fast one
 @pytest.fixture(scope="module")
 def ranks():
     return run_ranks(_gaps, 2, timeout=300)
 
 
+@pytest.mark.slow
 def test_tied_parameters_in_two_units_refused_as_torch(ranks):
     for rank, out in enumerate(ranks):
         ours, theirs = out["tied"]["refusals"]
@@ -178,6 +180,7 @@ def test_tied_parameters_in_two_units_refused_as_torch(ranks):
         assert out["tied"]["again"] == ours, (rank, out["tied"]["again"])
 
 
+@pytest.mark.slow
 def test_tied_parameters_in_one_unit_train_as_torch(ranks):
     for rank, out in enumerate(ranks):
         res = out["tied"]
@@ -185,6 +188,7 @@ def test_tied_parameters_in_one_unit_train_as_torch(ranks):
         assert res["grads_equal"] and res["equal"], (rank, res)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CHUNKED)
 def test_head_unit_on_chunks_trains_as_torch(ranks, case):
     for rank, out in enumerate(ranks):
@@ -193,6 +197,7 @@ def test_head_unit_on_chunks_trains_as_torch(ranks, case):
         assert res["grads_equal"] and res["equal"], (rank, res)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_parameters_refused_by_name(ranks):
     for rank, out in enumerate(ranks):
         res = out["tensor_parallel"]

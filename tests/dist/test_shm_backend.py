@@ -204,7 +204,7 @@ def _all_checks(rank, world):
     return bad, mismatch, again
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_every_op_matches_gloo_and_the_rank_order_reference(world):
     for rank, (bad, mismatch, again) in enumerate(run_ranks(_all_checks, world, timeout=300)):
         assert bad == [], (rank, bad)
@@ -244,6 +244,7 @@ def _hang(rank, world):
     return None
 
 
+@pytest.mark.slow  # waits the group's timeout out
 def test_a_hang_honours_the_group_timeout():
     (err, took), _ = run_ranks(_hang, 2, timeout=60)
     assert err[0] == "CollectiveTimeoutError" and "rank 1, which never arrived" in err[1], err
