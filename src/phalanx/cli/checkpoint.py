@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 from .text import add_manual_parser
 
@@ -44,7 +45,7 @@ def add_checkpoint(commands: argparse._SubParsersAction) -> None:
     for sub, handler in ((info, _info), (verify, _verify), (export, _export)):
         sub.add_argument("path", metavar="PATH", help="a checkpoint file or directory, or a run "
                                                       "directory (its newest checkpoint)")
-        sub.set_defaults(handler=handler)
+        sub.set_defaults(handler=_on_checkpoint(handler))
     export.add_argument("out", metavar="OUT", help="the file to write: .pt, .pth or .safetensors")
     export.add_argument("--force", action="store_true", help="replace OUT if it exists")
     parser.set_defaults(handler=lambda args: _usage(parser))
@@ -60,20 +61,21 @@ def _error(message: str, status: int) -> int:
     return status
 
 
-def _resolve(args: argparse.Namespace):  # -> (contents module, Path) or an exit status
-    from ..checkpoint import contents  # torch: imported by the command, not by the CLI's start
+def _on_checkpoint(action: Callable[..., int]) -> Callable[[argparse.Namespace], int]:
+    """The handler that runs ``action(args, contents, path)`` once PATH is resolved (exit 2
+    when it is no checkpoint); ``contents`` is :mod:`phalanx.checkpoint.contents`."""
+    def handler(args: argparse.Namespace) -> int:
+        from ..checkpoint import contents  # torch: imported by the command, not by the CLI's start
 
-    try:
-        return contents, contents.resolve(args.path)
-    except contents.NotACheckpoint as e:
-        return _error(str(e), 2)
+        try:
+            path = contents.resolve(args.path)
+        except contents.NotACheckpoint as e:
+            return _error(str(e), 2)
+        return action(args, contents, path)
+    return handler
 
 
-def _info(args: argparse.Namespace) -> int:
-    resolved = _resolve(args)
-    if isinstance(resolved, int):
-        return resolved
-    contents, path = resolved
+def _info(args: argparse.Namespace, contents: Any, path: Path) -> int:
     found = contents.describe(path)
     print(f"{path}")
     print(f"  format      {found.format}" + ("" if found.format == "consolidated" else " (torch DCP)"))
@@ -108,11 +110,7 @@ def _verdict(found, contents) -> str:
     return "intact (every byte checked)"
 
 
-def _verify(args: argparse.Namespace) -> int:
-    resolved = _resolve(args)
-    if isinstance(resolved, int):
-        return resolved
-    contents, path = resolved
+def _verify(args: argparse.Namespace, contents: Any, path: Path) -> int:
     found = contents.describe(path)
     for problem in found.damage:
         print(problem, file=sys.stderr)
@@ -127,11 +125,7 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export(args: argparse.Namespace) -> int:
-    resolved = _resolve(args)
-    if isinstance(resolved, int):
-        return resolved
-    contents, path = resolved
+def _export(args: argparse.Namespace, contents: Any, path: Path) -> int:
     from ..errors import CheckpointError
 
     out = Path(args.out)
