@@ -52,6 +52,7 @@ from .. import unfinished
 from .._logging import get_logger
 from ..agreement import agree
 from ..errors import CheckpointError
+from ..process_group import leave_at_exit
 from .dcp_engine import BalancedSavePlanner, ChecksummingWriter, SafeReader, merge, split, stage
 from .dcp_layout import (
     MANIFEST,
@@ -166,6 +167,7 @@ class ShardedIO:
     def _group(self) -> Any:
         """The Gloo group of the background saves (made on the first; every rank calls)."""
         if self._background_group is None and dist.is_initialized():
+            leave_at_exit()  # a group used on a thread must not outlive the interpreter
             ranks = dist.get_process_group_ranks(self.owner.group or dist.group.WORLD)
             self._background_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         return self._background_group

@@ -58,7 +58,7 @@ class _Attached:
         self._closed = True
         unfinished = self.ledger.close()
         if self.diagnostics is not None:
-            self.diagnostics.close(cleanly=not unfinished and _no_error_under_way())
+            self.diagnostics.close(cleanly=not unfinished and no_error_under_way())
         if not unfinished:
             return None
         problem = (f"rank {self.ledger.rank} leaves with collectives still under way: "
@@ -83,7 +83,7 @@ class _Attached:
             _log.error("%s", problem)
 
 
-def _no_error_under_way() -> bool:
+def no_error_under_way() -> bool:
     """No exception is on its way out of the script: none being handled (a ``finally`` that
     destroys the group) and none that ended it (at exit, the interpreter keeps it as
     ``sys.last_value``)."""
