@@ -159,7 +159,16 @@ def _alone(rank, world_size):
                 opt.zero_grad()
             seen += [e.name for e in prof.events() if e.name.startswith("c10d::")]
     params = [list(m.parameters()) for m in models]
-    return {"collectives": collectives, "recorded": sum(len(log.records) for log in ledger().logs.values()),
+    state = fully_shard.state(models[0])
+    try:
+        state._fsdp_param_group
+        private = None
+    except ValueError as e:
+        private = str(e)
+    return {"state": [fully_shard.state(m) is None for m in (base, models[0])],
+            "torch_state": [torch_fully_shard.state(m) is None for m in (base, models[1])],
+            "private": private, "forward_hook": callable(state._pre_forward),
+            "collectives": collectives, "recorded": sum(len(log.records) for log in ledger().logs.values()),
             "equal": all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(*params)),
             "moved": _max_diff((p.detach().full_tensor(), b) for p, b in zip(params[0], base.parameters()))}
 
@@ -214,3 +223,8 @@ def test_world_size_one_runs_no_collective():
     assert out["moved"] > 1e-2, out
     assert out["collectives"] == [[], []] and out["recorded"] == 0, out
     assert out["equal"], out
+    # fully_shard.state(module): None where it was not applied, as torch's; a unit's state
+    # that names what torch's FSDPState has and phalanx's does not
+    assert out["state"] == [True, False] and out["torch_state"] == [True, False], out
+    assert out["forward_hook"], out
+    assert "torch's FSDP state has no '_fsdp_param_group'" in out["private"], out

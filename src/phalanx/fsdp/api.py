@@ -110,6 +110,17 @@ def fully_shard(
     return module
 
 
+def _state(module: nn.Module) -> Any:
+    """``fully_shard.state(module)``, as torch's composable API has it: the unit's state as
+    torch's helpers see it (:class:`~phalanx.fsdp.module.TorchStateView`: its pre- and
+    post-forward; any other attribute of torch's ``FSDPState`` raises, naming it), or ``None``
+    for a module ``fully_shard`` was not applied to."""
+    return module._get_fsdp_state() if isinstance(module, FSDPModule) else None
+
+
+fully_shard.state = _state  # type: ignore[attr-defined]
+
+
 def _roots(module: Any) -> tuple[nn.Module, ...]:
     """The modules of the unit: ``module``, or those of a list not inside another of it
     (torch's ``_get_root_modules``), in the list's order."""
