@@ -53,22 +53,31 @@ class PlainTokens(IterableDataset):
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         for path in self.files[worker::workers]:
-            with open(path, "rb", buffering=0) as f:
+            with open(path, "rb") as f:  # buffered, as users open files
                 while chunk := f.read(self.sample_bytes):
                     yield torch.frombuffer(bytearray(chunk), dtype=DTYPE)
 
 
 def _hf_dataset(files: list[str], seq_len: int):
-    """HF datasets' IterableDataset over the same files, split for rank 0 of 1; None without it."""
+    """HF datasets' IterableDataset over the same files, split for rank 0 of 1; None without it.
+
+    Its generator reads its share of the files (HF hands each DataLoader worker a part of the
+    ``gen_kwargs`` list) as the plain baseline does and yields numpy arrays, the type HF
+    documents for generators; the torch format makes them tensors (int64, HF's choice for
+    integer arrays)."""
     try:
+        import numpy as np
         from datasets import IterableDataset as HFIterable
         from datasets.distributed import split_dataset_by_node
     except ImportError:
         return None
+    sample_bytes = seq_len * DTYPE.itemsize
 
     def generate(shards):
-        for sample in PlainTokens(shards, seq_len):
-            yield {"tokens": sample}
+        for path in shards:
+            with open(path, "rb") as f:
+                while chunk := f.read(sample_bytes):
+                    yield {"tokens": np.frombuffer(chunk, dtype=np.uint16)}
 
     data = HFIterable.from_generator(generate, gen_kwargs={"shards": files}).with_format("torch")
     return split_dataset_by_node(data, rank=0, world_size=1)

@@ -22,6 +22,8 @@ _STATE_KEYS = ("epoch", "position", "num_samples", "shards", "seed", "shuffle", 
 # together, one gather per shard), at most this many bytes of them.
 _CHUNK_SAMPLES = 4096
 _CHUNK_BYTES = 4 << 20
+# ... unless a chunk has fewer samples a shard than this on average: then a row view each
+_GATHER_FROM = 8
 
 
 def _positive(name: str, value: Any) -> int:
@@ -195,7 +197,7 @@ class StreamingDataset(IterableDataset):
         shards_sorted = shards.index_select(0, where)
         present, counts = torch.unique_consecutive(shards_sorted, return_counts=True)
         present = present.tolist()
-        if len(present) * 8 > ids.numel():  # about one sample a shard: a row view each
+        if len(present) * _GATHER_FROM > ids.numel():  # few samples a shard: a view each
             rows = {s: readers[s].rows() for s in present}
             return [rows[s][i] for s, i in zip(shards.tolist(), local.tolist())]
         # gathers of at most torch's parallel grain (32768 elements): a larger one runs on
