@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 import operator
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -185,36 +185,52 @@ class StreamingDataset(IterableDataset):
         item = self.readers[shard][local]
         return item if self.transform is None else self.transform(item)
 
-    def _read(self, ids: torch.Tensor) -> list[Any] | tuple[torch.Tensor, ...]:
-        """The samples ``ids``, in that order (not transformed)."""
+    def _read(self, ids: torch.Tensor) -> Callable[[int, int], Sequence[Any]]:
+        """A reader of the samples ``ids``: ``take(a, b)`` gives samples ``ids[a:b]`` (not
+        transformed). Sample objects are made batch by batch, as they are consumed: a chunk's
+        worth alive at once kept Python's garbage collector busy (a fifth of an epoch's time)."""
         shards, local = self._locate(ids)
         readers = self.readers
         if self._row_bytes is None:  # readers of any kind: one __getitem__ per sample
-            return [readers[s][i] for s, i in zip(shards.tolist(), local.tolist())]
+            pairs = list(zip(shards.tolist(), local.tolist()))
+            return lambda a, b: [readers[s][i] for s, i in pairs[a:b]]
         # rows of mapped files: group the ids by shard (sorting them keeps each shard's reads in
-        # file order), gather each shard's rows, then put the samples back in the order asked
+        # file order) and gather each shard's rows into one tensor; a batch then takes its rows
+        # from it in the order asked
         ids_sorted, where = torch.sort(ids)
         shards_sorted = shards.index_select(0, where)
         present, counts = torch.unique_consecutive(shards_sorted, return_counts=True)
         present = present.tolist()
         if len(present) * _GATHER_FROM > ids.numel():  # few samples a shard: a view each
             rows = {s: readers[s].rows() for s in present}
-            return [rows[s][i] for s, i in zip(shards.tolist(), local.tolist())]
+            pairs = list(zip(shards.tolist(), local.tolist()))
+            return lambda a, b: [rows[s][i] for s, i in pairs[a:b]]
         # gathers of at most torch's parallel grain (32768 elements): a larger one runs on
         # several threads, which costs more than the copy when the cores are busy
         piece = max(1, 32768 // self._row_elements)
-        gathered: list[torch.Tensor] = []
+        first = readers[present[0]].rows()
+        gathered = torch.empty((ids.numel(),) + first.shape[1:], dtype=first.dtype)
         parts = (ids_sorted - self._starts_at.index_select(0, shards_sorted)).split(counts.tolist())
+        at = 0
         for s, part in zip(present, parts):
             rows = readers[s].rows()
-            for at in range(0, part.numel(), piece):
-                gathered += rows.index_select(0, part[at:at + piece]).unbind(0)
-        back = torch.empty_like(where).scatter_(0, where, torch.arange(where.numel()))
-        return [gathered[k] for k in back.tolist()]
+            for p in range(0, part.numel(), piece):
+                index = part[p:p + piece]
+                torch.index_select(rows, 0, index, out=gathered[at:at + index.numel()])
+                at += index.numel()
+        # gathered[k] is sample where[k]: sample j is gathered[back[j]]; put them in order
+        # (unless they are: unshuffled), then a batch is a slice
+        if not torch.equal(where, torch.arange(where.numel())):
+            back = torch.empty_like(where).scatter_(0, where, torch.arange(where.numel()))
+            ordered = torch.empty_like(gathered)
+            for p in range(0, back.numel(), piece):
+                torch.index_select(gathered, 0, back[p:p + piece], out=ordered[p:p + piece])
+            gathered = ordered
+        return lambda a, b: gathered[a:b].unbind(0)
 
     def _batches(self, batches: list[tuple[int, int]]) -> Iterator[Any]:
-        """The samples of ``batches`` (position ranges), batch by batch: a list or tuple per
-        batch, transformed."""
+        """The samples of ``batches`` (position ranges), batch by batch: a list per batch,
+        transformed."""
         order, transform = self.order(), self.transform
         per_chunk = _CHUNK_SAMPLES
         if self._row_bytes:
@@ -222,10 +238,10 @@ class StreamingDataset(IterableDataset):
         per_chunk = max(1, per_chunk // self.batch_size)  # in batches
         for c in range(0, len(batches), per_chunk):
             chunk = batches[c:c + per_chunk]
-            samples = self._read(order.index_select(0, batch_positions(chunk) % order.numel()))
+            take = self._read(order.index_select(0, batch_positions(chunk) % order.numel()))
             at = 0
             for begin, end in chunk:
-                batch = samples[at:at + end - begin]
+                batch = take(at, at + end - begin)
                 at += end - begin
                 yield batch if transform is None else [transform(item) for item in batch]
 
