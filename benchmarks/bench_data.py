@@ -6,21 +6,26 @@ Usage::
     python benchmarks/bench_data.py                          # 32 shards x 1000 samples x 128 tokens
     python benchmarks/bench_data.py --workers 0 2 --repeats 7 --json out.json
 
-Variants, over the same ``.bin`` shards written once in a temporary directory:
+Variants, over the same ``.bin`` shards written once in a temporary directory, each giving
+samples of one type, a 1-D tensor of ``--seq-len`` tokens, to the same ``DataLoader(data,
+batch_size, num_workers, persistent_workers=num_workers > 0)``:
 
 * "plain": an ``IterableDataset`` as users write it: each DataLoader worker takes every
-  ``num_workers``-th file and reads its samples in file order (``f.read`` + ``torch.frombuffer``),
-  no shuffle, no rank split, no resumption;
-* "phalanx": ``phalanx.StreamingDataset`` (one rank), shuffled (its global order computed each
-  epoch by every worker, reads in that order);
+  ``num_workers``-th file, opens it (buffered, Python's default) and reads its samples in file
+  order (``f.read`` + ``torch.frombuffer``, uint16), no shuffle, no rank split, no resumption;
+* "phalanx": ``phalanx.StreamingDataset`` (one rank), shuffled: each epoch (``set_epoch``) every
+  worker computes the epoch's global order and reads its batches in that order (uint16);
 * "phalanx unshuffled": the same with ``shuffle=False``;
-* "HF datasets split_dataset_by_node" when ``datasets`` is installed (a generator-backed
-  ``IterableDataset`` over the same files, split for rank 0 of 1); otherwise reported absent.
+* "HF datasets split_dataset_by_node" when ``datasets`` is installed: a generator-backed HF
+  ``IterableDataset`` over the same files (read as "plain" reads them, yielding numpy arrays),
+  in the torch format (int64 tensors: HF's choice), split for rank 0 of 1; without ``datasets``
+  the report says it was skipped. ``datasets`` is not a dependency of phalanx or of its tests.
 
-Each DataLoader has ``persistent_workers`` (workers > 0) and is iterated once to warm up; then
+Each DataLoader is iterated once to warm up (workers start, files enter the page cache); then
 the variants take turns, one epoch each, ``--repeats`` times. The report gives each variant's
-median samples/s and the ratio phalanx / plain (the goal: at least 0.95). Timings mean something
-only on an otherwise idle machine.
+median samples/s and the median ratio phalanx / plain over the rounds (the goal: at least
+0.95). Timings mean something only on an otherwise idle machine; a busy one also slows torch's
+multi-threaded operations (the main process's, with no workers) far more than plain Python.
 """
 
 from __future__ import annotations
@@ -53,22 +58,31 @@ class PlainTokens(IterableDataset):
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         for path in self.files[worker::workers]:
-            with open(path, "rb", buffering=0) as f:
+            with open(path, "rb") as f:  # buffered, as users open files
                 while chunk := f.read(self.sample_bytes):
                     yield torch.frombuffer(bytearray(chunk), dtype=DTYPE)
 
 
 def _hf_dataset(files: list[str], seq_len: int):
-    """HF datasets' IterableDataset over the same files, split for rank 0 of 1; None without it."""
+    """HF datasets' IterableDataset over the same files, split for rank 0 of 1; None without it.
+
+    Its generator reads its share of the files (HF hands each DataLoader worker a part of the
+    ``gen_kwargs`` list) as the plain baseline does and yields numpy arrays, the type HF
+    documents for generators; the torch format makes them tensors (int64, HF's choice for
+    integer arrays)."""
     try:
+        import numpy as np
         from datasets import IterableDataset as HFIterable
         from datasets.distributed import split_dataset_by_node
     except ImportError:
         return None
+    sample_bytes = seq_len * DTYPE.itemsize
 
     def generate(shards):
-        for sample in PlainTokens(shards, seq_len):
-            yield {"tokens": sample}
+        for path in shards:
+            with open(path, "rb") as f:
+                while chunk := f.read(sample_bytes):
+                    yield {"tokens": np.frombuffer(chunk, dtype=np.uint16)}
 
     data = HFIterable.from_generator(generate, gen_kwargs={"shards": files}).with_format("torch")
     return split_dataset_by_node(data, rank=0, world_size=1)
@@ -120,11 +134,13 @@ def measure(args) -> dict:
             for name, values in rates.items():
                 results[f"{name}, workers {workers}"] = {"median": statistics.median(values),
                                                          "samples_per_s": values}
-            results[f"phalanx / plain, workers {workers}"] = {
-                "median": statistics.median(p / q for p, q in zip(rates["phalanx"], rates["plain"]))}
+            for name in ("phalanx", "phalanx unshuffled"):
+                results[f"{name} / plain, workers {workers}"] = {"median": statistics.median(
+                    p / q for p, q in zip(rates[name], rates["plain"]))}
             if "HF datasets split_dataset_by_node" not in variants:
                 results[f"HF datasets split_dataset_by_node, workers {workers}"] = {
-                    "median": None, "absent": "datasets is not installed"}
+                    "median": None,
+                    "absent": "skipped: datasets is not installed (pip install datasets)"}
             del loaders
     return results
 

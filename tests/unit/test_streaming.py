@@ -100,6 +100,39 @@ def test_epochs_differ_and_shuffle_stages(tmp_path):
     assert sorted(runs) == list(range(6)) and runs != list(range(6))
 
 
+def _reference_order(sizes, seed, epoch, block):
+    """The documented stages, written plainly: float keys and torch's stable argsort."""
+    from phalanx.streaming.order import _generator
+    place = torch.empty(len(sizes), dtype=torch.float64)
+    place[torch.randperm(len(sizes), generator=_generator(seed, epoch, 1))] = torch.arange(
+        len(sizes), dtype=torch.float64)
+    shard_of = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    total = sum(sizes)
+    key = place[shard_of] + torch.rand(total, generator=_generator(seed, epoch, 2),
+                                       dtype=torch.float64)
+    order = torch.argsort(key, stable=True)
+    key = (torch.arange(total) // block).double() + torch.rand(
+        total, generator=_generator(seed, epoch, 3), dtype=torch.float64)
+    return order[torch.argsort(key, stable=True)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_global_order_is_the_documented_stages(threads):
+    """The order's fast sorts (float keys sorted as int64 bits, padded to torch's radix sort
+    in one-thread processes) give the stages' order exactly, below, in and above the padding."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for sizes, block in (([7, 5, 1, 9, 3, 4], 8), ([1000] * 10, 1 << 16),
+                             ([900, 1, 3100, 5000] * 3, 2048), ([20_000, 20_001], 30_000)):
+            for epoch in (0, 1):
+                want = _reference_order(sizes, 3, epoch, block)
+                got = phalanx.streaming.global_order(sizes, 3, epoch, shuffle_block=block)
+                assert torch.equal(got, want), (sizes, block, epoch)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_resume_position_at_another_world_size(tmp_path):
     """Stopped after 2 batches at world 3, resumed at world 2 and at world 4 with 3 workers:
     the consumed and the resumed ids make one epoch, each once."""
@@ -156,6 +189,91 @@ def test_real_dataloader_workers_match_the_partition(tmp_path):
         assert sorted(got) == list(range(29))
         epochs.append(got)
     assert epochs[0] != epochs[1]
+
+
+def _sources(tmp_path, kind):
+    """Sources of the ``uneven`` sizes (29 samples) whose samples tell their id (see ``_id``):
+    rows of mapped files read by gathers ("npy", "tokens"), one-sample shards (a row view
+    each), long rows (gathers of a few rows each), and readers of any kind."""
+    sizes = SHARDINGS["uneven"]
+    if kind == "npy":
+        return write_shards(tmp_path, sizes)
+    if kind == "one-sample shards":
+        return write_shards(tmp_path, [1] * 29)
+    if kind in ("tokens", "long rows"):
+        seq_len = 2 if kind == "tokens" else 12_000  # 2 rows per gather at most (32768 elements)
+        ids = torch.arange(29).repeat_interleave(seq_len)
+        directory = tmp_path / "tok"
+        for i, (start, n) in enumerate(zip(itertools.accumulate([0] + sizes), sizes)):
+            phalanx.streaming.write_token_shards(ids[start * seq_len:(start + n) * seq_len],
+                                                 directory / f"{i:02d}", seq_len, n)
+        return [phalanx.streaming.TokenFiles(directory / f"{i:02d}", seq_len=seq_len)
+                for i in range(len(sizes))]
+    lines = tmp_path / "records.jsonl"  # readers of any kind: JSON Lines and a user's reader
+    lines.write_text("".join(f'{{"id": {i}}}\n' for i in range(7)))
+
+    class Ids:
+        def __init__(self, start, n):
+            self.name, self.start, self.n = f"ids-{start}", start, n
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, i):
+            return self.start + i
+
+    return [str(lines)] + [Ids(start, n) for start, n in
+                           zip(itertools.accumulate([7] + sizes[1:]), sizes[1:])]
+
+
+def _id(sample):
+    if isinstance(sample, dict):
+        return sample["id"]
+    return int(sample) if not isinstance(sample, torch.Tensor) else int(sample.reshape(-1)[0])
+
+
+@pytest.mark.parametrize("kind", ["npy", "tokens", "one-sample shards", "long rows", "any"])
+def test_iteration_serves_the_partition(tmp_path, kind, monkeypatch):
+    """What __iter__ yields, read in chunks of 3 batches, is what the partition says, for every
+    kind of reader, padded and uneven ends, and resumed; and the count state_dict() takes
+    without workers is exact after whole batches."""
+    monkeypatch.setattr(phalanx.streaming.dataset, "_CHUNK_SAMPLES", 6)
+    if kind != "one-sample shards":  # gathers however few samples a shard (else a view each)
+        monkeypatch.setattr(phalanx.streaming.dataset, "_GATHER_FROM", 0)
+    sources = _sources(tmp_path, kind)
+    for ends, world in (("pad", 3), ("uneven", 2)):
+        ranks = datasets(sources, world, batch_size=2, ends=ends, seed=5, shuffle_block=8)
+        for d in ranks:
+            d.set_epoch(2)
+            want = rank_stream(d, 0)
+            got = list(d)
+            assert [_id(x) for x in got] == [i for b in want for i in b], (kind, ends, d.rank)
+            if kind in ("npy", "tokens"):  # rows, as __getitem__ gives them
+                assert all(x.shape == d.readers[0][0].shape for x in got)
+        state = ranks[0].state_dict(consumed=4)
+        for d in ranks:
+            d.load_state_dict(state)
+            d.set_epoch(2)
+            assert [_id(x) for x in d] == [i for b in rank_stream(d, 0) for i in b]
+    data = datasets(sources, 1, batch_size=3, ends="drop", shuffle=False,
+                    transform=lambda x: ("t", _id(x)))[0]
+    it = iter(data)
+    assert [next(it) for _ in range(6)] == [("t", i) for i in range(6)]
+    assert data.state_dict()["position"] == 6  # two whole batches yielded
+    next(it)
+    with pytest.raises(ValueError, match="multiple of batch_size 3"):
+        data.state_dict()  # mid-batch: not a position of the order
+    assert [x[1] for x in it] == list(range(7, 29))  # one rank drops nothing
+    assert data.state_dict()["position"] == 29
+
+
+def test_iteration_in_workers_reads_chunks(tmp_path, monkeypatch):
+    """Two DataLoader workers reading token rows in chunks of 3 batches give the partition."""
+    monkeypatch.setattr(phalanx.streaming.dataset, "_CHUNK_SAMPLES", 6)
+    monkeypatch.setattr(phalanx.streaming.dataset, "_GATHER_FROM", 0)
+    data = datasets(_sources(tmp_path, "tokens"), 3, batch_size=2, ends="pad", seed=4)[1]
+    loader = DataLoader(data, batch_size=2, num_workers=2, multiprocessing_context="fork")
+    assert [b[:, 0].tolist() for b in loader] == rank_stream(data, 2)
 
 
 def _one(source, **kwargs):

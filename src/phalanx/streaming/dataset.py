@@ -4,17 +4,26 @@ and DataLoader workers, in an order independent of both, resumable at any world 
 from __future__ import annotations
 
 import hashlib
+import math
 import operator
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .. import process_group
-from .order import ENDS, Layout, global_order, positions_to_ids
-from .sources import resolve, sizes
+from .order import ENDS, Layout, batch_positions, global_order
+from .sources import NpyShard, TokenBinShard, resolve, sizes
 
 _STATE_KEYS = ("epoch", "position", "num_samples", "shards", "seed", "shuffle", "shuffle_block")
+
+# A worker locates its samples a chunk of batches at a time (tensor operations per chunk, not
+# per sample): at most this many samples, and for samples that are rows of mapped files (read
+# together, one gather per shard), at most this many bytes of them.
+_CHUNK_SAMPLES = 4096
+_CHUNK_BYTES = 4 << 20
+# ... unless a chunk has fewer samples a shard than this on average: then a row view each
+_GATHER_FROM = 8
 
 
 def _positive(name: str, value: Any) -> int:
@@ -31,6 +40,20 @@ def _fingerprint(shard_sizes: list[int]) -> str:
     """A short digest of the shard sizes: a resumed run must see the same shards."""
     text = ",".join(map(str, shard_sizes)).encode()
     return f"{len(shard_sizes)}:{hashlib.blake2b(text, digest_size=8).hexdigest()}"
+
+
+def _row_size(readers: list[Any]) -> tuple[int, int] | None:
+    """``(bytes, elements)`` of a sample when every reader is a mapped file whose samples are
+    rows of one dtype and shape (read a chunk at a time, gathers per shard); else None."""
+    if not all(type(r) in (TokenBinShard, NpyShard) for r in readers):
+        return None
+    kinds = {(r.dtype, tuple(r.shape[1:]) if isinstance(r, NpyShard) else (r.seq_len,))
+             for r in readers}
+    if len(kinds) != 1:
+        return None
+    (dtype, shape), = kinds
+    elements = math.prod(shape)
+    return max(1, elements * dtype.itemsize), max(1, elements)
 
 
 class StreamingDataset(IterableDataset):
@@ -122,9 +145,14 @@ class StreamingDataset(IterableDataset):
         # [epoch, start position]: in shared memory, so that workers (persistent ones too) see
         # set_epoch and load_state_dict made in the main process
         self._shared = torch.zeros(2, dtype=torch.int64).share_memory_()
-        self._yielded = 0
+        # samples this process's iterator yielded (num_workers=0): those of the batches before
+        # the current one, and the current batch's iterator (counted as it is consumed)
+        self._done, self._current = 0, None
         self._counted_here = False  # an iteration ran in this process (num_workers=0)
         self._cache: tuple[int, torch.Tensor] | None = None
+        # samples that are rows of one tensor per shard, of one dtype and shape: read a chunk's
+        # samples of a shard with one gather
+        self._row_bytes, self._row_elements = _row_size(self.readers) or (None, None)
 
     @property
     def epoch(self) -> int:
@@ -143,30 +171,103 @@ class StreamingDataset(IterableDataset):
                                                shuffle=self.shuffle, shuffle_block=self.shuffle_block))
         return self._cache[1]
 
-    def _locate(self, ids: torch.Tensor) -> tuple[list[int], list[int]]:
-        """``(shard, index in the shard)`` of each sample id, as two lists."""
-        shards = torch.searchsorted(self._ends_at, ids, right=True)
-        return shards.tolist(), (ids - self._starts_at[shards]).tolist()
+    def _locate(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(shard, index in the shard)`` of each sample id, as two tensors."""
+        # searchsorted in pieces of at most 200 (its parallel grain: see order.py's note)
+        shards = torch.cat([torch.searchsorted(self._ends_at, ids[at:at + 200], right=True)
+                            for at in range(0, ids.numel(), 200)]) if ids.numel() > 200 \
+            else torch.searchsorted(self._ends_at, ids, right=True)
+        return shards, ids - self._starts_at.index_select(0, shards)
 
     def sample(self, sample_id: int) -> Any:
         """Sample ``sample_id`` (its place in the sources), transformed."""
-        (shard,), (local,) = self._locate(torch.tensor([sample_id]))
+        shard, local = (int(t) for t in self._locate(torch.tensor([sample_id])))
         item = self.readers[shard][local]
         return item if self.transform is None else self.transform(item)
+
+    def _read(self, ids: torch.Tensor) -> Callable[[int, int], Sequence[Any]]:
+        """A reader of the samples ``ids``: ``take(a, b)`` gives samples ``ids[a:b]`` (not
+        transformed). Sample objects are made batch by batch, as they are consumed: a chunk's
+        worth alive at once kept Python's garbage collector busy (a fifth of an epoch's time)."""
+        shards, local = self._locate(ids)
+        readers = self.readers
+        if self._row_bytes is None:  # readers of any kind: one __getitem__ per sample
+            pairs = list(zip(shards.tolist(), local.tolist()))
+            return lambda a, b: [readers[s][i] for s, i in pairs[a:b]]
+        # rows of mapped files: group the ids by shard (sorting them keeps each shard's reads in
+        # file order) and gather each shard's rows into one tensor; a batch then takes its rows
+        # from it in the order asked
+        ids_sorted, where = torch.sort(ids)
+        shards_sorted = shards.index_select(0, where)
+        present, counts = torch.unique_consecutive(shards_sorted, return_counts=True)
+        present = present.tolist()
+        if len(present) * _GATHER_FROM > ids.numel():  # few samples a shard: a view each
+            rows = {s: readers[s].rows() for s in present}
+            pairs = list(zip(shards.tolist(), local.tolist()))
+            return lambda a, b: [rows[s][i] for s, i in pairs[a:b]]
+        # gathers of at most torch's parallel grain (32768 elements): a larger one runs on
+        # several threads, which costs more than the copy when the cores are busy
+        piece = max(1, 32768 // self._row_elements)
+        first = readers[present[0]].rows()
+        gathered = torch.empty((ids.numel(),) + first.shape[1:], dtype=first.dtype)
+        parts = (ids_sorted - self._starts_at.index_select(0, shards_sorted)).split(counts.tolist())
+        at = 0
+        for s, part in zip(present, parts):
+            rows = readers[s].rows()
+            for p in range(0, part.numel(), piece):
+                index = part[p:p + piece]
+                torch.index_select(rows, 0, index, out=gathered[at:at + index.numel()])
+                at += index.numel()
+        # gathered[k] is sample where[k]: sample j is gathered[back[j]]; put them in order
+        # (unless they are: unshuffled), then a batch is a slice
+        if not torch.equal(where, torch.arange(where.numel())):
+            back = torch.empty_like(where).scatter_(0, where, torch.arange(where.numel()))
+            ordered = torch.empty_like(gathered)
+            for p in range(0, back.numel(), piece):
+                torch.index_select(gathered, 0, back[p:p + piece], out=ordered[p:p + piece])
+            gathered = ordered
+        return lambda a, b: gathered[a:b].unbind(0)
+
+    def _batches(self, batches: list[tuple[int, int]]) -> Iterator[Any]:
+        """The samples of ``batches`` (position ranges), batch by batch: a list per batch,
+        transformed."""
+        order, transform = self.order(), self.transform
+        per_chunk = _CHUNK_SAMPLES
+        if self._row_bytes:
+            per_chunk = min(per_chunk, _CHUNK_BYTES // self._row_bytes)
+        per_chunk = max(1, per_chunk // self.batch_size)  # in batches
+        for c in range(0, len(batches), per_chunk):
+            chunk = batches[c:c + per_chunk]
+            take = self._read(order.index_select(0, batch_positions(chunk) % order.numel()))
+            at = 0
+            for begin, end in chunk:
+                batch = take(at, at + end - begin)
+                at += end - begin
+                yield batch if transform is None else [transform(item) for item in batch]
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        batches = self.layout().worker_batches(self.rank, worker, workers)
-        order, readers, transform = self.order(), self.readers, self.transform
-        if info is None:
-            self._yielded, self._counted_here = 0, True
-        for begin, end in batches:
-            for shard, local in zip(*self._locate(positions_to_ids(order, begin, end))):
-                item = readers[shard][local]
-                if info is None:
-                    self._yielded += 1
-                yield item if transform is None else transform(item)
+        batches = self._batches(self.layout().worker_batches(self.rank, worker, workers))
+        if info is not None:
+            for batch in batches:
+                yield from batch
+            return
+        # num_workers=0: count what is yielded, for state_dict()
+        self._done, self._current, self._counted_here = 0, None, True
+        for batch in batches:
+            current = iter(batch)
+            self._current = (len(batch), current)
+            yield from current
+            self._done += len(batch)
+            self._current = None
+
+    def _yielded(self) -> int:
+        """Samples this process's iterator has yielded in its current iteration."""
+        if self._current is None:
+            return self._done
+        size, current = self._current
+        return self._done + size - operator.length_hint(current)
 
     def __len__(self) -> int:
         """This rank's number of samples in the current epoch (fewer when resumed mid-epoch)."""
@@ -181,7 +282,7 @@ class StreamingDataset(IterableDataset):
         """
         if epoch != self.epoch:
             self._shared[1] = 0
-            self._yielded, self._counted_here = 0, False
+            self._done, self._current, self._counted_here = 0, None, False
         self._shared[0] = epoch
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
@@ -204,7 +305,7 @@ class StreamingDataset(IterableDataset):
                     "the data set was not iterated in this process (DataLoader workers read it), "
                     "so it cannot tell how far the training loop got"
                 )
-            consumed = self._yielded
+            consumed = self._yielded()
         if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
             raise ValueError(f"Invalid consumed {consumed!r}, consumed should be a non-negative integer")
         return {"epoch": self.epoch,
@@ -237,9 +338,10 @@ class StreamingDataset(IterableDataset):
             raise ValueError(f"Invalid StreamingDataset state: position {position!r}, expected "
                              f"an integer in [0, {self.num_samples}]")
         self._shared[0], self._shared[1] = state["epoch"], position
-        self._yielded, self._counted_here = 0, False
+        self._done, self._current, self._counted_here = 0, None, False
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_cache"] = None  # workers compute the order themselves
+        state["_done"], state["_current"] = 0, None
         return state

@@ -52,11 +52,13 @@ class _File:
         self.name = path
         self._fd: int | None = None
         self._map: mmap.mmap | None = None
+        self._rows: torch.Tensor | None = None
         self._pid = -1
 
     def _open(self) -> int:
         if self._fd is None or self._pid != os.getpid():
             self._fd, self._map, self._pid = os.open(self.name, os.O_RDONLY), None, os.getpid()
+            self._rows = None
         return self._fd
 
     def pread(self, size: int, offset: int) -> bytes:
@@ -68,14 +70,19 @@ class _File:
             )
         return data
 
-    def tensor(self, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
-        """``count`` elements of ``dtype`` at byte ``offset``, viewing the file's pages: mapped
-        once per process, copy-on-write (a sample written to leaves the file as it is), no
-        system call and no copy per sample (``pread`` per sample took ~1.8x a plain loop's
-        time in benchmarks/bench_data.py)."""
-        if count == 0:  # (frombuffer refuses an empty view)
-            return torch.empty(0, dtype=dtype)
+    def rows(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:
+        """The file from byte ``offset`` as one tensor of ``shape`` (rows first), viewing the
+        file's pages: mapped once per process, copy-on-write (a sample written to leaves the
+        file as it is), made once per process, so a sample is a row of it: no system call and
+        no copy per sample (``pread`` per sample took ~1.8x a plain loop's time in
+        benchmarks/bench_data.py, a ``frombuffer`` per sample 1.4x)."""
         fd = self._open()
+        if self._rows is not None:
+            return self._rows
+        count = math.prod(shape)
+        if count == 0:  # (frombuffer refuses an empty view)
+            self._rows = torch.empty(shape, dtype=dtype)
+            return self._rows
         if self._map is None:
             self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         size = count * dtype.itemsize
@@ -84,7 +91,8 @@ class _File:
                 f"{self.name}: truncated: expected {size} bytes at offset {offset}, the file has "
                 f"{len(self._map)} (the file changed or was cut short after it was indexed)"
             )
-        return torch.frombuffer(self._map, dtype=dtype, count=count, offset=offset)
+        self._rows = torch.frombuffer(self._map, dtype=dtype, count=count, offset=offset).view(shape)
+        return self._rows
 
     def __getstate__(self) -> dict:
         return {"name": self.name}
@@ -158,8 +166,11 @@ class NpyShard:
         return self.shape[0]
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        count = self._row_bytes // self.dtype.itemsize
-        return self._file.tensor(self.dtype, count, self._data_offset + index * self._row_bytes).reshape(self.shape[1:])
+        return self.rows()[index]
+
+    def rows(self) -> torch.Tensor:
+        """The whole array, a view of the mapped file (sample ``i`` is row ``i``)."""
+        return self._file.rows(self.dtype, self.shape, self._data_offset)
 
 
 class TokenBinShard:
@@ -183,7 +194,11 @@ class TokenBinShard:
         return self._len
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        return self._file.tensor(self.dtype, self.seq_len, index * self._sample_bytes)
+        return self.rows()[index]
+
+    def rows(self) -> torch.Tensor:
+        """All samples as one ``(len, seq_len)`` tensor, a view of the mapped file."""
+        return self._file.rows(self.dtype, (self._len, self.seq_len), 0)
 
 
 class JsonlShard:
