@@ -59,10 +59,10 @@ class StepCheck:
         self._reported_at = 0
 
     def forward(self, sync: bool, broadcasts: bool, join_index: int | None = None,
-                rides: bool = False) -> Any:
+                ride: str = "") -> Any:
         """Before a forward: ``sync`` (its backward will average), ``broadcasts`` (it sends
-        rank 0's buffers first), ``rides`` (its reducer's bucket can carry the check: see the
-        module notes). While ranks have joined (:mod:`phalanx.uneven`) the check is
+        rank 0's buffers first), ``ride`` (the reducer's bucket that can carry the check, see
+        the module notes; ``""``: none). While ranks have joined (:mod:`phalanx.uneven`) the check is
         waited for and announces this DDP's step (``join_index``: its place in the join);
         returns the verdict then (who is still active), else ``None``."""
         book = ledger()
@@ -79,7 +79,7 @@ class StepCheck:
         what = (CHECK if sync or torch.is_grad_enabled() else EVALUATION) + (
             " with a straggler report" if report else "")
         announce = () if join_index is None else (syncpoint.JOINABLE, join_index, DDPAction.FORWARD)
-        ride = rides and sync and not broadcasts and join_index is None
+        ride = ride if sync and not broadcasts and join_index is None else ""
         verdict = book.sync_point(what, self.group, wait=report, site=call_site(1), announce=announce,
                                   ride=ride)
         if report:

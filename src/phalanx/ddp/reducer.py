@@ -138,6 +138,9 @@ class Reducer:
         # all-reduce (see the module notes)
         envelope = _envelope(plan, tail, bucket_comm, bool(sparse_params), self._ledger)
         self.rides = envelope is not None
+        # what a riding check names (and fingerprints): ranks that would sum different buckets disagree
+        self.ride = f"DDP bucket 0 {str(plan[0].dtype).removeprefix('torch.')}[{plan[0].numel + tail}]" \
+            if self.rides else ""
         self._ride: Any = None  # the sync point riding this backward's bucket
         self._buckets: list[Bucket] = []
         self._bucket_of: list[int] = []
@@ -305,7 +308,7 @@ class Reducer:
             op = f"DDP bucket {self._next}{self.bucket_comm.label}"
             flat = bucket.buffer
             if self.rides and self.join_index is None:
-                self._ride = self._ledger.take_ride(self.bucket_comm.group, op)
+                self._ride = self._ledger.take_ride(self.bucket_comm.group)
                 if self._ride is not None:  # the forward's sync point goes with the gradients
                     head = self._ride.head
                     bucket.envelope[:len(head)].copy_(torch.tensor(head, dtype=flat.dtype))

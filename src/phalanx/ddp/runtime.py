@@ -186,7 +186,7 @@ class Runtime:
             return inputs, kwargs, sync
         refuse_distributed_autograd()
         broadcasts = self.sync_buffers_next and sync_buffers and self.buffer_sync is not None
-        verdict = self.check.forward(sync, broadcasts, self.join.index, rides and self.reducer.rides)
+        verdict = self.check.forward(sync, broadcasts, self.join.index, self.reducer.ride if rides else "")
         src = self.join.step_settings(verdict, self.reducer)  # while ranks have joined
         if broadcasts:
             self.buffer_sync.sync(fresh=self.reducer.awaiting_backward, src=src,

@@ -255,7 +255,7 @@ class Ledger:
     # ---- sync points ----------------------------------------------------------------------
     def sync_point(self, what: str, group: Any = None, *, flags: Sequence[int] = (),
                    site: str | None = None, wait: bool = True,
-                   announce: tuple[int, ...] = (), ride: bool = False) -> syncpoint.Verdict | None:
+                   announce: tuple[int, ...] = (), ride: str = "") -> syncpoint.Verdict | None:
         """Every rank of ``group`` checks here that it agrees with the others on ``what`` and
         on the collectives since the last point (:mod:`~phalanx.ledger.syncpoint`).
 
@@ -266,10 +266,12 @@ class Ledger:
                 between (a forward's, for DDP); ``None`` is returned. While a join runs,
                 every check is waited for.
             announce: for ranks that have joined: how they take part in what follows.
-            ride: (with ``wait=False``) the check may ride the next collective instead of
-                going out alone: a bucket that takes it (:meth:`take_ride`) carries it; any
-                other collective (or :meth:`settle`) sends it alone first. Outside a join,
-                on a group that is its own check group, without flags.
+            ride: (with ``wait=False``) the signature of the collective the check may ride
+                instead of going out alone (``"DDP bucket 0 float32[22]"``, in the fingerprint:
+                ranks that would sum different buckets never agree): the bucket that takes it
+                (:meth:`take_ride`) carries it; any other collective (or :meth:`settle`) sends
+                it alone first. Outside a join, on a group that is its own check group,
+                without flags. Default ``""``: the check goes alone.
 
         Returns:
             The :class:`~phalanx.ledger.syncpoint.Verdict` (with ``wait``); ``None`` when the
@@ -288,8 +290,8 @@ class Ledger:
             # A check that rides is told apart from one that went alone: a rank whose bucket
             # carries it never agrees with a rank that sent it alone (its gradients would be
             # summed with the other's zeros)
-            self._defer(syncpoint.fingerprint(f"{what} {announce} riding", since), h, what, site,
-                        group, announce)
+            self._defer(syncpoint.fingerprint(f"{what} {announce} riding {ride}", since), h, what,
+                        site, group, announce, ride)
             return None
         return self._meet(h, what, site, group, flags, announce, wait)
 
@@ -298,27 +300,26 @@ class Ledger:
         return self._check_group is None or group is not None
 
     def _defer(self, h: int, plain: int, what: str, site: str, group: Any,
-               announce: tuple[int, ...]) -> None:
+               announce: tuple[int, ...], ride: str) -> None:
         """Begin a sync point that waits to ride the next collective (:meth:`take_ride`)."""
         log = self.log(group)
         world = dist.get_world_size(group)
         head = syncpoint.head(h, announce, (), dist.get_rank(group), world)
         check = self.collective(f"check before {what}", (), group, site=site, announced=True)
         self._pending = _Check(what, site, log.since_check[:-1], head, None, check, group, world,
-                               riding=True, plain=plain, announce=announce)
+                               riding=True, plain=plain, announce=announce, then=ride)
         log.checked()  # the next fingerprint starts here, whatever the verdict
 
-    def take_ride(self, group: Any, then: str) -> Ride | None:
+    def take_ride(self, group: Any) -> Ride | None:
         """The pending check, if it waits to ride a collective of ``group``: the caller puts
         :attr:`Ride.head` in front of its own all-reduce (SUM) of :func:`~.syncpoint.envelope_size`
-        values of :func:`~.syncpoint.envelope_dtype` and hands the summed head to
-        :meth:`arrived` before it issues anything else. ``then``: the collective (for a
-        mismatch's message)."""
+        values of :func:`~.syncpoint.envelope_dtype` (the collective it was told of, see
+        :meth:`sync_point`) and hands the summed head to :meth:`arrived` before it issues
+        anything else."""
         check = self._pending
         if check is None or not check.riding or check.group is not group:
             return None
         self._pending = None
-        check.then = then
         check.collective.end()  # it goes out with the bucket, whose record follows it
         return Ride(check.payload, check)
 
@@ -373,7 +374,7 @@ class Ledger:
         """A check that waited to ride goes out on its own (another collective came first)."""
         check.payload = syncpoint.payload(check.plain, check.announce, (), dist.get_rank(check.group),
                                           check.world)
-        check.then = then or "nothing (its check went out alone)"
+        check.then = then.removeprefix("check before ") or "its check alone"
         with check.collective.guard():
             check.work = dist.all_reduce(check.payload, group=check.group, async_op=True)
         self._last_work = check.work
