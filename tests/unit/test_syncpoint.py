@@ -54,3 +54,14 @@ def test_the_envelope_is_float32_and_the_same_size_up_to_the_bound():
 def test_an_announcement_out_of_range_is_refused_with_the_value():
     with pytest.raises(ValueError, match=r"announces values in \[0, 2\^48\), got -1"):
         syncpoint.head(1, (syncpoint.BROADCAST, 0, 4, -1), (), 0, 2)
+
+
+@pytest.mark.parametrize("world", [2, 3, 16, 17, 300])
+def test_the_unanimous_sums_are_what_agreeing_ranks_sum(world):
+    h, announce = syncpoint.fingerprint("DistributedDataParallel forward", 7), (10, 0, 1)
+    heads = [syncpoint.head(h, announce, (), r, world) for r in range(world)]
+    summed = _summed(heads, world, list(range(world)))
+    expected = syncpoint.unanimous(h, announce, world)
+    assert summed[:len(expected)].tolist() == expected
+    verdict = syncpoint.read(summed, world)
+    assert verdict.agree and verdict.ranks == tuple(range(world)) and verdict.announce[:3] == announce

@@ -311,7 +311,7 @@ class Reducer:
                 self._ride = self._ledger.take_ride(self.bucket_comm.group)
                 if self._ride is not None:  # the forward's sync point goes with the gradients
                     head = self._ride.head
-                    bucket.envelope[:len(head)].copy_(torch.tensor(head, dtype=flat.dtype))
+                    bucket.envelope[:len(head)].copy_(head)
                     flat = bucket.envelope
             record = self._record(op, bucket.buffer, DDPAction.BUCKET, self._next)
             self._records.append(record)
@@ -356,6 +356,8 @@ class Reducer:
         problems = len(self._late) + len(sparse.late)
         if not self.allow_unused:
             problems += len(self._assumed_unused) + len(sparse.missing())
+            tail.fill_(problems)  # the tail is this one number (one call, not an indexing)
+            return
         tail[0] = float(problems)
         if self.allow_unused:
             tail[1:].copy_(torch.tensor(self._had_grad + sparse.had_grad, dtype=tail.dtype))

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, Sequence
 
+import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveMismatchError, UsageError, ranks_text
@@ -79,7 +80,7 @@ class _Check:
     what: str
     site: str
     since: list[str]  # the collectives before it, since the previous point
-    payload: Any  # riding: the head (a list); else the envelope all-reduced
+    payload: Any  # riding: (key, head, unanimous sums, verdict) of the ride; else the envelope
     work: Any
     collective: Collective
     group: Any
@@ -92,11 +93,15 @@ class _Check:
 
 @dataclass
 class Ride:
-    """A sync point riding a bucket's all-reduce (:meth:`Ledger.take_ride`): its head goes in
-    front of the bucket's gradients, the summed head comes back to :meth:`Ledger.arrived`."""
+    """A sync point riding a bucket's all-reduce (:meth:`Ledger.take_ride`): its head (a tensor
+    of the envelope's dtype) goes in front of the bucket's gradients, the summed head comes back
+    to :meth:`Ledger.arrived`; ``unanimous``: the sums when every rank agrees, and the verdict
+    they give (:func:`~.syncpoint.unanimous`)."""
 
-    head: list[float]
+    head: Any
     check: _Check
+    unanimous: Any = None
+    verdict: syncpoint.Verdict | None = None
 
 
 class Collective:
@@ -173,6 +178,9 @@ class Ledger:
         self._check_group = check_group
         self._names: dict[int, str] = {}
         self._pending: _Check | None = None  # a sync point started, not yet waited for
+        # the last riding check's (key, head, unanimous sums, verdict): a training loop's
+        # steps have the same fingerprint, step after step
+        self._ride_memo: tuple[Any, ...] = ((), None, None, None)
         self._last_work: Any = None
 
     # ---- the log --------------------------------------------------------------------------
@@ -304,10 +312,15 @@ class Ledger:
         """Begin a sync point that waits to ride the next collective (:meth:`take_ride`)."""
         log = self.log(group)
         world = dist.get_world_size(group)
-        head = syncpoint.head(h, announce, (), dist.get_rank(group), world)
+        key = (h, announce, dist.get_rank(group), world)
+        if self._ride_memo[0] != key:
+            mine = syncpoint.head(h, announce, (), key[2], world)
+            everyone = torch.tensor(syncpoint.unanimous(h, announce, world), dtype=syncpoint.envelope_dtype(world))
+            self._ride_memo = (key, torch.tensor(mine, dtype=everyone.dtype), everyone,
+                               syncpoint.read(everyone, world))
         check = self.collective(f"check before {what}", (), group, site=site, announced=True)
-        self._pending = _Check(what, site, log.since_check[:-1], head, None, check, group, world,
-                               riding=True, plain=plain, announce=announce, then=ride)
+        self._pending = _Check(what, site, log.since_check[:-1], self._ride_memo, None, check, group,
+                               world, riding=True, plain=plain, announce=announce, then=ride)
         log.checked()  # the next fingerprint starts here, whatever the verdict
 
     def take_ride(self, group: Any) -> Ride | None:
@@ -321,12 +334,16 @@ class Ledger:
             return None
         self._pending = None
         check.collective.end()  # it goes out with the bucket, whose record follows it
-        return Ride(check.payload, check)
+        _, head, unanimous, verdict = check.payload
+        return Ride(head, check, unanimous, verdict)
 
     def arrived(self, ride: Ride, summed: Any) -> syncpoint.Verdict:
         """The ridden all-reduce is done: ``summed`` begins with the summed heads. Raises
         :class:`~phalanx.errors.CollectiveMismatchError` on every rank when they disagree."""
-        verdict = syncpoint.read(summed, ride.check.world)
+        head = summed[:len(ride.head)]
+        if ride.unanimous is not None and torch.equal(head, ride.unanimous):
+            return ride.verdict
+        verdict = syncpoint.read(head, ride.check.world)
         if not verdict.agree:
             # the bucket went out here, the others' collective there: neither counts in the
             # history the ranks compare next (as a mismatch at a check of its own leaves it)

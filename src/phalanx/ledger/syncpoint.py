@@ -130,6 +130,16 @@ def head(h: int | None, announce: tuple[int, ...], flags: tuple[int, ...], rank:
     return out
 
 
+def unanimous(h: int, announce: tuple[int, ...], world: int) -> list[float]:
+    """The sums of the heads when all ``world`` ranks are at the point of fingerprint ``h``,
+    announcing ``announce``, no flag raised: what a step that agrees reads (compared in one
+    call, where :func:`read` takes tens of microseconds)."""
+    out = [world * v for v in head(h, announce, (), 0, world)]
+    words = head_size(world) - _FLAGGED
+    out[_FLAGGED:] = [float((1 << min(WORD_BITS, world - w * WORD_BITS)) - 1) for w in range(words)]
+    return out
+
+
 def payload(h: int | None, announce: tuple[int, ...], flags: tuple[int, ...], rank: int,
             world: int) -> torch.Tensor:
     """This rank's envelope for a sync point of its own: its :func:`head`, then zeros."""
