@@ -34,20 +34,25 @@ def _is_plumbing(path: str, torch_dir: str | None) -> bool:
     return _fixed_plumbing(path, torch_dir) or _inductor_generated(path)
 
 
-# A memo of a pure function of the path (every DDP step asks for the same few frames' files:
-# the walk took ~45 us a call uncached, a tenth of that cached); bounded by the source files
+def _inductor_generated(path: str) -> bool:
+    """Code inductor wrote (a compiled graph calling phalanx's op), in its cache directory
+    (which inductor pins in the environment when it first writes there)."""
+    cache = _inductor_dir(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+    return cache is not None and path.startswith(cache)
+
+
+@functools.lru_cache(maxsize=4)
+def _inductor_dir(cache: str | None) -> str | None:
+    return None if cache is None else os.path.join(os.path.abspath(cache), "")
+
+
+# A memo of a pure function of the path: every DDP step walks the same few frames' files, twice
+# (its forward's check, its buckets' records); bounded by the number of source files
 @functools.lru_cache(maxsize=4096)
 def _fixed_plumbing(path: str, torch_dir: str | None) -> bool:
     return (path.startswith(_PHALANX) or path.startswith("<")
             or (torch_dir is not None and path.startswith(torch_dir))
             or (path.startswith(_STDLIB) and "site-packages" not in path))
-
-
-def _inductor_generated(path: str) -> bool:
-    """Code inductor wrote (a compiled graph calling phalanx's op), in its cache directory
-    (which inductor pins in the environment when it first writes there)."""
-    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    return cache is not None and path.startswith(os.path.join(os.path.abspath(cache), ""))
 
 
 def call_site(depth: int = 2) -> str:
