@@ -15,7 +15,10 @@ The call site, the same for every collective::
         c.wait(dist.broadcast(t, src, group=g, async_op=True))
 
 ``check=True`` puts a sync point first (the ranks agree, or every rank raises
-:class:`~phalanx.errors.CollectiveMismatchError`); a failed wait inside raises what the
+:class:`~phalanx.errors.CollectiveMismatchError`); a DDP step's sync point may instead *ride*
+the step's bucket (:meth:`Ledger.sync_point` with ``ride``: no collective of its own, the bucket
+takes it with :meth:`Ledger.take_ride` and hands the sums to :meth:`Ledger.arrived`; any other
+collective that comes first sends it alone); a failed wait inside raises what the
 observers make of it (the hang report); the record ends with the block. A collective waited
 for later (DDP's buckets, an overlapped meeting) keeps the :class:`Collective` and calls
 :meth:`Collective.wait`, :meth:`Collective.guard` and :meth:`Collective.end` itself. A
