@@ -204,6 +204,7 @@ class Bucket:
         # with zeros to ``size``: a sync point's envelope the bucket carries (phalanx.ledger)
         self._envelope = envelope
         self.envelope: torch.Tensor | None = None
+        self.head: torch.Tensor | None = None  # the envelope's head, where a sync point goes
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
         self.grads: torch.Tensor | None = None  # the buffer without the tail
@@ -220,13 +221,13 @@ class Bucket:
         else:
             start, size = self._envelope
             self.envelope = torch.zeros(size, dtype=spec.dtype, device=spec.device)
-            self.buffer = self.envelope[start:start + numel]
+            self.head, self.buffer = self.envelope[:start], self.envelope[start:start + numel]
         self.views = [self.buffer[s.offset : s.offset + s.numel].view(s.shape) for s in spec.slots]
         self.grads = self.buffer[: spec.numel]
         self.tail = self.buffer[spec.numel :]
 
     def release(self) -> None:
-        self.buffer, self.views, self.grads, self.tail, self.envelope = None, [], None, None, None
+        self.buffer, self.views, self.grads, self.tail, self.envelope, self.head = None, [], None, None, None, None
 
     @property
     def positions(self) -> range:

@@ -310,8 +310,7 @@ class Reducer:
             if self.rides and self.join_index is None:
                 self._ride = self._ledger.take_ride(self.bucket_comm.group)
                 if self._ride is not None:  # the forward's sync point goes with the gradients
-                    head = self._ride.head
-                    bucket.envelope[:len(head)].copy_(head)
+                    bucket.head.copy_(self._ride.head)
                     flat = bucket.envelope
             record = self._record(op, bucket.buffer, DDPAction.BUCKET, self._next)
             self._records.append(record)
@@ -411,10 +410,10 @@ class Reducer:
         ride, self._ride = self._ride, None
         bucket = self._buckets[0]
         try:
-            self._ledger.arrived(ride, bucket.envelope)
+            self._ledger.arrived(ride, bucket.head)
         except BaseException:
             # another rank's payload of another layout met this one: clear the padding
-            bucket.envelope[len(ride.head):].zero_()
+            bucket.envelope[bucket.head.numel():].zero_()
             raise
 
     def _write_back(self, b: int, used: list[bool] | None) -> None:

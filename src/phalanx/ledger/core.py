@@ -120,8 +120,14 @@ class Collective:
             return work.wait()
         start = time.monotonic()
         try:
-            with self.guard():
-                return work.wait()
+            return work.wait()
+        except RuntimeError as e:  # as guard() does (inline: a DDP step waits here every step)
+            if self.record is None:
+                raise
+            better = self._ledger.failure(self.record, e, self._observed)
+            if better is e:
+                raise
+            raise better from e
         finally:
             self._ledger.waited_s += time.monotonic() - start
 
@@ -341,12 +347,12 @@ class Ledger:
         return Ride(head, check, unanimous, verdict)
 
     def arrived(self, ride: Ride, summed: Any) -> syncpoint.Verdict:
-        """The ridden all-reduce is done: ``summed`` begins with the summed heads. Raises
+        """The ridden all-reduce is done: ``summed`` holds the summed heads (the envelope's
+        first :func:`~.syncpoint.head_size` values). Raises
         :class:`~phalanx.errors.CollectiveMismatchError` on every rank when they disagree."""
-        head = summed[:len(ride.head)]
-        if ride.unanimous is not None and torch.equal(head, ride.unanimous):
+        if ride.unanimous is not None and torch.equal(summed, ride.unanimous):
             return ride.verdict
-        verdict = syncpoint.read(head, ride.check.world)
+        verdict = syncpoint.read(summed, ride.check.world)
         if not verdict.agree:
             # the bucket went out here, the others' collective there: neither counts in the
             # history the ranks compare next (as a mismatch at a check of its own leaves it)

@@ -130,8 +130,9 @@ class CollectiveLog:
         record = Record(self.next_seq, op, dtype, shape, group, site, time.monotonic())
         self.next_seq += 1
         self.records.append(record)
-        self.fingerprint = zlib.crc32(record.signature().encode(), self.fingerprint)
-        self.since_check.append(f"{record.signature()} ({site})")
+        signature = record.signature()
+        self.fingerprint = zlib.crc32(signature.encode(), self.fingerprint)
+        self.since_check.append(f"{signature} ({site})")
         return record
 
     @staticmethod
