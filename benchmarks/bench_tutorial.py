@@ -3,24 +3,31 @@ torch, whole epochs, each under its own launcher.
 
 Usage::
 
-    python benchmarks/bench_tutorial.py                     # 5 rounds, 3 epochs each
+    python benchmarks/bench_tutorial.py                     # 5 rounds, 3 epochs each, one host
     python benchmarks/bench_tutorial.py --rounds 7 --batch-size 1 --nproc 2
+    python benchmarks/bench_tutorial.py --netns             # two "hosts": network namespaces (root)
+    python benchmarks/bench_tutorial.py --netns --rate 1gbit
 
 The tutorial trains ``nn.Linear(20, 1)`` with SGD on 2048 random samples, its
 ``DistributedSampler`` giving each of 2 ranks 1024 samples: at batch 1 an epoch is 1024 tiny
 steps, so each step is latency: a forward, one gradient all-reduce of 21 floats, an optimizer
 step, plus whatever the data-parallel system adds per step. It is the worst case for per-step
 overheads such as phalanx's forward sync point (the check that every rank issues the same
-collectives, :mod:`phalanx.ledger`).
+collectives, :mod:`phalanx.ledger`), which here rides the gradient's all-reduce.
 
-Four implementations take turns, round by round (rotating the order), each a fresh launch:
+The implementations take turns, round by round (rotating the order), each a fresh launch:
 
 * ``torch``: ``torchrun`` and torch's own DDP and sampler (the tutorial as written);
 * ``phalanx``: ``phalanx run`` and phalanx's imports (diagnostics on: the default);
 * ``phalanx-nodiag``: the same with ``init_process_group(diagnostics=False)``;
-* ``phalanx-shm``: diagnostics on, ``init_process_group(shared_memory=True)``: the gradient's
-  all-reduce and the sync point over same-host shared memory (:mod:`phalanx.shm`) instead of
+* ``phalanx-shm`` (one host only): diagnostics on, ``init_process_group(shared_memory=True)``:
+  the gradient's all-reduce over same-host shared memory (:mod:`phalanx.shm`) instead of
   Gloo's loopback.
+
+With ``--netns`` the two ranks run as two nodes of one job, one in each of two network
+namespaces joined by a veth pair (:mod:`phalanx.bench.netns`; ``--rate``: ``tc`` limits each
+end), Gloo between them over the veth as between two hosts; each launcher (``torchrun`` or
+``phalanx run``, ``--nnodes 2``) in its namespace. Needs root.
 
 Each launch trains ``--epochs`` epochs; rank 0 reports each epoch's wall time, the first epoch
 left out (start-up: the first all-reduces, page faults). The table gives the median epoch of
@@ -39,8 +46,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
+from pathlib import Path
 
 IMPLS = ("torch", "phalanx", "phalanx-nodiag", "phalanx-shm")
+# one host only: the shared-memory backend serves no group across hosts
+NETNS_IMPLS = ("torch", "phalanx", "phalanx-nodiag")
+# The namespaces' names and /24 (phalanx.bench.netns), apart from the other benchmarks'
+PREFIX, SUBNET = "phxtut", "10.216.0"
+MASTER_PORT = 29500  # in node 0's namespace: a fresh network stack
+SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def _worker(impl: str, epochs: int, batch_size: int, result: str) -> None:
@@ -81,18 +96,50 @@ def _worker(impl: str, epochs: int, batch_size: int, result: str) -> None:
     dist.destroy_process_group()
 
 
-def _launch(impl: str, args: argparse.Namespace, scratch: str) -> list[float]:
+def _launch(impl: str, args: argparse.Namespace, scratch: str, nodes: list | None = None) -> list[float]:
+    """One launch of ``impl``: on this host (``nodes`` None), or as two nodes, one in each
+    namespace of ``nodes``; returns rank 0's timed epochs."""
     result = os.path.join(scratch, f"{impl}.json")
-    bindir = os.path.dirname(sys.executable)
-    launcher = ([os.path.join(bindir, "torchrun"), "--standalone"] if impl == "torch"
-                else [os.path.join(bindir, "phalanx"), "run", "--standalone"])
-    command = [*launcher, "--nproc-per-node", str(args.nproc), os.path.abspath(__file__),
-               "--worker", impl, "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-               "--result", result]
+    worker = [os.path.abspath(__file__), "--worker", impl, "--epochs", str(args.epochs),
+              "--batch-size", str(args.batch_size), "--result", result]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # torchrun's default for several workers
-    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))
+    if nodes is None:
+        command = [*_launcher(impl), "--standalone", "--nproc-per-node", str(args.nproc), *worker]
+        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+    else:
+        _on_nodes(impl, nodes, worker, env)
     with open(result) as f:
         return json.load(f)[1:]  # the first epoch is start-up
+
+
+def _launcher(impl: str) -> list[str]:
+    bindir = os.path.dirname(sys.executable)
+    return ([os.path.join(bindir, "torchrun")] if impl == "torch"
+            else [sys.executable, "-m", "phalanx", "run"])
+
+
+def _on_nodes(impl: str, nodes: list, worker: list[str], env: dict) -> None:
+    """Node 0 and node 1 of a two-node job, one rank each, one per namespace (as on two hosts)."""
+    from phalanx.bench.nodes import RDZV_TIMEOUT_S, stop
+    from phalanx.gate.secret import new_secret
+
+    env = {**env, "PHALANX_JOB_SECRET": os.environ.get("PHALANX_JOB_SECRET") or new_secret()}
+    procs = []
+    try:
+        for rank, (ns, dev, _) in enumerate(nodes):
+            extra = [] if impl == "torch" else ["--rdzv-timeout", str(RDZV_TIMEOUT_S)]
+            command = ["ip", "netns", "exec", ns, *_launcher(impl), "--nnodes", "2", "--node-rank",
+                       str(rank), "--master-addr", nodes[0][2], "--master-port", str(MASTER_PORT),
+                       "--nproc-per-node", "1", *extra, *worker]
+            procs.append(subprocess.Popen(command, env={**env, "GLOO_SOCKET_IFNAME": dev},
+                                          stdout=subprocess.DEVNULL))
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            raise RuntimeError(f"{impl} across the namespaces failed: exit statuses {codes} "
+                               "(the launchers' output is above)")
+    finally:
+        stop(procs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,31 +148,53 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5, help="launches per implementation (default 5)")
     p.add_argument("--epochs", type=int, default=3, help="epochs per launch, the first untimed (default 3)")
     p.add_argument("--batch-size", type=int, default=1, help="the tutorial's --batch_size (default 1)")
+    p.add_argument("--netns", action="store_true",
+                   help="the two ranks as two nodes, one in each of two network namespaces (needs root)")
+    p.add_argument("--rate", help="with --netns: tc's rate limit on each end of the link (e.g. 1gbit)")
     p.add_argument("--json", help="also write the table's rows to this file")
     p.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.epochs < 2:
         p.error(f"--epochs should be at least 2 (the first is not timed), got {args.epochs}")
+    if args.netns and args.nproc != 2:
+        p.error(f"--netns runs 2 processes, one per namespace: --nproc should be 2, got {args.nproc}")
+    if args.rate and not args.netns:
+        p.error("--rate limits the link between the namespaces: it needs --netns")
     if args.worker:
         _worker(args.worker, args.epochs, args.batch_size, args.result)
         return
-    medians: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+    impls = NETNS_IMPLS if args.netns else IMPLS
+    medians: dict[str, list[float]] = {impl: [] for impl in impls}
     scratch = tempfile.mkdtemp(prefix="phalanx-bench-tutorial-")
+    if args.netns:
+        sys.path.insert(0, SRC)
+        from phalanx.bench.netns import veth_namespaces
+        from phalanx.bench.nodes import raise_on_signals
+
+        if os.geteuid() != 0:
+            p.error("--netns needs root (ip netns, tc)")
+        raise_on_signals()  # the namespaces go on SIGTERM and SIGHUP too
+        links = veth_namespaces(PREFIX, SUBNET, args.rate)
+    else:
+        links = nullcontext(None)
     try:
-        for r in range(args.rounds):
-            order = IMPLS[r % len(IMPLS):] + IMPLS[:r % len(IMPLS)]
-            for impl in order:
-                medians[impl].append(statistics.median(_launch(impl, args, scratch)))
+        with links as nodes:
+            for r in range(args.rounds):
+                order = impls[r % len(impls):] + impls[:r % len(impls)]
+                for impl in order:
+                    medians[impl].append(statistics.median(_launch(impl, args, scratch, nodes)))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     steps = 2048 // args.nproc // args.batch_size
-    print(f"\nDDP tutorial, {args.nproc} processes, Gloo, batch {args.batch_size} ({steps} steps "
-          f"per epoch), {args.rounds} launches x {args.epochs - 1} timed epochs each\n")
+    where = ("two network namespaces (a veth pair" + (f", {args.rate} each way)" if args.rate else ")")
+             if args.netns else "one host")
+    print(f"\nDDP tutorial, {args.nproc} processes, Gloo, {where}, batch {args.batch_size} ({steps} "
+          f"steps per epoch), {args.rounds} launches x {args.epochs - 1} timed epochs each\n")
     print("| implementation | epoch s (median) | per-launch medians | /torch | spread |")
     print("|---|---|---|---|---|")
     base, rows = medians["torch"], {}
-    for impl in IMPLS:
+    for impl in impls:
         ratios = [a / b for a, b in zip(medians[impl], base)]
         rows[impl] = {"epoch_s": statistics.median(medians[impl]), "per_launch": medians[impl],
                       "ratio": statistics.median(medians[impl]) / statistics.median(base),

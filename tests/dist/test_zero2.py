@@ -20,6 +20,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, StepLR
 
 import phalanx
+from phalanx.ledger import syncpoint
 from phalanx.zero import ZeroRedundancyOptimizer
 from tests.dist.test_ddp_equivalence import batch, build, loss_of
 from tests.dist.test_ddp_errors import Branchy
@@ -286,7 +287,10 @@ def test_stage2_gradient_memory_is_about_one_nth(ranks):
         assert all(t["diff"] <= TOL for t in tiny), tiny
         # .grad plus kept bucket: rank 0 weight 12 + 12 + 4 (the last bucket's tail), rank 1 bias 4 + 4
         assert [t["held"] for t in tiny] == [[28] * 3, [8] * 3, [0] * 3]
-        assert all(t["plain_held"] == [2 * 16 + 4] * 3 for t in tiny)
+        # plain DDP: .grad (16) and its one bucket, which carries the forward's sync point: the
+        # bucket and its tail sit in the check's envelope (phalanx.ledger.syncpoint)
+        envelope = 4 * syncpoint.envelope_size(world_size)
+        assert all(t["plain_held"] == [16 + envelope] * 3 for t in tiny), tiny
 
 
 def test_unused_parameters_still_raise_on_every_rank(ranks):

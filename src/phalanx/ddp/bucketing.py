@@ -194,11 +194,17 @@ class Bucket:
     gets one at its first gradient of a backward (:meth:`allocate`), dropped at the end.
     """
 
-    def __init__(self, spec: BucketSpec, first: int, tail: int, keep: bool) -> None:
+    def __init__(self, spec: BucketSpec, first: int, tail: int, keep: bool,
+                 envelope: tuple[int, int] | None = None) -> None:
         self.spec = spec
         self.first = first  # position (launch order) of its first parameter
         self.keep = keep
         self._tail_numel = tail
+        # (head, size): the buffer sits in a larger one, after a head of ``head`` values, padded
+        # with zeros to ``size``: a sync point's envelope the bucket carries (phalanx.ledger)
+        self._envelope = envelope
+        self.envelope: torch.Tensor | None = None
+        self.head: torch.Tensor | None = None  # the envelope's head, where a sync point goes
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
         self.grads: torch.Tensor | None = None  # the buffer without the tail
@@ -209,13 +215,19 @@ class Bucket:
 
     def allocate(self, factory: Any = torch.empty) -> None:
         spec = self.spec
-        self.buffer = factory(spec.numel + self._tail_numel, dtype=spec.dtype, device=spec.device)
+        numel = spec.numel + self._tail_numel
+        if self._envelope is None:
+            self.buffer = factory(numel, dtype=spec.dtype, device=spec.device)
+        else:
+            start, size = self._envelope
+            self.envelope = torch.zeros(size, dtype=spec.dtype, device=spec.device)
+            self.head, self.buffer = self.envelope[:start], self.envelope[start:start + numel]
         self.views = [self.buffer[s.offset : s.offset + s.numel].view(s.shape) for s in spec.slots]
         self.grads = self.buffer[: spec.numel]
         self.tail = self.buffer[spec.numel :]
 
     def release(self) -> None:
-        self.buffer, self.views, self.grads, self.tail = None, [], None, None
+        self.buffer, self.views, self.grads, self.tail, self.envelope, self.head = None, [], None, None, None, None
 
     @property
     def positions(self) -> range:

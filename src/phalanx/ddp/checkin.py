@@ -6,6 +6,16 @@ broadcast, a SyncBatchNorm's statistics, or the first bucket, well into the back
 for it, so on a model without buffers its latency hides behind the forward. A rank that ran out
 of batches and went elsewhere (an evaluation, a checkpoint, the end of the script) is named
 there, before any bucket of the wrong size reaches Gloo.
+
+On a model whose gradients fit one small bucket (a latency-bound step, where a collective of
+its own would double the step) the check is not sent at the forward: it rides the bucket's
+all-reduce, in front of the gradients, in the envelope every sync point has
+(:mod:`phalanx.ledger.syncpoint`), and its verdict is read before the gradients are used. A
+rank that went elsewhere sends its own sync point in an envelope of the same size: the two
+meet, and every rank names the mismatch from the sums. Where the bucket cannot carry it (a
+comm hook, ZeRO's owners, another dtype, several buckets, a buffer broadcast first, inside a
+join, an evaluation forward) the check goes alone, as above; so it does when another
+collective comes before the bucket (a SyncBatchNorm's).
 """
 
 from __future__ import annotations
@@ -48,9 +58,11 @@ class StepCheck:
         self.clock: StepClock | None = None
         self._reported_at = 0
 
-    def forward(self, sync: bool, broadcasts: bool, join_index: int | None = None) -> Any:
+    def forward(self, sync: bool, broadcasts: bool, join_index: int | None = None,
+                ride: str = "") -> Any:
         """Before a forward: ``sync`` (its backward will average), ``broadcasts`` (it sends
-        rank 0's buffers first). While ranks have joined (:mod:`phalanx.uneven`) the check is
+        rank 0's buffers first), ``ride`` (the reducer's bucket that can carry the check, see
+        the module notes; ``""``: none). While ranks have joined (:mod:`phalanx.uneven`) the check is
         waited for and announces this DDP's step (``join_index``: its place in the join);
         returns the verdict then (who is still active), else ``None``."""
         book = ledger()
@@ -67,7 +79,9 @@ class StepCheck:
         what = (CHECK if sync or torch.is_grad_enabled() else EVALUATION) + (
             " with a straggler report" if report else "")
         announce = () if join_index is None else (syncpoint.JOINABLE, join_index, DDPAction.FORWARD)
-        verdict = book.sync_point(what, self.group, wait=report, site=call_site(1), announce=announce)
+        ride = ride if sync and not broadcasts and join_index is None else ""
+        verdict = book.sync_point(what, self.group, wait=report, site=call_site(1), announce=announce,
+                                  ride=ride)
         if report:
             self._reported_at = self.clock.steps
             diagnostics().exchange_step_times(self.clock.take(), self.clock.steps, self.group,

@@ -80,7 +80,7 @@ from ..diagnostics import ledger
 from ..errors import UnusedParametersError, UsageError
 from ..ledger import Collective, Ledger, syncpoint
 from ..ledger.log import call_site
-from .bucket_comm import BucketComm
+from .bucket_comm import AllReduceMean, BucketComm
 from .bucketing import Bucket, BucketSpec
 from .checkin import DDPAction
 from .compiled_autograd import EAGER_REDUCER_TRACED, CompiledAutogradReduction, compiled_autograd_tracing
@@ -133,11 +133,21 @@ class Reducer:
         self.world_size = dist.get_world_size(bucket_comm.group)
         self._sparse = SparseGradients(sparse_params, bucket_comm.group, self.world_size)
         tail = 1 + (len(slots) + len(sparse_params) if self.allow_unused else 0)
+        self._ledger: Ledger = ledger()
+        # A model with one small bucket carries its forward's sync point in that bucket's
+        # all-reduce (see the module notes)
+        envelope = _envelope(plan, tail, bucket_comm, bool(sparse_params), self._ledger)
+        self.rides = envelope is not None
+        # what a riding check names (and fingerprints): ranks that would sum different buckets disagree
+        self.ride = f"DDP bucket 0 {str(plan[0].dtype).removeprefix('torch.')}[{plan[0].numel + tail}]" \
+            if self.rides else ""
+        self._ride: Any = None  # the sync point riding this backward's bucket
         self._buckets: list[Bucket] = []
         self._bucket_of: list[int] = []
         for b, spec in enumerate(plan):
             last = b == len(plan) - 1
-            self._buckets.append(Bucket(spec, len(self._bucket_of), tail if last else 0, bucket_comm.keeps(b)))
+            self._buckets.append(Bucket(spec, len(self._bucket_of), tail if last else 0, bucket_comm.keeps(b),
+                                        envelope))
             self._bucket_of += [b] * len(spec.slots)
         self._index = {id(p): k for k, p in enumerate(self.params)}
         # Whether parameter k's slot can be its .grad: a view (gradient_as_bucket_view) into a
@@ -164,7 +174,6 @@ class Reducer:
         self._works: list[dist.Work] = []
         self._sparse_works: list[dist.Work] = []
         self._records: list[Collective] = []  # the buckets' in the collective log
-        self._ledger: Ledger = ledger()
         self._site = ""
         # Called at the end of each synchronising backward that succeeded (DDP's step clock).
         self.on_backward_done: Any = None
@@ -193,6 +202,7 @@ class Reducer:
             record.end()  # a failed backward's buckets: no longer under way
         self._last.hold(*self._works, *self._sparse_works)
         self._started = False
+        self._ride = None
         self._ready = [False] * len(self.params)
         self._assumed_unused: list[int] = []
         self._late: list[int] = []
@@ -296,9 +306,15 @@ class Reducer:
             if self._next == last:
                 self._write_tail(bucket.tail)
             op = f"DDP bucket {self._next}{self.bucket_comm.label}"
+            flat = bucket.buffer
+            if self.rides and self.join_index is None:
+                self._ride = self._ledger.take_ride(self.bucket_comm.group)
+                if self._ride is not None:  # the forward's sync point goes with the gradients
+                    bucket.head.copy_(self._ride.head)
+                    flat = bucket.envelope
             record = self._record(op, bucket.buffer, DDPAction.BUCKET, self._next)
             self._records.append(record)
-            self._works.append(self._launch(self._next, bucket.buffer, record))
+            self._works.append(self._launch(self._next, flat, record))
             self._next += 1
 
     def _launch(self, b: int, flat: torch.Tensor, record: Collective) -> Any:
@@ -339,6 +355,8 @@ class Reducer:
         problems = len(self._late) + len(sparse.late)
         if not self.allow_unused:
             problems += len(self._assumed_unused) + len(sparse.missing())
+            tail.fill_(problems)  # the tail is this one number (one call, not an indexing)
+            return
         tail[0] = float(problems)
         if self.allow_unused:
             tail[1:].copy_(torch.tensor(self._had_grad + sparse.had_grad, dtype=tail.dtype))
@@ -361,6 +379,8 @@ class Reducer:
             last = len(self._buckets) - 1
             for b, (work, record) in enumerate(zip(self._works, self._records)):
                 self._wait(work, record)
+                if self._ride is not None:
+                    self._arrived()
                 if b < last and not self.allow_unused:
                     self._write_back(b, None)
             for work in self._sparse_works:
@@ -383,6 +403,18 @@ class Reducer:
         finally:
             self.awaiting_backward = False
             self._reset()
+
+    def _arrived(self) -> None:
+        """The bucket that carried the forward's sync point is summed: its verdict first (a
+        mismatch raises on every rank before any gradient is used)."""
+        ride, self._ride = self._ride, None
+        bucket = self._buckets[0]
+        try:
+            self._ledger.arrived(ride, bucket.head)
+        except BaseException:
+            # another rank's payload of another layout met this one: clear the padding
+            bucket.envelope[bucket.head.numel():].zero_()
+            raise
 
     def _write_back(self, b: int, used: list[bool] | None) -> None:
         write_back(self._buckets[b], self.params, self._seats, used)
@@ -452,6 +484,23 @@ class Reducer:
         else:
             unused = (self._known_unused or set()) if self.static_graph else set()
         return [self.params[k] for k in sorted(unused)]
+
+
+def _envelope(plan: Sequence[BucketSpec], tail: int, bucket_comm: BucketComm, sparse: bool,
+              book: Ledger) -> tuple[int, int] | None:
+    """Where a sync point's head goes in the only bucket, and the envelope's size
+    (:mod:`phalanx.ledger.syncpoint`), when that bucket can carry the forward's sync point:
+    diagnostics on, one bucket of the sync point's dtype on the CPU that fits after the head,
+    all-reduced as it is (no comm hook, no ZeRO owner), no sparse gradients (their
+    collectives come before it). ``None`` otherwise: the sync point goes alone."""
+    if not book.enabled or len(plan) != 1 or sparse or not isinstance(bucket_comm, AllReduceMean):
+        return None
+    spec, world = plan[0], dist.get_world_size(bucket_comm.group)
+    start, size = syncpoint.head_size(world), syncpoint.envelope_size(world)
+    if (spec.dtype != syncpoint.envelope_dtype(world) or spec.device.type != "cpu"
+            or start + spec.numel + tail > size or not book.rides_on(bucket_comm.group)):
+        return None
+    return start, size
 
 
 def _hook(reducer: weakref.ref, k: int, param: torch.Tensor) -> None:

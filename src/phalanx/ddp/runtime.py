@@ -172,9 +172,10 @@ class Runtime:
 
     @torch.compiler.disable
     def before_forward(self, inputs: Any, kwargs: Any, require_sync: bool,
-                       sync_buffers: bool) -> tuple[Any, Any, bool]:
-        """Inputs to the device; with a reducer: the step's sync point, the buffer broadcast;
-        returns whether this forward's backward averages."""
+                       sync_buffers: bool, rides: bool = True) -> tuple[Any, Any, bool]:
+        """Inputs to the device; with a reducer: the step's sync point (riding the bucket where
+        ``rides`` and the reducer can carry it), the buffer broadcast; returns whether this
+        forward's backward averages."""
         if self.device is not None:
             inputs, kwargs = to_device(inputs, self.device), to_device(kwargs, self.device)
         inputs, kwargs = self.precision.before_forward(inputs, kwargs)
@@ -185,7 +186,7 @@ class Runtime:
             return inputs, kwargs, sync
         refuse_distributed_autograd()
         broadcasts = self.sync_buffers_next and sync_buffers and self.buffer_sync is not None
-        verdict = self.check.forward(sync, broadcasts, self.join.index)
+        verdict = self.check.forward(sync, broadcasts, self.join.index, self.reducer.ride if rides else "")
         src = self.join.step_settings(verdict, self.reducer)  # while ranks have joined
         if broadcasts:
             self.buffer_sync.sync(fresh=self.reducer.awaiting_backward, src=src,
@@ -226,7 +227,8 @@ class Runtime:
                 leaves = (t for t in tree_leaves(output) if isinstance(t, torch.Tensor))
                 step_boundary(next(leaves, self.reducer.params[0]), self.key, True, what, sync, broadcasts)
         else:  # compiled autograd around an eager forward: the eager checks and broadcast
-            inputs, kwargs, sync = self.before_forward(inputs, kwargs, require_sync, sync_buffers)
+            inputs, kwargs, sync = self.before_forward(inputs, kwargs, require_sync, sync_buffers,
+                                                       rides=False)  # the traced reduction follows
             if sync and self.ledgered:
                 self.record_traced_reduction(call_site(2))
             output = self.module(*inputs, **kwargs)

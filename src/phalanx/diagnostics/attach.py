@@ -48,6 +48,7 @@ class _Attached:
 
     def __init__(self, ledger: Ledger, diagnostics: Diagnostics | None) -> None:
         self.ledger, self.diagnostics = ledger, diagnostics
+        self.several = False  # the group has several ranks (ledger() hands this ledger out)
         self._closed = False
 
     def close(self) -> str | None:
@@ -93,9 +94,13 @@ def no_error_under_way() -> bool:
 def ledger() -> Ledger:
     """The ledger of this process's default group (attached on first use); a disabled one
     when there is no group of several ranks."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized():
         return _OFF
     found = _ATTACHED.get(dist.group.WORLD)
+    if found is not None and found.several:  # every DDP step asks, three times: the short way
+        return found.ledger
+    if dist.get_world_size() == 1:
+        return _OFF
     return (found or attach(dist.group.WORLD)).ledger
 
 
@@ -133,6 +138,7 @@ def attach(group: Any, enabled: bool = True, straggler_every: int = DEFAULT_EVER
         # called without an active exception"; seen in 1 of 3 runs ending in a hang report).
         atexit.register(found.close_at_exit)
         weakref.finalize(group, found.close_at_exit)
+    found.several = dist.get_world_size(group) > 1
     _ATTACHED[group] = found
     return found
 

@@ -9,8 +9,10 @@ The files, in the order a collective goes through them:
     to ranks that have joined, and turns a failed wait into what its observers say (the hang
     report). :class:`Observer` and :class:`JoinView` are the two ways to watch it.
 ``syncpoint.py``
-    A sync point's payload: one small all-reduce from which every rank reads whether the ranks
-    agree, who takes part, and what the active ranks announce to the joined ones.
+    A sync point's payload: one all-reduce of a fixed-size envelope from which every rank reads
+    whether the ranks agree, who takes part, and what the active ranks announce to the joined
+    ones; a DDP step's check may ride its only bucket's all-reduce in that envelope
+    (:meth:`Ledger.take_ride`, :mod:`phalanx.ddp.checkin`).
 ``log.py``
     The collective log: op, dtype, shape, group, the script's call site, start and end, the
     running fingerprint.

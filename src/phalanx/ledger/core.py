@@ -15,7 +15,10 @@ The call site, the same for every collective::
         c.wait(dist.broadcast(t, src, group=g, async_op=True))
 
 ``check=True`` puts a sync point first (the ranks agree, or every rank raises
-:class:`~phalanx.errors.CollectiveMismatchError`); a failed wait inside raises what the
+:class:`~phalanx.errors.CollectiveMismatchError`); a DDP step's sync point may instead *ride*
+the step's bucket (:meth:`Ledger.sync_point` with ``ride``: no collective of its own, the bucket
+takes it with :meth:`Ledger.take_ride` and hands the sums to :meth:`Ledger.arrived`; any other
+collective that comes first sends it alone); a failed wait inside raises what the
 observers make of it (the hang report); the record ends with the block. A collective waited
 for later (DDP's buckets, an overlapped meeting) keeps the :class:`Collective` and calls
 :meth:`Collective.wait`, :meth:`Collective.guard` and :meth:`Collective.end` itself. A
@@ -30,6 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, Sequence
 
+import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveMismatchError, UsageError, ranks_text
@@ -74,16 +78,33 @@ class JoinView(Protocol):
 
 @dataclass
 class _Check:
-    """A sync point in flight."""
+    """A sync point in flight, or, ``riding``, one that waits to ride the next bucket."""
 
     what: str
     site: str
     since: list[str]  # the collectives before it, since the previous point
-    payload: Any
+    payload: Any  # riding: (key, head, unanimous sums, verdict) of the ride; else the envelope
     work: Any
     collective: Collective
     group: Any
     world: int
+    riding: bool = False
+    plain: int = 0  # riding: the fingerprint it goes out with if it cannot ride after all
+    announce: tuple[int, ...] = ()
+    then: str = ""  # what it went out with: a bucket it rode, or the collective it came before
+
+
+@dataclass
+class Ride:
+    """A sync point riding a bucket's all-reduce (:meth:`Ledger.take_ride`): its head (a tensor
+    of the envelope's dtype) goes in front of the bucket's gradients, the summed head comes back
+    to :meth:`Ledger.arrived`; ``unanimous``: the sums when every rank agrees, and the verdict
+    they give (:func:`~.syncpoint.unanimous`)."""
+
+    head: Any
+    check: _Check
+    unanimous: Any = None
+    verdict: syncpoint.Verdict | None = None
 
 
 class Collective:
@@ -99,8 +120,14 @@ class Collective:
             return work.wait()
         start = time.monotonic()
         try:
-            with self.guard():
-                return work.wait()
+            return work.wait()
+        except RuntimeError as e:  # as guard() does (inline: a DDP step waits here every step)
+            if self.record is None:
+                raise
+            better = self._ledger.failure(self.record, e, self._observed)
+            if better is e:
+                raise
+            raise better from e
         finally:
             self._ledger.waited_s += time.monotonic() - start
 
@@ -160,6 +187,9 @@ class Ledger:
         self._check_group = check_group
         self._names: dict[int, str] = {}
         self._pending: _Check | None = None  # a sync point started, not yet waited for
+        # the last riding check's (key, head, unanimous sums, verdict): a training loop's
+        # steps have the same fingerprint, step after step
+        self._ride_memo: tuple[Any, ...] = ((), None, None, None)
         self._last_work: Any = None
 
     # ---- the log --------------------------------------------------------------------------
@@ -214,7 +244,7 @@ class Ledger:
             self.sync_point(op, group, site=site, announce=shadow or (syncpoint.UNSHADOWABLE,))
             announced = True
         if self._pending is not None:
-            self.settle()  # nothing goes out before the ranks are known to agree
+            self.settle(then=op)  # nothing goes out before the ranks are known to agree
         dtype, shape = described or describe_tensors(tensors)
         if self.join is not None and not announced:
             if self.group_name(group) != "world":
@@ -242,7 +272,7 @@ class Ledger:
     # ---- sync points ----------------------------------------------------------------------
     def sync_point(self, what: str, group: Any = None, *, flags: Sequence[int] = (),
                    site: str | None = None, wait: bool = True,
-                   announce: tuple[int, ...] = ()) -> syncpoint.Verdict | None:
+                   announce: tuple[int, ...] = (), ride: str = "") -> syncpoint.Verdict | None:
         """Every rank of ``group`` checks here that it agrees with the others on ``what`` and
         on the collectives since the last point (:mod:`~phalanx.ledger.syncpoint`).
 
@@ -253,6 +283,12 @@ class Ledger:
                 between (a forward's, for DDP); ``None`` is returned. While a join runs,
                 every check is waited for.
             announce: for ranks that have joined: how they take part in what follows.
+            ride: (with ``wait=False``) the signature of the collective the check may ride
+                instead of going out alone (``"DDP bucket 0 float32[22]"``, in the fingerprint:
+                ranks that would sum different buckets never agree): the bucket that takes it
+                (:meth:`take_ride`) carries it; any other collective (or :meth:`settle`) sends
+                it alone first. Outside a join, on a group that is its own check group,
+                without flags. Default ``""``: the check goes alone.
 
         Returns:
             The :class:`~phalanx.ledger.syncpoint.Verdict` (with ``wait``); ``None`` when the
@@ -264,8 +300,65 @@ class Ledger:
         if not self.enabled:
             return None
         site = site or call_site(2)
-        h = syncpoint.fingerprint(f"{what} {announce}", self.log(group).fingerprint)
-        return self._meet(h, what, site, group, flags, announce, wait or self.join is not None)
+        since = self.log(group).fingerprint
+        h = syncpoint.fingerprint(f"{what} {announce}", since)
+        wait = wait or self.join is not None
+        if ride and not wait and not flags and self.rides_on(group):
+            # A check that rides is told apart from one that went alone: a rank whose bucket
+            # carries it never agrees with a rank that sent it alone (its gradients would be
+            # summed with the other's zeros)
+            self._defer(syncpoint.fingerprint(f"{what} {announce} riding {ride}", since), h, what,
+                        site, group, announce, ride)
+            return None
+        return self._meet(h, what, site, group, flags, announce, wait)
+
+    def rides_on(self, group: Any) -> bool:
+        """Whether a check of ``group`` may ride its collectives: it is its own check group."""
+        return self._check_group is None or group is not None
+
+    def _defer(self, h: int, plain: int, what: str, site: str, group: Any,
+               announce: tuple[int, ...], ride: str) -> None:
+        """Begin a sync point that waits to ride the next collective (:meth:`take_ride`)."""
+        log = self.log(group)
+        world = dist.get_world_size(group)
+        key = (h, announce, dist.get_rank(group), world)
+        if self._ride_memo[0] != key:
+            mine = syncpoint.head(h, announce, (), key[2], world)
+            everyone = torch.tensor(syncpoint.unanimous(h, announce, world), dtype=syncpoint.envelope_dtype(world))
+            self._ride_memo = (key, torch.tensor(mine, dtype=everyone.dtype), everyone,
+                               syncpoint.read(everyone, world))
+        check = self.collective(f"check before {what}", (), group, site=site, announced=True)
+        self._pending = _Check(what, site, log.since_check[:-1], self._ride_memo, None, check, group,
+                               world, riding=True, plain=plain, announce=announce, then=ride)
+        log.checked()  # the next fingerprint starts here, whatever the verdict
+
+    def take_ride(self, group: Any) -> Ride | None:
+        """The pending check, if it waits to ride a collective of ``group``: the caller puts
+        :attr:`Ride.head` in front of its own all-reduce (SUM) of :func:`~.syncpoint.envelope_size`
+        values of :func:`~.syncpoint.envelope_dtype` (the collective it was told of, see
+        :meth:`sync_point`) and hands the summed head to :meth:`arrived` before it issues
+        anything else."""
+        check = self._pending
+        if check is None or not check.riding or check.group is not group:
+            return None
+        self._pending = None
+        check.collective.end()  # it goes out with the bucket, whose record follows it
+        _, head, unanimous, verdict = check.payload
+        return Ride(head, check, unanimous, verdict)
+
+    def arrived(self, ride: Ride, summed: Any) -> syncpoint.Verdict:
+        """The ridden all-reduce is done: ``summed`` holds the summed heads (the envelope's
+        first :func:`~.syncpoint.head_size` values). Raises
+        :class:`~phalanx.errors.CollectiveMismatchError` on every rank when they disagree."""
+        if ride.unanimous is not None and torch.equal(summed, ride.unanimous):
+            return ride.verdict
+        verdict = syncpoint.read(summed, ride.check.world)
+        if not verdict.agree:
+            # the bucket went out here, the others' collective there: neither counts in the
+            # history the ranks compare next (as a mismatch at a check of its own leaves it)
+            self.log(ride.check.group).checked()
+            self._mismatch(ride.check)
+        return verdict
 
     def probe(self, group: Any, flags: Sequence[int] = ()) -> syncpoint.Verdict:
         """A rank that has joined takes part in the next sync point of the others (zeros, but
@@ -286,11 +379,14 @@ class Ledger:
         log.checked()  # the next fingerprint starts here, whatever the verdict
         return self.settle() if wait else None
 
-    def settle(self) -> syncpoint.Verdict | None:
-        """Wait for the pending sync point; raise on a mismatch; return its verdict."""
+    def settle(self, then: str = "") -> syncpoint.Verdict | None:
+        """Wait for the pending sync point (one waiting to ride goes out alone first, before
+        ``then``); raise on a mismatch; return its verdict."""
         check, self._pending = self._pending, None
         if check is None:
             return None
+        if check.riding:
+            self._send_alone(check, then)
         check.collective.wait(check.work)
         check.collective.end()
         verdict = syncpoint.read(check.payload, check.world)
@@ -300,8 +396,19 @@ class Ledger:
             self.join.seen(verdict)  # who is still active; raises for throw_on_early_termination
         return verdict
 
+    def _send_alone(self, check: _Check, then: str) -> None:
+        """A check that waited to ride goes out on its own (another collective came first)."""
+        check.payload = syncpoint.payload(check.plain, check.announce, (), dist.get_rank(check.group),
+                                          check.world)
+        check.then = then.removeprefix("check before ") or "its check alone"
+        with check.collective.guard():
+            check.work = dist.all_reduce(check.payload, group=check.group, async_op=True)
+        self._last_work = check.work
+        check.riding = False
+
     def _mismatch(self, check: _Check) -> None:
-        mine = {"rank": dist.get_rank(), "at": f"{check.what} ({check.site})", "since": check.since}
+        mine = {"rank": dist.get_rank(), "at": f"{check.what} ({check.site})", "since": check.since,
+                "then": check.then}
         everyone: list[Any] = [None] * dist.get_world_size(check.group)
         dist.all_gather_object(everyone, mine, group=check.group)
         raise CollectiveMismatchError(syncpoint.mismatch_message(everyone))

@@ -10,6 +10,7 @@ and group) summarises the ones since the last sync point, for the ranks to compa
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import sysconfig
@@ -30,30 +31,45 @@ _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 
 
 def _is_plumbing(path: str, torch_dir: str | None) -> bool:
-    return (path.startswith(_PHALANX) or path.startswith("<")
-            or (torch_dir is not None and path.startswith(torch_dir))
-            or (path.startswith(_STDLIB) and "site-packages" not in path)
-            or _inductor_generated(path))
+    return _fixed_plumbing(path, torch_dir) or _inductor_generated(path)
 
 
 def _inductor_generated(path: str) -> bool:
     """Code inductor wrote (a compiled graph calling phalanx's op), in its cache directory
     (which inductor pins in the environment when it first writes there)."""
-    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    return cache is not None and path.startswith(os.path.join(os.path.abspath(cache), ""))
+    cache = _inductor_dir(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+    return cache is not None and path.startswith(cache)
+
+
+@functools.lru_cache(maxsize=4)
+def _inductor_dir(cache: str | None) -> str | None:
+    return None if cache is None else os.path.join(os.path.abspath(cache), "")
+
+
+# A memo of a pure function of the path: every DDP step walks the same few frames' files, twice
+# (its forward's check, its buckets' records); bounded by the number of source files
+@functools.lru_cache(maxsize=4096)
+def _fixed_plumbing(path: str, torch_dir: str | None) -> bool:
+    return (path.startswith(_PHALANX) or path.startswith("<")
+            or (torch_dir is not None and path.startswith(torch_dir))
+            or (path.startswith(_STDLIB) and "site-packages" not in path))
 
 
 def call_site(depth: int = 2) -> str:
     """``"train.py:41"``: the first frame, from ``depth`` frames up, outside phalanx, torch and
     the standard library; ``"?"`` if there is none."""
-    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
-    torch_dir = os.path.dirname(torch_file) + os.sep if torch_file else None
+    torch_dir = _torch_dir(getattr(sys.modules.get("torch"), "__file__", None))
     frame = sys._getframe(depth)
     while frame is not None:
         if not _is_plumbing(frame.f_code.co_filename, torch_dir):
             return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
+
+
+@functools.lru_cache(maxsize=2)
+def _torch_dir(torch_file: str | None) -> str | None:
+    return os.path.dirname(torch_file) + os.sep if torch_file else None
 
 
 def describe_tensors(tensors: Iterable[Any]) -> tuple[str, tuple[int, ...]]:
@@ -114,8 +130,9 @@ class CollectiveLog:
         record = Record(self.next_seq, op, dtype, shape, group, site, time.monotonic())
         self.next_seq += 1
         self.records.append(record)
-        self.fingerprint = zlib.crc32(record.signature().encode(), self.fingerprint)
-        self.since_check.append(f"{record.signature()} ({site})")
+        signature = record.signature()
+        self.fingerprint = zlib.crc32(signature.encode(), self.fingerprint)
+        self.since_check.append(f"{signature} ({site})")
         return record
 
     @staticmethod
