@@ -35,16 +35,23 @@ _CONTROL_OFFSET = 4096
 # write the same line, nor a line the adjacent-line prefetcher pairs with another's.
 _BLOCK_BYTES = 128
 _BLOCK_WORDS = _BLOCK_BYTES // 8
-# Header words: op, dtype, numel, extra, extra2; one header per half, at words 1 and 9 of
-# the block (a member may publish step s + 1's header while another still reads step s's).
-HEADER_WORDS = 5
+# Header words: two per collective (see :func:`phalanx.shm.ops.header`); one header per half,
+# at words 1 and 9 of the block (a member may publish step s + 1's header while another still
+# reads step s's).
+HEADER_WORDS = 2
 _HEADER_AT = (1, 9)
 # Liveness checks every 50 ms while waiting: a dead peer is named within about that.
 _LIVENESS_S = 0.05
-# Waiting starts by yielding the CPU (lowest latency); after 2 ms it sleeps 50 us per look,
-# which costs a long wait at most a few percent and spares a machine with more ranks than cores.
+# Waiting starts by spinning (when the group has no more members than this process has CPUs:
+# a peer a few microseconds behind is seen without a system call), then yields the CPU; after
+# 2 ms it sleeps 50 us per look, which costs a long wait at most a few percent and spares a
+# machine with more ranks than cores.
+_SPIN_LOOKS = 300
 _YIELD_S = 0.002
 _SLEEP_S = 50e-6
+# Typed views of the slots kept per (dtype, shape), for the one-step collectives: at most this
+# many shapes (then the cache starts again), so no call that repeats a shape builds any.
+_VIEWS_KEPT = 256
 
 
 class BrokenGroupError(RuntimeError):
@@ -73,6 +80,10 @@ class Channel:
         self._data = torch.frombuffer(segment.mm.buffer, dtype=torch.uint8, offset=data,
                                       count=total - data)
         self.seq = 0
+        self._base = rank * _BLOCK_WORDS
+        self._peers = [r * _BLOCK_WORDS for r in range(size) if r != rank]
+        self._spin = _SPIN_LOOKS if size <= len(os.sched_getaffinity(0)) else 0
+        self._views: dict[tuple[torch.dtype, torch.Size], tuple[list[torch.Tensor], ...]] = {}
         self._pidfds: dict[int, int] = {}
         self._poll = select.poll()
         for r, pid in enumerate(segment.pids):
@@ -91,42 +102,58 @@ class Channel:
         start = (half * self.size + rank) * self.capacity
         return self._data[start:start + self.capacity]
 
-    def step(self, header: tuple[int, ...]) -> list[tuple[int, ...]]:
-        """Publish ``header``, arrive at the next step and wait for every member; returns
-        every member's header. The caller wrote its slot of :meth:`slot` before."""
+    def views(self, dtype: torch.dtype, shape: torch.Size) -> tuple[list[torch.Tensor], ...]:
+        """Every member's slot in each half, as a tensor of ``dtype`` and ``shape`` (which must
+        fit the capacity): ``views(...)[half][rank]``. Kept, so a repeated shape costs a look-up."""
+        key = (dtype, shape)
+        found = self._views.get(key)
+        if found is None:
+            if len(self._views) >= _VIEWS_KEPT:
+                self._views.clear()
+            nbytes = shape.numel() * dtype.itemsize
+            found = self._views[key] = tuple(
+                [self._data[(half * self.size + r) * self.capacity:][:nbytes].view(dtype).view(shape)
+                 for r in range(self.size)] for half in (0, 1))
+        return found
+
+    def step(self, w0: int, w1: int) -> None:
+        """Publish the header ``(w0, w1)``, arrive at the next step and wait for every member,
+        then check that they all published the same header. The caller wrote its slot of the
+        next step's half (:meth:`slot`, :meth:`views`) before."""
         seq = self.seq + 1
         words = self._words
-        at = _HEADER_AT[seq % 2]
-        base = self.rank * _BLOCK_WORDS
-        for i, value in enumerate(header):
-            words[base + at + i] = value
+        at = _HEADER_AT[seq & 1]
+        base = self._base
+        words[base + at] = w0
+        words[base + at + 1] = w1
         words[base] = seq
         self.seq = seq
-        waiting = [r * _BLOCK_WORDS for r in range(self.size) if r != self.rank]
-        waiting = [b for b in waiting if words[b] < seq]
-        if waiting:
-            self._wait(waiting, seq)
-        headers = [tuple(words[r * _BLOCK_WORDS + at:r * _BLOCK_WORDS + at + HEADER_WORDS])
-                   for r in range(self.size)]
-        if any(h != headers[0] for h in headers):
-            raise BrokenGroupError(CollectiveMismatchError(self._mismatch(headers)))
-        return headers
+        peers = self._peers
+        for b in peers:
+            if words[b] < seq:
+                self._wait(b, seq)
+        for b in peers:
+            if words[b + at] != w0 or words[b + at + 1] != w1:
+                raise BrokenGroupError(CollectiveMismatchError(self._mismatch(at)))
 
-    def _wait(self, waiting: list[int], seq: int) -> None:
+    def _wait(self, b: int, seq: int) -> None:
+        """Until the member whose block starts at word ``b`` has arrived at ``seq``."""
         words = self._words
+        for _ in range(self._spin):
+            if words[b] >= seq:
+                return
         start = time.monotonic()
         next_check = start + _LIVENESS_S
         while True:
             os.sched_yield()
-            waiting = [b for b in waiting if words[b] < seq]
-            if not waiting:
+            if words[b] >= seq:
                 return
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + _LIVENESS_S
                 self._check_alive()
                 if now - start > self.timeout_s:
-                    late = [b // _BLOCK_WORDS for b in waiting]
+                    late = [p // _BLOCK_WORDS for p in self._peers if words[p] < seq]
                     raise BrokenGroupError(CollectiveTimeoutError(
                         f"phalanx_shm: rank {self.rank} waited {self.timeout_s:g} s (the group's "
                         f"timeout) in collective #{seq} for {ranks_text(late)}, which never "
@@ -141,7 +168,10 @@ class Channel:
                 f"phalanx_shm: {ranks_text(dead)} exited (killed or crashed) while rank "
                 f"{self.rank} waited for it in a collective", dead))
 
-    def _mismatch(self, headers: list[tuple[int, ...]]) -> str:
+    def _mismatch(self, at: int) -> str:
+        words = self._words
+        headers = [tuple(words[r * _BLOCK_WORDS + at:r * _BLOCK_WORDS + at + HEADER_WORDS])
+                   for r in range(self.size)]
         groups: dict[tuple[int, ...], list[int]] = {}
         for r, h in enumerate(headers):
             groups.setdefault(h, []).append(r)
@@ -153,6 +183,7 @@ class Channel:
             os.close(fd)
         self._pidfds.clear()
         self._data = torch.empty(0, dtype=torch.uint8)
+        self._views.clear()
         self._words.release()
         self._bytes.release()
         # Unmapping while a view of a slot may live on (a result's future, a traceback) would
