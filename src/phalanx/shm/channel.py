@@ -42,11 +42,12 @@ HEADER_WORDS = 2
 _HEADER_AT = (1, 9)
 # Liveness checks every 50 ms while waiting: a dead peer is named within about that.
 _LIVENESS_S = 0.05
-# Waiting starts by spinning (when the group has no more members than this process has CPUs:
-# a peer a few microseconds behind is seen without a system call), then yields the CPU; after
-# 2 ms it sleeps 50 us per look, which costs a long wait at most a few percent and spares a
-# machine with more ranks than cores.
-_SPIN_LOOKS = 300
+# Waiting starts with a few looks without a system call (when the group has no more members
+# than this process has CPUs), then yields the CPU at each look; after 2 ms it sleeps 50 us per
+# look, which costs a long wait at most a few percent and spares a machine with more ranks than
+# cores. A longer spin (300 looks, ~30 us) measured slower on a loaded 2-core machine: a peer
+# that shares the spinner's core waits for the spin to end.
+_SPIN_LOOKS = 20
 _YIELD_S = 0.002
 _SLEEP_S = 50e-6
 # Typed views of the slots kept per (dtype, shape), for the one-step collectives: at most this
@@ -83,7 +84,7 @@ class Channel:
         self._base = rank * _BLOCK_WORDS
         self._peers = [r * _BLOCK_WORDS for r in range(size) if r != rank]
         self._spin = _SPIN_LOOKS if size <= len(os.sched_getaffinity(0)) else 0
-        self._views: dict[tuple[torch.dtype, torch.Size], tuple[list[torch.Tensor], ...]] = {}
+        self._views: dict[tuple, tuple] = {}
         self._pidfds: dict[int, int] = {}
         self._poll = select.poll()
         for r, pid in enumerate(segment.pids):
@@ -114,6 +115,25 @@ class Channel:
             found = self._views[key] = tuple(
                 [self._data[(half * self.size + r) * self.capacity:][:nbytes].view(dtype).view(shape)
                  for r in range(self.size)] for half in (0, 1))
+        return found
+
+    def scatter_views(self, dtype: torch.dtype, numel: int,
+                      per: int) -> tuple[tuple[torch.Tensor, list[torch.Tensor]], ...]:
+        """For a reduce-scatter of ``numel`` elements a member, whose pieces lie ``per``
+        elements apart in each slot: per half, this member's slot as ``(size, numel)`` and
+        every member's piece for this member. Kept like :meth:`views`."""
+        key = (dtype, numel, per)
+        found = self._views.get(key)
+        if found is None:
+            if len(self._views) >= _VIEWS_KEPT:
+                self._views.clear()
+            nbytes = self.size * per * dtype.itemsize
+            halves = []
+            for half in (0, 1):
+                slots = [self._data[(half * self.size + r) * self.capacity:][:nbytes]
+                         .view(dtype).view(self.size, per)[:, :numel] for r in range(self.size)]
+                halves.append((slots[self.rank], [s[self.rank] for s in slots]))
+            found = self._views[key] = tuple(halves)
         return found
 
     def step(self, w0: int, w1: int) -> None:

@@ -107,6 +107,10 @@ class ShmProcessGroup(dist.ProcessGroup):
         if len(tensors) != 1 or code is None or not self._served(tensors):
             return self._gloo.reduce(tensors, opts)
         t, root = tensors[0], opts.rootRank
+        channel = self._channel
+        if self._one(t):
+            return self._worker.submit(lambda: ops.all_reduce_one(channel, t, code, root),
+                                       tensors, opts.asyncOp)
         flat = _flat(t)
 
         def run() -> None:
@@ -147,6 +151,10 @@ class ShmProcessGroup(dist.ProcessGroup):
         if (not self._served([output, input]) or output.dtype != input.dtype
                 or output.numel() != input.numel() * self.size() or not output.is_contiguous()):
             return self._gloo._allgather_base(output, input, opts)
+        if input.numel() and self._one(input):
+            channel = self._channel
+            return self._worker.submit(lambda: ops.all_gather_one(channel, output, input),
+                                       [output], opts.asyncOp)
         return self._gather(list(output.view(-1).chunk(self.size())) if input.numel()
                             else [output.view(-1)] * self.size(), input, [output], opts)
 
@@ -180,6 +188,12 @@ class ShmProcessGroup(dist.ProcessGroup):
         if (code is None or not self._served([output, input]) or output.dtype != input.dtype
                 or input.numel() != output.numel() * self.size()):
             return self._gloo._reduce_scatter_base(output, input, opts)
+        if (output.numel() and input.is_contiguous() and output.is_contiguous()
+                and output.numel() <= self._one_step // (input.element_size() * self.size())):
+            channel = self._channel
+            return self._worker.submit(
+                lambda: ops.reduce_scatter_one(channel, output, input, code), [output],
+                opts.asyncOp)
         flat = _flat(input)
         ins = list(flat.chunk(self.size())) if flat.numel() else [flat] * self.size()
         return self._scatter(output, ins, code, [output], opts)

@@ -126,6 +126,26 @@ def broadcast_one(ch: Channel, t: torch.Tensor, root: int) -> None:
         t.copy_(views[root])
 
 
+def all_gather_one(ch: Channel, out: torch.Tensor, t: torch.Tensor) -> None:
+    """:func:`all_gather` of a contiguous ``t`` that fits one slot into the contiguous ``out``
+    (``size`` times as many elements), in one step."""
+    views = ch.views(t.dtype, t.shape)[(ch.seq + 1) & 1]
+    views[ch.rank].copy_(t)
+    ch.step(*header(ALL_GATHER, DTYPE_CODES[t.dtype], t.numel()))
+    torch.stack(views, out=out.view((ch.size,) + t.shape))
+
+
+def reduce_scatter_one(ch: Channel, out: torch.Tensor, t: torch.Tensor, code: int) -> None:
+    """:func:`reduce_scatter` of the contiguous ``t`` (``size`` pieces of ``out``'s size, at
+    most :func:`_per` elements each: the pieces lie where :func:`reduce_scatter` puts them) into
+    the contiguous ``out``, in one step."""
+    n = out.numel()
+    mine, parts = ch.scatter_views(t.dtype, n, _per(ch, t.dtype, ch.size))[(ch.seq + 1) & 1]
+    mine.copy_(t.view(ch.size, n))
+    ch.step(*header(REDUCE_SCATTER, DTYPE_CODES[t.dtype], n, code))
+    _combine(out.view(-1), parts, code)
+
+
 def all_reduce(ch: Channel, flat: torch.Tensor, code: int, root: int = -1) -> None:
     """``flat`` becomes the reduction of every member's; with ``root >= 0`` only there (reduce)."""
     words = header(ALL_REDUCE if root < 0 else REDUCE, DTYPE_CODES[flat.dtype], flat.numel(), code,
