@@ -121,6 +121,24 @@ def _shapes(rank, world, g, bad):
     dist.all_reduce(nc, group=g)
     bad += [] if torch.equal(nc, want) and torch.equal(base[:, 1::2], _input(
         rank, torch.float32, 64 * 9).view(64, 9)[:, 1::2]) else ["non-contiguous all_reduce"]
+    # one rank on the one-step path (contiguous), the others on the chunked one: same result
+    wide = _input(rank, torch.float32, 2 * world * 12).view(world * 12, 2)
+    rs_in = wide[:, 0] if rank else wide[:, 0].contiguous()
+    rs = torch.empty(12)
+    dist.reduce_scatter_tensor(rs, rs_in, group=g)
+    want = _reference([_input(r, torch.float32, 2 * world * 12).view(world * 12, 2)[:, 0]
+                       for r in range(world)], dist.ReduceOp.SUM)[12 * rank:12 * rank + 12]
+    bad += [] if torch.equal(rs, want) else ["reduce_scatter_tensor, mixed paths"]
+    ar = wide[:, 1] if rank else wide[:, 1].contiguous()
+    dist.all_reduce(ar, group=g)
+    want = _reference([_input(r, torch.float32, 2 * world * 12).view(world * 12, 2)[:, 1]
+                       for r in range(world)], dist.ReduceOp.SUM)
+    bad += [] if torch.equal(ar, want) else ["all_reduce, mixed paths"]
+    shaped = torch.empty(world, 3, 4, dtype=torch.float64)
+    dist.all_gather_into_tensor(shaped, torch.full((3, 4), float(rank), dtype=torch.float64),
+                                group=g)
+    bad += [] if all(torch.equal(shaped[r], torch.full((3, 4), float(r), dtype=torch.float64))
+                     for r in range(world)) else ["all_gather_into_tensor of 2-D pieces"]
     dist.all_gather_into_tensor(torch.empty(0), torch.empty(0), group=g)
     z = torch.empty(0)
     dist.all_reduce(z, group=g)
