@@ -12,6 +12,15 @@ Ordering: data and header are stored before the arrival count by the same thread
 after it; x86-64's total store order keeps those stores, and those loads, in program order,
 which is why a group uses shared memory only on x86-64 (:func:`phalanx.shm.segment.identity`).
 
+Waiting: a member looks at the peer's arrival count a few times, then, on the caller's thread
+(a blocking collective), yields the CPU at each look for up to 2 ms (the lowest latency), then
+sleeps in the kernel on the count (a futex) without Python's GIL, woken by the peer's arrival.
+The group's worker thread (asynchronous collectives, DDP's buckets) sleeps at once: a thread
+that yields in a loop takes the GIL back at every look and starves the training thread of it.
+A member about to sleep raises its flag; a member that arrives wakes the peers whose flag is
+up. (Raising the flag and the arrival are not fenced against each other, so a wake-up can be
+missed; the sleep is bounded, 2 ms, and the wait looks again.)
+
 While waiting, a member checks every ~50 ms that each member it waits for still lives (a
 pidfd per peer, readable once that process has exited): a peer killed at any point makes
 every survivor raise within about that, naming it. The group's timeout bounds any wait.
@@ -19,8 +28,10 @@ every survivor raise within about that, naming it. The group's timeout bounds an
 
 from __future__ import annotations
 
+import ctypes
 import os
 import select
+import threading
 import time
 from typing import Callable
 
@@ -40,6 +51,8 @@ _BLOCK_WORDS = _BLOCK_BYTES // 8
 # reads step s's).
 HEADER_WORDS = 2
 _HEADER_AT = (1, 9)
+# Word 4 of a block: raised while that member sleeps on a peer's arrival count (the futex).
+_SLEEPING_AT = 4
 # Liveness checks every 50 ms while waiting: a dead peer is named within about that.
 _LIVENESS_S = 0.05
 # Waiting starts with a few looks without a system call (when the group has no more members
@@ -49,7 +62,28 @@ _LIVENESS_S = 0.05
 # that shares the spinner's core waits for the spin to end.
 _SPIN_LOOKS = 20
 _YIELD_S = 0.002
-_SLEEP_S = 50e-6
+# The longest sleep on the futex before looking again (a missed wake-up costs at most this).
+_SLEEP_S = 0.002
+
+# futex(2) on x86-64 (the only architecture a group uses shared memory on): FUTEX_WAIT through a
+# foreign call that releases the GIL, FUTEX_WAKE through one that keeps it (it never blocks).
+# Not FUTEX_PRIVATE: the word is in memory shared between processes.
+_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1
+_futex_wait = ctypes.CDLL(None, use_errno=True).syscall
+_futex_wait.restype = ctypes.c_long
+_futex_wait.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint,
+                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+_futex_wake = ctypes.PyDLL(None, use_errno=True).syscall
+_futex_wake.restype = ctypes.c_long
+_futex_wake.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = (("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long))
+
+
+_SLEEP = _Timespec(0, int(_SLEEP_S * 1e9))
 # Typed views of the slots kept per (dtype, shape), for the one-step collectives: at most this
 # many shapes (then the cache starts again), so no call that repeats a shape builds any.
 _VIEWS_KEPT = 256
@@ -84,6 +118,11 @@ class Channel:
         self._base = rank * _BLOCK_WORDS
         self._peers = [r * _BLOCK_WORDS for r in range(size) if r != rank]
         self._spin = _SPIN_LOOKS if size <= len(os.sched_getaffinity(0)) else 0
+        words_at = segment.mm.address + _CONTROL_OFFSET
+        self._address = [ctypes.c_void_p(words_at + 8 * r * _BLOCK_WORDS) for r in range(size)]
+        self._sleep = ctypes.byref(_SLEEP)
+        # The thread that must not yield in a loop (the group's worker); set by the group.
+        self.worker_ident: int | None = None
         self._views: dict[tuple, tuple] = {}
         self._pidfds: dict[int, int] = {}
         self._poll = select.poll()
@@ -150,6 +189,11 @@ class Channel:
         self.seq = seq
         peers = self._peers
         for b in peers:
+            if words[b + _SLEEPING_AT]:
+                _futex_wake(_SYS_FUTEX, self._address[self.rank], _FUTEX_WAKE, 0x7FFFFFFF,
+                            None, None, 0)
+                break
+        for b in peers:
             if words[b] < seq:
                 self._wait(b, seq)
         for b in peers:
@@ -164,11 +208,22 @@ class Channel:
                 return
         start = time.monotonic()
         next_check = start + _LIVENESS_S
+        yield_until = start + (_YIELD_S if threading.get_ident() != self.worker_ident else 0.0)
+        sleeping = self._base + _SLEEPING_AT
+        address = self._address[b // _BLOCK_WORDS]
         while True:
-            os.sched_yield()
+            now = time.monotonic()
+            if now < yield_until:
+                os.sched_yield()
+            else:
+                words[sleeping] = 1
+                seen = words[b]
+                if seen < seq:
+                    _futex_wait(_SYS_FUTEX, address, _FUTEX_WAIT, seen & 0xFFFFFFFF, self._sleep,
+                                None, 0)
+                words[sleeping] = 0
             if words[b] >= seq:
                 return
-            now = time.monotonic()
             if now >= next_check:
                 next_check = now + _LIVENESS_S
                 self._check_alive()
@@ -178,8 +233,6 @@ class Channel:
                         f"phalanx_shm: rank {self.rank} waited {self.timeout_s:g} s (the group's "
                         f"timeout) in collective #{seq} for {ranks_text(late)}, which never "
                         "arrived", late))
-            if now - start > _YIELD_S:
-                time.sleep(_SLEEP_S)
 
     def _check_alive(self) -> None:
         dead = sorted(self._pidfds[fd] for fd, _ in self._poll.poll(0))

@@ -106,6 +106,7 @@ class Worker:
         self._broken: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+        self.ident = self._thread.ident
 
     def submit(self, run: Callable[[], None], result: list[Any], async_op: bool) -> ShmWork:
         with self._cv:
