@@ -200,6 +200,43 @@ def _ddp(rank, world, g, bad):
         bad.append("DDP over phalanx_shm differs from DDP over Gloo")
 
 
+def _train(model, rank, steps=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        x = torch.randn(16, 20, generator=torch.Generator().manual_seed(rank * 10 + step))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+
+
+def _fully_shard(rank, world, g, bad):
+    """torch's own fully_shard over the backend: the same bits as over Gloo, and its
+    all-gathers and reduce-scatters ran on shared memory (the channel's steps advanced)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    params, steps = [], []
+    for group in (dist.new_group(backend="gloo"), g):
+        model = _mlp()
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        before = g._channel.seq
+        _train(model, rank)
+        steps.append(g._channel.seq - before)
+        params.append([p.full_tensor() for p in model.parameters()])
+    if not all(map(torch.equal, *params)):
+        bad.append("fully_shard over phalanx_shm differs from fully_shard over Gloo")
+    if steps[0] != 0 or steps[1] < 3 * 2 * 2:  # 3 steps, 2 units' gathers and reduce-scatters
+        bad.append(f"fully_shard's collectives: {steps[1]} shm steps (Gloo run: {steps[0]})")
+
+
 def _all_checks(rank, world):
     import phalanx.shm
     g = dist.new_group(backend="phalanx_shm")
@@ -210,6 +247,7 @@ def _all_checks(rank, world):
     _threads(rank, world, bad)
     if world == 2:
         _ddp(rank, world, g, bad)
+        _fully_shard(rank, world, g, bad)
     # a gather is served by Gloo beneath
     got = [torch.empty(1) for _ in range(world)] if rank == 0 else None
     dist.gather(torch.tensor([float(rank)]), got, 0, group=g)
