@@ -354,3 +354,66 @@ def _phalanx_switch(rank, world):
 def test_phalanx_init_process_group_shared_memory_switch():
     for used, values in run_ranks(_phalanx_switch, 2, init=False, timeout=60):
         assert used and values == [1.0, 1.0, 1.0]
+
+
+def _hsdp(mesh, rank):
+    from torch.distributed.fsdp import fully_shard
+    model = _mlp()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _train(model, rank)
+    return [p.full_tensor() for p in model.parameters()]
+
+
+def _meshes(rank, world):
+    """World 4, the default group on shared memory: new_group subgroups, init_device_mesh's
+    1-D and 2-D meshes (every dimension on shared memory), and a 2-D mesh whose replicate
+    dimension is Gloo and whose shard dimension is shared memory, as across and within hosts."""
+    import phalanx
+    import phalanx.shm
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    phalanx.init_process_group(shared_memory=True)
+    bad = [] if phalanx.shm.uses_shared_memory() else ["default group not on shared memory"]
+    try:
+        pairs = [dist.new_group(r, backend="phalanx_shm") for r in ([0, 1], [2, 3], [1, 3])]
+        for ranks, group in zip(([0, 1], [2, 3], [1, 3]), pairs):
+            if rank not in ranks:
+                continue
+            x = _input(rank, torch.float64, 333)
+            dist.all_reduce(x, group=group)
+            if not phalanx.shm.uses_shared_memory(group) or not torch.equal(
+                    x, _reference([_input(r, torch.float64, 333) for r in ranks], dist.ReduceOp.SUM)):
+                bad.append(f"new_group {ranks}")
+        flat = init_device_mesh("cpu", (world,))
+        part = _input(rank, torch.float32, 64)
+        summed = DTensor.from_local(part, flat, [Partial()]).redistribute(flat, [Replicate()])
+        want = _reference([_input(r, torch.float32, 64) for r in range(world)], dist.ReduceOp.SUM)
+        if not torch.equal(summed.to_local(), want):  # rank order, at world 4 too
+            bad.append("1-D mesh: Partial -> Replicate is not the rank-order sum")
+        square = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        if not all(phalanx.shm.uses_shared_memory(square.get_group(d)) for d in range(2)):
+            bad.append("init_device_mesh's 2-D groups not on shared memory")
+        gloo = {tuple(r): dist.new_group(r, backend="gloo") for r in ([0, 2], [1, 3], [0, 1], [2, 3])}
+        rows, cols = rank % 2, rank // 2
+        rep, shard = gloo[(rows, rows + 2)], gloo[(2 * cols, 2 * cols + 1)]
+        layout = torch.arange(world).view(2, 2)
+        names = ("replicate", "shard")
+        all_gloo = DeviceMesh.from_group([rep, shard], "cpu", mesh=layout, mesh_dim_names=names)
+        mixed = DeviceMesh.from_group([rep, square.get_group("shard")], "cpu", mesh=layout,
+                                      mesh_dim_names=names)
+        reference = _hsdp(all_gloo, rank)
+        for name, mesh in (("init_device_mesh's", square), ("Gloo x shm", mixed)):
+            if not all(map(torch.equal, _hsdp(mesh, rank), reference)):
+                bad.append(f"HSDP on the {name} 2-D mesh differs from HSDP on an all-Gloo one")
+        return bad
+    finally:
+        phalanx.destroy_process_group()
+
+
+@pytest.mark.slow  # four ranks on the machine's cores
+def test_subgroups_and_device_meshes_at_world_4():
+    for rank, bad in enumerate(run_ranks(_meshes, 4, init=False, timeout=300)):
+        assert bad == [], (rank, bad)
