@@ -338,10 +338,10 @@ def test_nothing_is_left_when_every_rank_is_killed_mid_collective():
     assert not [n for n in set(os.listdir("/dev/shm")) - before if "phalanx" in n]
 
 
-def _phalanx_switch(rank, world):
+def _phalanx_switch(rank, world, shared_memory):
     import phalanx
     import phalanx.shm
-    phalanx.init_process_group(shared_memory=True)
+    phalanx.init_process_group(shared_memory=shared_memory)
     try:
         t = torch.full((3,), float(rank))
         dist.all_reduce(t)
@@ -351,9 +351,30 @@ def _phalanx_switch(rank, world):
         phalanx.destroy_process_group()
 
 
-def test_phalanx_init_process_group_shared_memory_switch():
-    for used, values in run_ranks(_phalanx_switch, 2, init=False, timeout=60):
+@pytest.mark.parametrize("shared_memory, variable", [(True, None), (None, "1")])
+def test_phalanx_init_process_group_shared_memory_switch_and_variable(shared_memory, variable):
+    env = {"PHALANX_SHARED_MEMORY": variable}
+    for used, values in run_ranks(_phalanx_switch, 2, shared_memory, init=False, env=env,
+                                  timeout=60):
         assert used and values == [1.0, 1.0, 1.0]
+
+
+def test_the_variable_decides_only_where_shared_memory_is_left_at_none(monkeypatch):
+    from phalanx.process_group import _shared_memory_wanted
+    monkeypatch.delenv("PHALANX_SHARED_MEMORY", raising=False)
+    assert not _shared_memory_wanted(None, "gloo", 2)  # the default, for now: off
+    assert _shared_memory_wanted(True, "gloo", 2) and not _shared_memory_wanted(False, "gloo", 2)
+    monkeypatch.setenv("PHALANX_SHARED_MEMORY", "1")
+    assert _shared_memory_wanted(None, "gloo", 2)
+    assert not _shared_memory_wanted(None, "gloo", 1)  # alone: nothing to share
+    assert not _shared_memory_wanted(None, "nccl", 2)  # not where it does not apply
+    assert not _shared_memory_wanted(False, "gloo", 2)  # the argument wins
+    monkeypatch.setenv("PHALANX_SHARED_MEMORY", "0")
+    assert not _shared_memory_wanted(None, "gloo", 2) and _shared_memory_wanted(True, "gloo", 2)
+    monkeypatch.setenv("PHALANX_SHARED_MEMORY", "maybe")
+    with pytest.raises(ValueError, match="PHALANX_SHARED_MEMORY must be 1 \\(on\\) or 0 "
+                                         "\\(off\\), got 'maybe'"):
+        _shared_memory_wanted(None, "gloo", 2)
 
 
 def _hsdp(mesh, rank):
