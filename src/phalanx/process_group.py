@@ -19,6 +19,7 @@ Every collective is torch.distributed's (c10d); the rendezvous store is its ``TC
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import time
 from datetime import timedelta
@@ -96,6 +97,28 @@ def _resolve_backend(backend: str | None, env: _env.DistEnv,
             "Use backend='gloo' on CPU (or backend=None to choose automatically)"
         )
     return name
+
+
+# The variable that turns the shared-memory backend on ("1") or off ("0") where
+# init_process_group's shared_memory is left at None.
+SHARED_MEMORY_ENV = "PHALANX_SHARED_MEMORY"
+# What shared_memory=None means without the variable.
+SHARED_MEMORY_DEFAULT = False
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _shared_memory_wanted(shared_memory: bool | None, backend: str, world_size: int) -> bool:
+    """``init_process_group``'s choice: ``shared_memory`` when given (True needs Gloo: see
+    :func:`_shared_memory_backend`); for ``None``, :data:`SHARED_MEMORY_ENV` or else
+    :data:`SHARED_MEMORY_DEFAULT`, and only where it applies: Gloo, more than one rank."""
+    if shared_memory is not None:
+        return shared_memory
+    text = os.environ.get(SHARED_MEMORY_ENV, "").strip().lower()
+    if text and text not in _ON + _OFF:
+        raise ValueError(f"{SHARED_MEMORY_ENV} must be 1 (on) or 0 (off), got "
+                         f"{os.environ[SHARED_MEMORY_ENV]!r}")
+    wanted = text in _ON if text else SHARED_MEMORY_DEFAULT
+    return wanted and backend == "gloo" and world_size > 1
 
 
 def _shared_memory_backend(backend: str) -> str:
@@ -228,7 +251,7 @@ def init_process_group(
     *,
     diagnostics: bool = True,
     straggler_every: int = DEFAULT_EVERY,
-    shared_memory: bool = False,
+    shared_memory: bool | None = None,
 ) -> _env.DistEnv:
     """Join the job: create the default process group and pin this process's device.
 
@@ -265,8 +288,10 @@ def init_process_group(
             reports; ``0`` for none. Default ``200``.
         shared_memory (bool, keyword-only): on CPU, run the collectives over same-host shared
             memory (the ``"phalanx_shm"`` backend, :mod:`phalanx.shm`) where every rank is on
-            this host; a group that spans hosts stays on Gloo. Needs ``backend`` ``None`` or
-            ``"gloo"`` on a process without a GPU. Default ``False`` (see docs/shared_memory.md).
+            this host; a group that spans hosts stays on Gloo. ``True`` needs ``backend``
+            ``None`` or ``"gloo"`` on a process without a GPU. Default ``None``: the variable
+            ``PHALANX_SHARED_MEMORY`` decides (``1`` on, ``0`` off) where the backend is Gloo
+            and there is more than one rank; without it, off (see docs/shared_memory.md).
 
     Returns:
         The :class:`~phalanx.env.DistEnv` this process joined with.
@@ -293,7 +318,7 @@ def init_process_group(
         )
     found = _env.for_arguments(rank, world_size)
     backend = _resolve_backend(backend, found, device_id)
-    if shared_memory:
+    if _shared_memory_wanted(shared_memory, backend, found.world_size):
         backend = _shared_memory_backend(backend)
     if timeout is None:
         seconds = _env.watchdog_seconds()

@@ -121,6 +121,24 @@ def _shapes(rank, world, g, bad):
     dist.all_reduce(nc, group=g)
     bad += [] if torch.equal(nc, want) and torch.equal(base[:, 1::2], _input(
         rank, torch.float32, 64 * 9).view(64, 9)[:, 1::2]) else ["non-contiguous all_reduce"]
+    # one rank on the one-step path (contiguous), the others on the chunked one: same result
+    wide = _input(rank, torch.float32, 2 * world * 12).view(world * 12, 2)
+    rs_in = wide[:, 0] if rank else wide[:, 0].contiguous()
+    rs = torch.empty(12)
+    dist.reduce_scatter_tensor(rs, rs_in, group=g)
+    want = _reference([_input(r, torch.float32, 2 * world * 12).view(world * 12, 2)[:, 0]
+                       for r in range(world)], dist.ReduceOp.SUM)[12 * rank:12 * rank + 12]
+    bad += [] if torch.equal(rs, want) else ["reduce_scatter_tensor, mixed paths"]
+    ar = wide[:, 1] if rank else wide[:, 1].contiguous()
+    dist.all_reduce(ar, group=g)
+    want = _reference([_input(r, torch.float32, 2 * world * 12).view(world * 12, 2)[:, 1]
+                       for r in range(world)], dist.ReduceOp.SUM)
+    bad += [] if torch.equal(ar, want) else ["all_reduce, mixed paths"]
+    shaped = torch.empty(world, 3, 4, dtype=torch.float64)
+    dist.all_gather_into_tensor(shaped, torch.full((3, 4), float(rank), dtype=torch.float64),
+                                group=g)
+    bad += [] if all(torch.equal(shaped[r], torch.full((3, 4), float(r), dtype=torch.float64))
+                     for r in range(world)) else ["all_gather_into_tensor of 2-D pieces"]
     dist.all_gather_into_tensor(torch.empty(0), torch.empty(0), group=g)
     z = torch.empty(0)
     dist.all_reduce(z, group=g)
@@ -182,6 +200,43 @@ def _ddp(rank, world, g, bad):
         bad.append("DDP over phalanx_shm differs from DDP over Gloo")
 
 
+def _train(model, rank, steps=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        x = torch.randn(16, 20, generator=torch.Generator().manual_seed(rank * 10 + step))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+
+
+def _fully_shard(rank, world, g, bad):
+    """torch's own fully_shard over the backend: the same bits as over Gloo, and its
+    all-gathers and reduce-scatters ran on shared memory (the channel's steps advanced)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    params, steps = [], []
+    for group in (dist.new_group(backend="gloo"), g):
+        model = _mlp()
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        before = g._channel.seq
+        _train(model, rank)
+        steps.append(g._channel.seq - before)
+        params.append([p.full_tensor() for p in model.parameters()])
+    if not all(map(torch.equal, *params)):
+        bad.append("fully_shard over phalanx_shm differs from fully_shard over Gloo")
+    if steps[0] != 0 or steps[1] < 3 * 2 * 2:  # 3 steps, 2 units' gathers and reduce-scatters
+        bad.append(f"fully_shard's collectives: {steps[1]} shm steps (Gloo run: {steps[0]})")
+
+
 def _all_checks(rank, world):
     import phalanx.shm
     g = dist.new_group(backend="phalanx_shm")
@@ -192,6 +247,7 @@ def _all_checks(rank, world):
     _threads(rank, world, bad)
     if world == 2:
         _ddp(rank, world, g, bad)
+        _fully_shard(rank, world, g, bad)
     # a gather is served by Gloo beneath
     got = [torch.empty(1) for _ in range(world)] if rank == 0 else None
     dist.gather(torch.tensor([float(rank)]), got, 0, group=g)
@@ -282,10 +338,10 @@ def test_nothing_is_left_when_every_rank_is_killed_mid_collective():
     assert not [n for n in set(os.listdir("/dev/shm")) - before if "phalanx" in n]
 
 
-def _phalanx_switch(rank, world):
+def _phalanx_switch(rank, world, shared_memory):
     import phalanx
     import phalanx.shm
-    phalanx.init_process_group(shared_memory=True)
+    phalanx.init_process_group(shared_memory=shared_memory)
     try:
         t = torch.full((3,), float(rank))
         dist.all_reduce(t)
@@ -295,6 +351,90 @@ def _phalanx_switch(rank, world):
         phalanx.destroy_process_group()
 
 
-def test_phalanx_init_process_group_shared_memory_switch():
-    for used, values in run_ranks(_phalanx_switch, 2, init=False, timeout=60):
+@pytest.mark.parametrize("shared_memory, variable", [(True, None), (None, "1")])
+def test_phalanx_init_process_group_shared_memory_switch_and_variable(shared_memory, variable):
+    env = {"PHALANX_SHARED_MEMORY": variable}
+    for used, values in run_ranks(_phalanx_switch, 2, shared_memory, init=False, env=env,
+                                  timeout=60):
         assert used and values == [1.0, 1.0, 1.0]
+
+
+def test_the_variable_decides_only_where_shared_memory_is_left_at_none(monkeypatch):
+    from phalanx.process_group import _shared_memory_wanted
+    monkeypatch.delenv("PHALANX_SHARED_MEMORY", raising=False)
+    assert not _shared_memory_wanted(None, "gloo", 2)  # the default, for now: off
+    assert _shared_memory_wanted(True, "gloo", 2) and not _shared_memory_wanted(False, "gloo", 2)
+    monkeypatch.setenv("PHALANX_SHARED_MEMORY", "1")
+    assert _shared_memory_wanted(None, "gloo", 2)
+    assert not _shared_memory_wanted(None, "gloo", 1)  # alone: nothing to share
+    assert not _shared_memory_wanted(None, "nccl", 2)  # not where it does not apply
+    assert not _shared_memory_wanted(False, "gloo", 2)  # the argument wins
+    monkeypatch.setenv("PHALANX_SHARED_MEMORY", "0")
+    assert not _shared_memory_wanted(None, "gloo", 2) and _shared_memory_wanted(True, "gloo", 2)
+    monkeypatch.setenv("PHALANX_SHARED_MEMORY", "maybe")
+    with pytest.raises(ValueError, match="PHALANX_SHARED_MEMORY must be 1 \\(on\\) or 0 "
+                                         "\\(off\\), got 'maybe'"):
+        _shared_memory_wanted(None, "gloo", 2)
+
+
+def _hsdp(mesh, rank):
+    from torch.distributed.fsdp import fully_shard
+    model = _mlp()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _train(model, rank)
+    return [p.full_tensor() for p in model.parameters()]
+
+
+def _meshes(rank, world):
+    """World 4, the default group on shared memory: new_group subgroups, init_device_mesh's
+    1-D and 2-D meshes (every dimension on shared memory), and a 2-D mesh whose replicate
+    dimension is Gloo and whose shard dimension is shared memory, as across and within hosts."""
+    import phalanx
+    import phalanx.shm
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    phalanx.init_process_group(shared_memory=True)
+    bad = [] if phalanx.shm.uses_shared_memory() else ["default group not on shared memory"]
+    try:
+        pairs = [dist.new_group(r, backend="phalanx_shm") for r in ([0, 1], [2, 3], [1, 3])]
+        for ranks, group in zip(([0, 1], [2, 3], [1, 3]), pairs):
+            if rank not in ranks:
+                continue
+            x = _input(rank, torch.float64, 333)
+            dist.all_reduce(x, group=group)
+            if not phalanx.shm.uses_shared_memory(group) or not torch.equal(
+                    x, _reference([_input(r, torch.float64, 333) for r in ranks], dist.ReduceOp.SUM)):
+                bad.append(f"new_group {ranks}")
+        flat = init_device_mesh("cpu", (world,))
+        part = _input(rank, torch.float32, 64)
+        summed = DTensor.from_local(part, flat, [Partial()]).redistribute(flat, [Replicate()])
+        want = _reference([_input(r, torch.float32, 64) for r in range(world)], dist.ReduceOp.SUM)
+        if not torch.equal(summed.to_local(), want):  # rank order, at world 4 too
+            bad.append("1-D mesh: Partial -> Replicate is not the rank-order sum")
+        square = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        if not all(phalanx.shm.uses_shared_memory(square.get_group(d)) for d in range(2)):
+            bad.append("init_device_mesh's 2-D groups not on shared memory")
+        gloo = {tuple(r): dist.new_group(r, backend="gloo") for r in ([0, 2], [1, 3], [0, 1], [2, 3])}
+        rows, cols = rank % 2, rank // 2
+        rep, shard = gloo[(rows, rows + 2)], gloo[(2 * cols, 2 * cols + 1)]
+        layout = torch.arange(world).view(2, 2)
+        names = ("replicate", "shard")
+        all_gloo = DeviceMesh.from_group([rep, shard], "cpu", mesh=layout, mesh_dim_names=names)
+        mixed = DeviceMesh.from_group([rep, square.get_group("shard")], "cpu", mesh=layout,
+                                      mesh_dim_names=names)
+        reference = _hsdp(all_gloo, rank)
+        for name, mesh in (("init_device_mesh's", square), ("Gloo x shm", mixed)):
+            if not all(map(torch.equal, _hsdp(mesh, rank), reference)):
+                bad.append(f"HSDP on the {name} 2-D mesh differs from HSDP on an all-Gloo one")
+        return bad
+    finally:
+        phalanx.destroy_process_group()
+
+
+@pytest.mark.slow  # four ranks on the machine's cores
+def test_subgroups_and_device_meshes_at_world_4():
+    for rank, bad in enumerate(run_ranks(_meshes, 4, init=False, timeout=300)):
+        assert bad == [], (rank, bad)

@@ -35,6 +35,25 @@ def test_bench_prints_the_table_and_writes_the_chart(tmp_path):
     assert len(rows) == 4 and not list(tmp_path.glob("times-*.json"))
 
 
+@pytest.mark.slow  # timing runs of three DDPs
+def test_bench_shared_memory_times_phalanx_on_the_backend_torch_on_gloo_and_torch_on_it(tmp_path):
+    cmd = [sys.executable, "-m", "phalanx", "bench", "--model", "deep-mlp", "--shared-memory",
+           "--steps", "2", "--repeats", "1", "--warmup", "1", "--batch-size", "4", "--no-plot",
+           "--out", str(tmp_path)]
+    done = finish(start(cmd, env=base_env()), timeout=180)
+    assert done.code == 0, done.err[-3000:]
+    assert "2 processes, phalanx on shared memory, torch on Gloo" in done.out
+    lines = done.out.splitlines()
+    start_at = lines.index(HEADER)
+    body = [line.split(" | ") for line in lines[start_at + 2: start_at + 7]]
+    assert [(cells[1], cells[2]) for cells in body] == [
+        ("single process", "1"), ("phalanx DDP", "1"), ("phalanx DDP", "2"), ("torch DDP", "2"),
+        ("torch DDP over phalanx_shm", "2")]
+    assert float(body[2][4]) > 0 and body[3][4] == "-" and float(body[4][4]) > 0
+    assert "torch DDP over phalanx_shm: its ratio is over torch DDP on Gloo." in done.out
+    assert "deep-mlp: over the single process's " in done.out and " of torch's" in done.out
+
+
 @pytest.mark.slow  # timing runs of both fully_shards
 def test_bench_fully_shard_reports_step_time_and_bytes_against_torchs_fully_shard(tmp_path):
     cmd = [sys.executable, "-m", "phalanx", "bench", "--model", "gpt", "--fully-shard", "--steps", "3",
@@ -79,6 +98,8 @@ def test_bench_refuses_bad_input(tmp_path):
     (["--bucket-mb", "0"], "argument --bucket-mb/--bucket_mb: expected a number > 0, got 0"),
     (["--fully-shard", "--comm-hook", "fp16"], "--bucket-mb and --comm-hook are DDP's: a sharded model "
      "has neither buckets nor hooks (got --fully-shard with --bucket-mb None, --comm-hook fp16)"),
+    (["--fully-shard", "--shared-memory"], "--shared-memory compares the DDPs; --fully-shard runs "
+     "both fully_shards on the default group, so they cannot be given together"),
 ])
 def test_bench_refuses_bad_counts_before_starting_any_rank(capsys, tmp_path, argv, message):
     code = cli.main(["bench", *argv, "--out", str(tmp_path / "out")])  # in this process

@@ -47,7 +47,8 @@ ALLOWED = {
     "checkpoint": {"comm", "agreement", "process_group", "errors", "_logging", "ddp",
                    "diagnostics", "ledger", "uneven", "unfinished"},
     "launcher": {"env", "errors", "_logging", "gate"},
-    "bench": {"ddp", "fsdp", "comm_hooks", "process_group", "launcher", "gate", "diagnostics"},
+    "bench": {"ddp", "fsdp", "comm_hooks", "process_group", "launcher", "gate", "diagnostics",
+              "shm"},
     # env: torchrun's PET_ variables; checkpoint: imported by `phalanx checkpoint` when it runs
     "cli": {"launcher", "env", "errors", "bench", "checkpoint"},
     "__main__": {"cli"},

@@ -10,6 +10,7 @@ from phalanx.bench.report import (
     caveats,
     ddp_rows,
     format_table,
+    overheads,
     paired_ratio,
 )
 
@@ -88,3 +89,21 @@ def test_caveats_for_unwarmed_or_few_steps_and_negative_exposed_comm():
                                "with gradient sync were faster") and negative.endswith("read it as 0")
     assert caveats([], steps=1, repeats=3, warmup=1) == []  # 3 timed steps: a median to trust
     assert caveats([], steps=2, repeats=1, warmup=1)[0].startswith("only 2 timed steps")
+
+
+def test_shared_memory_rows_pair_torch_over_the_backend_with_torch_and_say_the_overheads():
+    single = {"world_size": 1, "batch_size": 8,
+              "times": {"cnn": {"bare": _times([0.100] * 3), "phalanx": _times([0.101] * 3)}}}
+    multi = {"world_size": 2, "batch_size": 8,
+             "times": {"cnn": {"phalanx": _times([0.110, 0.104, 0.108], [0.1] * 3),
+                               "torch": _times([0.120, 0.120, 0.116], [0.1] * 3),
+                               "torch-shm": _times([0.114, 0.108, 0.116], [0.1] * 3)}}}
+    rows = ddp_rows(single, multi)
+    names = [(r["implementation"], r["processes"]) for r in rows]
+    assert names[-1] == ("torch DDP over phalanx_shm", 2)
+    assert abs(rows[-1][RATIO] - 0.95) < 1e-12  # median of .95, .9, 1.0: over torch's DDP on Gloo
+    assert abs(rows[2][RATIO] - 0.9166666666666666) < 1e-12  # phalanx over torch, as before
+    assert overheads(rows) == [
+        "cnn: over the single process's 100.0 ms, phalanx DDP +8.0 ms, torch DDP +20.0 ms, "
+        "torch DDP over phalanx_shm +14.0 ms; phalanx's is 0.40 of torch's"]
+    assert overheads(rows[:2]) == []  # no DDP at 2 processes: nothing to say

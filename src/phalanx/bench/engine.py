@@ -35,7 +35,10 @@ from .ranks import RESULT_FLAG, serve
 # measure what the always-on checks cost (benchmarks/bench_diagnostics.py). The -fsdp ones:
 # the model sharded by phalanx's or torch's fully_shard (``phalanx bench --fully-shard``).
 FULLY_SHARDED = {"phalanx-fsdp": "phalanx fully_shard", "torch-fsdp": "torch fully_shard"}
-IMPLEMENTATIONS = ("bare", "phalanx", "torch", "phalanx-nodiag", *FULLY_SHARDED)
+IMPLEMENTATIONS = ("bare", "phalanx", "torch", "phalanx-nodiag", "torch-shm", *FULLY_SHARDED)
+# The group each torch DDP runs on (None: the default group), set by _measure: "torch" on Gloo,
+# "torch-shm" (torch's DDP over phalanx's shared-memory backend, the transport alone) on it.
+_GROUPS: dict[str, dist.ProcessGroup | None] = {}
 # PowerSGD's plain all-reduces before compressing: the least torch's hook allows (it needs > 1),
 # so the timed steps (after --warmup 3) compress.
 POWERSGD_START = 2
@@ -138,9 +141,12 @@ def build(model: str, impl: str, bucket_cap_mb: float | None = None, seed: int =
         return net
     if impl == "torch" and comm_hook == "powersgd":
         bucket_cap_mb = 1e6  # torch's PowerSGD hook runs on Gloo with a single bucket only
-    ours = impl in ("phalanx", "phalanx-nodiag")
-    make = DistributedDataParallel if ours else torch.nn.parallel.DistributedDataParallel
-    return register_hook(make(net, bucket_cap_mb=bucket_cap_mb), "phalanx" if ours else impl, comm_hook)
+    if impl in ("phalanx", "phalanx-nodiag"):
+        return register_hook(DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb), "phalanx",
+                             comm_hook)
+    ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb,
+                                                    process_group=_GROUPS.get(impl))
+    return register_hook(ddp, "torch", comm_hook)
 
 
 def register_hook(ddp: nn.Module, impl: str, name: str) -> nn.Module:
@@ -258,8 +264,28 @@ def _slowest(times: list[float]) -> list[float]:
     return t.tolist()
 
 
+def _torch_groups(impls: Sequence[str], shared_memory: bool) -> dict[str, dist.ProcessGroup | None]:
+    """The groups of torch's DDPs (collective): with the default group on shared memory,
+    torch's plain DDP gets a Gloo group of its own; ``torch-shm`` gets a shared-memory group
+    unless the default group is one."""
+    groups: dict[str, dist.ProcessGroup | None] = {}
+    from .. import shm
+
+    on_shm = shm.uses_shared_memory()
+    if shared_memory and not on_shm and dist.get_world_size() > 1:
+        raise RuntimeError("--shared-memory: the default group is not on shared memory (the "
+                           "ranks are not all on this host, or it could not be opened)")
+    if "torch" in impls and on_shm:
+        groups["torch"] = dist.new_group(backend="gloo")
+    if "torch-shm" in impls and not on_shm:
+        groups["torch-shm"] = dist.new_group(backend=shm.BACKEND_NAME)
+    return groups
+
+
 def _measure(args) -> dict:
     world = dist.get_world_size()
+    _GROUPS.clear()
+    _GROUPS.update(_torch_groups(args.impls, args.shared_memory))
     # a sharded model has no no_sync() (set_requires_gradient_sync(False) skips the
     # reduce-scatter only, not the all-gathers): its exposed communication is not measured
     no_sync = world > 1 and not any(impl in FULLY_SHARDED for impl in args.impls)
@@ -286,8 +312,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--batch-size", type=at_least(1), default=64, help="per process")
     p.add_argument("--bucket-cap-mb", type=positive_float, default=None)
     add_comm_hook_option(p.add_argument)
+    p.add_argument("--shared-memory", action="store_true",
+                   help="the default group on phalanx's shared-memory backend (phalanx's DDP and "
+                        "torch-shm run there; torch's DDP on a Gloo group of its own)")
     p.add_argument("--threads", type=at_least(1), default=1, help="torch threads per process")
     p.add_argument(RESULT_FLAG, dest="rank_result", required=True,
                    help="where rank 0 writes the step times")
     args = p.parse_args(argv)
-    serve(_measure, args.rank_result, args, threads=args.threads)
+    serve(_measure, args.rank_result, args, threads=args.threads, shared_memory=args.shared_memory)

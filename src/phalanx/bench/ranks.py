@@ -60,8 +60,9 @@ def launch_ranks(entrypoint: str, nproc: int, args: Sequence[str] = (), module: 
 
 
 def serve(measure: Callable[..., Any], result_path: str, *args: Any, threads: int = 1,
-          backend: str | None = "gloo") -> None:
-    """On one worker: join the process group (``backend``, default Gloo), run
+          backend: str | None = "gloo", shared_memory: bool = False) -> None:
+    """On one worker: join the process group (``backend``, default Gloo; with
+    ``shared_memory``, phalanx's shared-memory backend where it applies), run
     ``measure(*args)``, and on rank 0 write what it returned (JSON-serialisable) to
     ``result_path``; leave the group."""
     import torch
@@ -69,7 +70,7 @@ def serve(measure: Callable[..., Any], result_path: str, *args: Any, threads: in
     from .. import process_group
 
     torch.set_num_threads(threads)
-    process_group.init_process_group(backend=backend)
+    process_group.init_process_group(backend=backend, shared_memory=shared_memory)
     try:
         result = measure(*args)
         if process_group.get_rank() == 0:

@@ -35,8 +35,10 @@ RATIO = "phalanx/torch (median of paired step ratios; lower is better)"
 COLUMNS = ("model", "implementation", "processes", STEP, RATIO, "samples/s",
            "scaling efficiency", "exposed comm ms")
 _NAMES = {"bare": "single process", "phalanx": "phalanx DDP", "torch": "torch DDP",
-          "phalanx-fsdp": "phalanx fully_shard", "torch-fsdp": "torch fully_shard"}
-_PEERS = {"phalanx": "torch", "phalanx-fsdp": "torch-fsdp"}  # the pairs of the paired ratio
+          "phalanx-fsdp": "phalanx fully_shard", "torch-fsdp": "torch fully_shard",
+          "torch-shm": "torch DDP over phalanx_shm"}
+# the pairs of the paired ratio (torch's DDP over phalanx's backend against it over Gloo)
+_PEERS = {"phalanx": "torch", "phalanx-fsdp": "torch-fsdp", "torch-shm": "torch"}
 _RATIOS = ("scaling efficiency", RATIO, SENT)  # shown with 3 decimals
 LEGEND = (
     "phalanx/torch: each phalanx step's time over the time of the torch step taken beside it,\n"
@@ -122,6 +124,24 @@ def ddp_rows(single: dict[str, Any], multi: dict[str, Any], sent: bool = False) 
             if sent:
                 rows[-1][SENT] = statistics.median(t["sent"]) / multi["param_bytes"][model]
     return rows
+
+
+def overheads(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Per model, what each DDP's step adds over the single bare process's step at the same
+    per-process batch (ms), and phalanx's share of torch's; empty without those rows."""
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = {r["implementation"]: r[STEP] for r in rows if r["model"] == model
+                and (r["processes"] > 1 or r["implementation"] == _NAMES["bare"])}
+        bare, ours, theirs = (mine.get(_NAMES[k]) for k in ("bare", "phalanx", "torch"))
+        if bare is None or ours is None or theirs is None:
+            continue
+        added = {k: mine[k] - bare for k in mine if k != _NAMES["bare"]}
+        said = ", ".join(f"{k} {v:+.1f} ms" for k, v in added.items())
+        share = (f"; phalanx's is {added[_NAMES['phalanx']] / added[_NAMES['torch']]:.2f} of torch's"
+                 if added[_NAMES["torch"]] > 0 else "")
+        lines.append(f"{model}: over the single process's {bare:.1f} ms, {said}{share}")
+    return lines
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:

@@ -12,6 +12,12 @@ before anything runs (``--steps``, ``--repeats``, ``--batch-size``, ``--threads`
 ``--warmup`` at least 0). ``--comm-hook`` registers a compression hook on
 both DDPs (phalanx's own on phalanx's, torch's of that name on torch's).
 
+``--shared-memory`` puts the default group on phalanx's shared-memory backend
+(``init_process_group(shared_memory=True)``): phalanx's DDP runs there, torch's DDP on a Gloo
+group of its own as before, and a third implementation, torch's DDP over phalanx's backend
+(``torch-shm``: what the transport alone gives), is timed beside them; its ratio column is
+torch-shm over torch. Under the table, each model's DDP overhead over the single process.
+
 ``--fully-shard`` times the model sharded instead: phalanx's ``fully_shard`` against torch's
 ``fully_shard`` (each GPT block, or each layer of the other models, a unit, then the root;
 their defaults), phalanx's also alone on one process beside the bare model, and adds the bytes
@@ -53,6 +59,9 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
     add("--threads", type=at_least(1), default=1, help="torch threads per process (default 1)")
     add("--out", default="runs/bench", help="bench.png and bench.json go here (default runs/bench)")
     add("--no-plot", action="store_true", help="skip the PNG chart (no matplotlib needed)")
+    add("--shared-memory", "--shared_memory", action=argparse.BooleanOptionalAction, default=False,
+        help="the default group on phalanx's shared-memory backend: phalanx's DDP there, torch's "
+             "DDP on Gloo, and torch's DDP over the backend as a third (default off)")
     add("--fully-shard", "--fully_shard", action="store_true",
         help="phalanx's fully_shard against torch's fully_shard (each block or layer a unit, then "
              "the root) instead of the DDPs, with the bytes sent per step")
@@ -71,9 +80,16 @@ def _bench(args: argparse.Namespace) -> int:
               f"neither buckets nor hooks (got --fully-shard with --bucket-mb {args.bucket_mb}, "
               f"--comm-hook {args.comm_hook})", file=sys.stderr)
         return 2
+    if args.fully_shard and args.shared_memory:
+        print("phalanx bench: error: --shared-memory compares the DDPs; --fully-shard runs both "
+              "fully_shards on the default group, so they cannot be given together",
+              file=sys.stderr)
+        return 2
     sharded = args.fully_shard
     alone = ("bare", "phalanx-fsdp" if sharded else "phalanx")
     together = ("phalanx-fsdp", "torch-fsdp") if sharded else ("phalanx", "torch")
+    if args.shared_memory:
+        together += ("torch-shm",)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     common = ["--models", *args.model, "--repeats", str(args.repeats), "--steps", str(args.steps),
@@ -82,6 +98,8 @@ def _bench(args: argparse.Namespace) -> int:
     if args.bucket_mb is not None:
         common += ["--bucket-cap-mb", str(args.bucket_mb)]
     common += ["--comm-hook", args.comm_hook]
+    if args.shared_memory:
+        common += ["--shared-memory"]
     results = {}
     # the 1-minute load average at the end of each run (no sampling thread: the launcher
     # forks its guardian and workers, which wants a process without threads)
@@ -102,10 +120,15 @@ def _bench(args: argparse.Namespace) -> int:
         {"rows": rows, "settings": settings, "peak_load": max(loads), "notes": notes}, indent=2))
     how = ("fully_shard (each block or layer a unit, then the root)" if sharded else
            f"bucket cap {args.bucket_mb or 'default'}, comm hook {args.comm_hook}")
-    print(f"\n{nproc} processes, Gloo, {args.threads} thread(s) and batch {args.batch_size} "
+    transport = ("phalanx on shared memory, torch on Gloo" if args.shared_memory else "Gloo")
+    print(f"\n{nproc} processes, {transport}, {args.threads} thread(s) and batch {args.batch_size} "
           f"per process, {how}\n")
     print(bench_report.format_table(rows))
     print(f"\n{bench_report.LEGEND}")
+    if args.shared_memory:
+        print("torch DDP over phalanx_shm: its ratio is over torch DDP on Gloo.")
+    for line in bench_report.overheads(rows):
+        print(line)
     for note in notes:
         print(f"\nnote: {note}")
     if busy:

@@ -12,6 +12,15 @@ Ordering: data and header are stored before the arrival count by the same thread
 after it; x86-64's total store order keeps those stores, and those loads, in program order,
 which is why a group uses shared memory only on x86-64 (:func:`phalanx.shm.segment.identity`).
 
+Waiting: a member looks at the peer's arrival count a few times, then, on the caller's thread
+(a blocking collective), yields the CPU at each look for up to 2 ms (the lowest latency), then
+sleeps in the kernel on the count (a futex) without Python's GIL, woken by the peer's arrival.
+The group's worker thread (asynchronous collectives, DDP's buckets) sleeps at once: a thread
+that yields in a loop takes the GIL back at every look and starves the training thread of it.
+A member about to sleep raises its flag; a member that arrives wakes the peers whose flag is
+up. (Raising the flag and the arrival are not fenced against each other, so a wake-up can be
+missed; the sleep is bounded, 2 ms, and the wait looks again.)
+
 While waiting, a member checks every ~50 ms that each member it waits for still lives (a
 pidfd per peer, readable once that process has exited): a peer killed at any point makes
 every survivor raise within about that, naming it. The group's timeout bounds any wait.
@@ -19,8 +28,10 @@ every survivor raise within about that, naming it. The group's timeout bounds an
 
 from __future__ import annotations
 
+import ctypes
 import os
 import select
+import threading
 import time
 from typing import Callable
 
@@ -35,16 +46,47 @@ _CONTROL_OFFSET = 4096
 # write the same line, nor a line the adjacent-line prefetcher pairs with another's.
 _BLOCK_BYTES = 128
 _BLOCK_WORDS = _BLOCK_BYTES // 8
-# Header words: op, dtype, numel, extra, extra2; one header per half, at words 1 and 9 of
-# the block (a member may publish step s + 1's header while another still reads step s's).
-HEADER_WORDS = 5
+# Header words: two per collective (see :func:`phalanx.shm.ops.header`); one header per half,
+# at words 1 and 9 of the block (a member may publish step s + 1's header while another still
+# reads step s's).
+HEADER_WORDS = 2
 _HEADER_AT = (1, 9)
+# Word 4 of a block: raised while that member sleeps on a peer's arrival count (the futex).
+_SLEEPING_AT = 4
 # Liveness checks every 50 ms while waiting: a dead peer is named within about that.
 _LIVENESS_S = 0.05
-# Waiting starts by yielding the CPU (lowest latency); after 2 ms it sleeps 50 us per look,
-# which costs a long wait at most a few percent and spares a machine with more ranks than cores.
+# Waiting starts with a few looks without a system call (when the group has no more members
+# than this process has CPUs), then yields the CPU at each look; after 2 ms it sleeps 50 us per
+# look, which costs a long wait at most a few percent and spares a machine with more ranks than
+# cores. A longer spin (300 looks, ~30 us) measured slower on a loaded 2-core machine: a peer
+# that shares the spinner's core waits for the spin to end.
+_SPIN_LOOKS = 20
 _YIELD_S = 0.002
-_SLEEP_S = 50e-6
+# The longest sleep on the futex before looking again (a missed wake-up costs at most this).
+_SLEEP_S = 0.002
+
+# futex(2) on x86-64 (the only architecture a group uses shared memory on): FUTEX_WAIT through a
+# foreign call that releases the GIL, FUTEX_WAKE through one that keeps it (it never blocks).
+# Not FUTEX_PRIVATE: the word is in memory shared between processes.
+_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1
+_futex_wait = ctypes.CDLL(None, use_errno=True).syscall
+_futex_wait.restype = ctypes.c_long
+_futex_wait.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint,
+                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+_futex_wake = ctypes.PyDLL(None, use_errno=True).syscall
+_futex_wake.restype = ctypes.c_long
+_futex_wake.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = (("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long))
+
+
+_SLEEP = _Timespec(0, int(_SLEEP_S * 1e9))
+# Typed views of the slots kept per (dtype, shape), for the one-step collectives: at most this
+# many shapes (then the cache starts again), so no call that repeats a shape builds any.
+_VIEWS_KEPT = 256
 
 
 class BrokenGroupError(RuntimeError):
@@ -73,6 +115,15 @@ class Channel:
         self._data = torch.frombuffer(segment.mm.buffer, dtype=torch.uint8, offset=data,
                                       count=total - data)
         self.seq = 0
+        self._base = rank * _BLOCK_WORDS
+        self._peers = [r * _BLOCK_WORDS for r in range(size) if r != rank]
+        self._spin = _SPIN_LOOKS if size <= len(os.sched_getaffinity(0)) else 0
+        words_at = segment.mm.address + _CONTROL_OFFSET
+        self._address = [ctypes.c_void_p(words_at + 8 * r * _BLOCK_WORDS) for r in range(size)]
+        self._sleep = ctypes.byref(_SLEEP)
+        # The thread that must not yield in a loop (the group's worker); set by the group.
+        self.worker_ident: int | None = None
+        self._views: dict[tuple, tuple] = {}
         self._pidfds: dict[int, int] = {}
         self._poll = select.poll()
         for r, pid in enumerate(segment.pids):
@@ -91,48 +142,97 @@ class Channel:
         start = (half * self.size + rank) * self.capacity
         return self._data[start:start + self.capacity]
 
-    def step(self, header: tuple[int, ...]) -> list[tuple[int, ...]]:
-        """Publish ``header``, arrive at the next step and wait for every member; returns
-        every member's header. The caller wrote its slot of :meth:`slot` before."""
+    def views(self, dtype: torch.dtype, shape: torch.Size) -> tuple[list[torch.Tensor], ...]:
+        """Every member's slot in each half, as a tensor of ``dtype`` and ``shape`` (which must
+        fit the capacity): ``views(...)[half][rank]``. Kept, so a repeated shape costs a look-up."""
+        key = (dtype, shape)
+        found = self._views.get(key)
+        if found is None:
+            if len(self._views) >= _VIEWS_KEPT:
+                self._views.clear()
+            nbytes = shape.numel() * dtype.itemsize
+            found = self._views[key] = tuple(
+                [self._data[(half * self.size + r) * self.capacity:][:nbytes].view(dtype).view(shape)
+                 for r in range(self.size)] for half in (0, 1))
+        return found
+
+    def scatter_views(self, dtype: torch.dtype, numel: int,
+                      per: int) -> tuple[tuple[torch.Tensor, list[torch.Tensor]], ...]:
+        """For a reduce-scatter of ``numel`` elements a member, whose pieces lie ``per``
+        elements apart in each slot: per half, this member's slot as ``(size, numel)`` and
+        every member's piece for this member. Kept like :meth:`views`."""
+        key = (dtype, numel, per)
+        found = self._views.get(key)
+        if found is None:
+            if len(self._views) >= _VIEWS_KEPT:
+                self._views.clear()
+            nbytes = self.size * per * dtype.itemsize
+            halves = []
+            for half in (0, 1):
+                slots = [self._data[(half * self.size + r) * self.capacity:][:nbytes]
+                         .view(dtype).view(self.size, per)[:, :numel] for r in range(self.size)]
+                halves.append((slots[self.rank], [s[self.rank] for s in slots]))
+            found = self._views[key] = tuple(halves)
+        return found
+
+    def step(self, w0: int, w1: int) -> None:
+        """Publish the header ``(w0, w1)``, arrive at the next step and wait for every member,
+        then check that they all published the same header. The caller wrote its slot of the
+        next step's half (:meth:`slot`, :meth:`views`) before."""
         seq = self.seq + 1
         words = self._words
-        at = _HEADER_AT[seq % 2]
-        base = self.rank * _BLOCK_WORDS
-        for i, value in enumerate(header):
-            words[base + at + i] = value
+        at = _HEADER_AT[seq & 1]
+        base = self._base
+        words[base + at] = w0
+        words[base + at + 1] = w1
         words[base] = seq
         self.seq = seq
-        waiting = [r * _BLOCK_WORDS for r in range(self.size) if r != self.rank]
-        waiting = [b for b in waiting if words[b] < seq]
-        if waiting:
-            self._wait(waiting, seq)
-        headers = [tuple(words[r * _BLOCK_WORDS + at:r * _BLOCK_WORDS + at + HEADER_WORDS])
-                   for r in range(self.size)]
-        if any(h != headers[0] for h in headers):
-            raise BrokenGroupError(CollectiveMismatchError(self._mismatch(headers)))
-        return headers
+        peers = self._peers
+        for b in peers:
+            if words[b + _SLEEPING_AT]:
+                _futex_wake(_SYS_FUTEX, self._address[self.rank], _FUTEX_WAKE, 0x7FFFFFFF,
+                            None, None, 0)
+                break
+        for b in peers:
+            if words[b] < seq:
+                self._wait(b, seq)
+        for b in peers:
+            if words[b + at] != w0 or words[b + at + 1] != w1:
+                raise BrokenGroupError(CollectiveMismatchError(self._mismatch(at)))
 
-    def _wait(self, waiting: list[int], seq: int) -> None:
+    def _wait(self, b: int, seq: int) -> None:
+        """Until the member whose block starts at word ``b`` has arrived at ``seq``."""
         words = self._words
+        for _ in range(self._spin):
+            if words[b] >= seq:
+                return
         start = time.monotonic()
         next_check = start + _LIVENESS_S
+        yield_until = start + (_YIELD_S if threading.get_ident() != self.worker_ident else 0.0)
+        sleeping = self._base + _SLEEPING_AT
+        address = self._address[b // _BLOCK_WORDS]
         while True:
-            os.sched_yield()
-            waiting = [b for b in waiting if words[b] < seq]
-            if not waiting:
-                return
             now = time.monotonic()
+            if now < yield_until:
+                os.sched_yield()
+            else:
+                words[sleeping] = 1
+                seen = words[b]
+                if seen < seq:
+                    _futex_wait(_SYS_FUTEX, address, _FUTEX_WAIT, seen & 0xFFFFFFFF, self._sleep,
+                                None, 0)
+                words[sleeping] = 0
+            if words[b] >= seq:
+                return
             if now >= next_check:
                 next_check = now + _LIVENESS_S
                 self._check_alive()
                 if now - start > self.timeout_s:
-                    late = [b // _BLOCK_WORDS for b in waiting]
+                    late = [p // _BLOCK_WORDS for p in self._peers if words[p] < seq]
                     raise BrokenGroupError(CollectiveTimeoutError(
                         f"phalanx_shm: rank {self.rank} waited {self.timeout_s:g} s (the group's "
                         f"timeout) in collective #{seq} for {ranks_text(late)}, which never "
                         "arrived", late))
-            if now - start > _YIELD_S:
-                time.sleep(_SLEEP_S)
 
     def _check_alive(self) -> None:
         dead = sorted(self._pidfds[fd] for fd, _ in self._poll.poll(0))
@@ -141,7 +241,10 @@ class Channel:
                 f"phalanx_shm: {ranks_text(dead)} exited (killed or crashed) while rank "
                 f"{self.rank} waited for it in a collective", dead))
 
-    def _mismatch(self, headers: list[tuple[int, ...]]) -> str:
+    def _mismatch(self, at: int) -> str:
+        words = self._words
+        headers = [tuple(words[r * _BLOCK_WORDS + at:r * _BLOCK_WORDS + at + HEADER_WORDS])
+                   for r in range(self.size)]
         groups: dict[tuple[int, ...], list[int]] = {}
         for r, h in enumerate(headers):
             groups.setdefault(h, []).append(r)
@@ -153,6 +256,7 @@ class Channel:
             os.close(fd)
         self._pidfds.clear()
         self._data = torch.empty(0, dtype=torch.uint8)
+        self._views.clear()
         self._words.release()
         self._bytes.release()
         # Unmapping while a view of a slot may live on (a result's future, a traceback) would

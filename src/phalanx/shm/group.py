@@ -16,6 +16,9 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions,
+                                        BarrierOptions, BroadcastOptions, ReduceOptions,
+                                        ReduceScatterOptions)
 
 from . import ops
 from .channel import Channel
@@ -23,6 +26,8 @@ from .segment import Segment
 from .worker import ShmWork, Worker
 
 BACKEND_NAME = "phalanx_shm"
+_SUM = dist.ReduceOp.SUM
+_STRIDED = torch.strided
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -58,23 +63,38 @@ class ShmProcessGroup(dist.ProcessGroup):
         self._channel = Channel(segment, rank, size, capacity, timeout.total_seconds(),
                                 ops.describe)
         self._worker = Worker(f"phalanx_shm-r{rank}")
+        self._channel.worker_ident = self._worker.ident
+        self._rank = rank
+        # Bytes a tensor may have to take the one-step path (ops.all_reduce_one...).
+        self._one_step = capacity
 
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
         return BACKEND_NAME
 
     def _served(self, tensors: list[torch.Tensor]) -> bool:
-        return all(t.device.type == "cpu" and t.layout == torch.strided
-                   and t.dtype in ops.DTYPE_CODES for t in tensors)
+        for t in tensors:
+            if not t.is_cpu or t.layout is not _STRIDED or t.dtype not in ops.DTYPE_CODES:
+                return False
+        return True
 
     def _submit(self, run: Callable[[], None], result: list[Any], opts: Any) -> ShmWork:
         return self._worker.submit(run, result, bool(getattr(opts, "asyncOp", True)))
 
+    def _one(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (served) takes the one-step path: contiguous, fits one slot."""
+        return t.is_contiguous() and t.numel() * t.element_size() <= self._one_step
+
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.AllreduceOptions()
-        code = ops.reduce_code(opts.reduceOp)
+        opts = opts if opts is not None else AllreduceOptions()
+        op = opts.reduceOp
+        code = ops.SUM if op == _SUM else ops.reduce_code(op)
         if len(tensors) != 1 or code is None or not self._served(tensors):
             return self._gloo.allreduce(tensors, opts)
         t = tensors[0]
+        channel = self._channel
+        if self._one(t):
+            return self._worker.submit(lambda: ops.all_reduce_one(channel, t, code), tensors,
+                                       opts.asyncOp)
         flat = _flat(t)
 
         def run() -> None:
@@ -83,11 +103,15 @@ class ShmProcessGroup(dist.ProcessGroup):
         return self._submit(run, [t], opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.ReduceOptions()
+        opts = opts if opts is not None else ReduceOptions()
         code = ops.reduce_code(opts.reduceOp)
         if len(tensors) != 1 or code is None or not self._served(tensors):
             return self._gloo.reduce(tensors, opts)
         t, root = tensors[0], opts.rootRank
+        channel = self._channel
+        if self._one(t):
+            return self._worker.submit(lambda: ops.all_reduce_one(channel, t, code, root),
+                                       tensors, opts.asyncOp)
         flat = _flat(t)
 
         def run() -> None:
@@ -97,10 +121,14 @@ class ShmProcessGroup(dist.ProcessGroup):
         return self._submit(run, [t], opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.BroadcastOptions()
+        opts = opts if opts is not None else BroadcastOptions()
         if len(tensors) != 1 or opts.rootTensor != 0 or not self._served(tensors):
             return self._gloo.broadcast(tensors, opts)
         t, root = tensors[0], opts.rootRank
+        channel = self._channel
+        if self._one(t):
+            return self._worker.submit(lambda: ops.broadcast_one(channel, t, root), tensors,
+                                       opts.asyncOp)
         flat = _flat(t)
 
         def run() -> None:
@@ -111,7 +139,7 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else AllgatherOptions()
         if (len(inputs) != 1 or len(outputs) != 1 or not self._served(inputs + outputs[0])
                 or len(outputs[0]) != self.size()
                 or any(o.numel() != inputs[0].numel() or o.dtype != inputs[0].dtype
@@ -120,10 +148,14 @@ class ShmProcessGroup(dist.ProcessGroup):
         return self._gather(outputs[0], inputs[0], outputs, opts)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else AllgatherOptions()
         if (not self._served([output, input]) or output.dtype != input.dtype
                 or output.numel() != input.numel() * self.size() or not output.is_contiguous()):
             return self._gloo._allgather_base(output, input, opts)
+        if input.numel() and self._one(input):
+            channel = self._channel
+            return self._worker.submit(lambda: ops.all_gather_one(channel, output, input),
+                                       [output], opts.asyncOp)
         return self._gather(list(output.view(-1).chunk(self.size())) if input.numel()
                             else [output.view(-1)] * self.size(), input, [output], opts)
 
@@ -141,7 +173,7 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                        opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        opts = opts if opts is not None else ReduceScatterOptions()
         code = ops.reduce_code(opts.reduceOp)
         if (len(outputs) != 1 or len(inputs) != 1 or code is None or len(inputs[0]) != self.size()
                 or not self._served(outputs + inputs[0])
@@ -152,11 +184,17 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
                              opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        opts = opts if opts is not None else ReduceScatterOptions()
         code = ops.reduce_code(opts.reduceOp)
         if (code is None or not self._served([output, input]) or output.dtype != input.dtype
                 or input.numel() != output.numel() * self.size()):
             return self._gloo._reduce_scatter_base(output, input, opts)
+        if (output.numel() and input.is_contiguous() and output.is_contiguous()
+                and output.numel() <= self._one_step // (input.element_size() * self.size())):
+            channel = self._channel
+            return self._worker.submit(
+                lambda: ops.reduce_scatter_one(channel, output, input, code), [output],
+                opts.asyncOp)
         flat = _flat(input)
         ins = list(flat.chunk(self.size())) if flat.numel() else [flat] * self.size()
         return self._scatter(output, ins, code, [output], opts)
@@ -175,7 +213,7 @@ class ShmProcessGroup(dist.ProcessGroup):
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: list[int], input_split_sizes: list[int],
                       opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.AllToAllOptions()
+        opts = opts if opts is not None else AllToAllOptions()
         if not self._served([output, input]) or output.dtype != input.dtype:
             return self._gloo.alltoall_base(output, input, output_split_sizes,
                                             input_split_sizes, opts)
@@ -204,7 +242,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         return [s * row for s in splits]
 
     def barrier(self, opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.BarrierOptions()
+        opts = opts if opts is not None else BarrierOptions()
         return self._submit(lambda: ops.barrier(self._channel), [], opts)
 
     def shutdown(self) -> None:

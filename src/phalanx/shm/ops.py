@@ -35,9 +35,22 @@ def reduce_code(op: object) -> int | None:
     return None
 
 
-def describe(header: tuple[int, ...]) -> str:
+def header(op: int, dtype: int, numel: int, extra: int = 0, extra2: int = 0) -> tuple[int, int]:
+    """The two words every member publishes for a collective, which must agree: the op (4
+    bits), the dtype's code (8), ``extra`` (24: the reduction's code or a root) and ``extra2``
+    (27: a root) in the first, the number of elements in the second."""
+    return op | dtype << 4 | extra << 12 | extra2 << 36, numel
+
+
+def unpack(words: tuple[int, ...]) -> tuple[int, int, int, int, int]:
+    """``(op, dtype, numel, extra, extra2)`` of a :func:`header`."""
+    w0, numel = words
+    return w0 & 0xF, (w0 >> 4) & 0xFF, numel, (w0 >> 12) & 0xFFFFFF, w0 >> 36
+
+
+def describe(words: tuple[int, ...]) -> str:
     """A header in words: ``all_reduce(float32, 1024 elements, SUM)``."""
-    op, dtype, numel, extra, _ = header
+    op, dtype, numel, extra, extra2 = unpack(words)
     name = OP_NAMES.get(op, f"op {op}")
     if op == BARRIER:
         return "barrier()"
@@ -48,7 +61,7 @@ def describe(header: tuple[int, ...]) -> str:
     if op == BROADCAST:
         what += f", src={extra}"
     if op == REDUCE:
-        what += f", dst={header[4]}"
+        what += f", dst={extra2}"
     return f"{name}({what})"
 
 
@@ -92,46 +105,87 @@ def _per(ch: Channel, dtype: torch.dtype, pieces: int = 1) -> int:
     return ch.capacity // (dtype.itemsize * pieces)
 
 
+def all_reduce_one(ch: Channel, t: torch.Tensor, code: int, root: int = -1) -> None:
+    """:func:`all_reduce` of a contiguous ``t`` that fits one slot: one step, through views
+    of the slots kept by shape (the small collectives' path: no slicing, no copy but in and out)."""
+    views = ch.views(t.dtype, t.shape)[(ch.seq + 1) & 1]
+    views[ch.rank].copy_(t)
+    ch.step(*header(ALL_REDUCE if root < 0 else REDUCE, DTYPE_CODES[t.dtype], t.numel(), code,
+                    max(root, 0)))
+    if root < 0 or root == ch.rank:
+        _combine(t, views, code)
+
+
+def broadcast_one(ch: Channel, t: torch.Tensor, root: int) -> None:
+    """:func:`broadcast` of a contiguous ``t`` that fits one slot, in one step."""
+    views = ch.views(t.dtype, t.shape)[(ch.seq + 1) & 1]
+    if ch.rank == root:
+        views[root].copy_(t)
+    ch.step(*header(BROADCAST, DTYPE_CODES[t.dtype], t.numel(), root))
+    if ch.rank != root:
+        t.copy_(views[root])
+
+
+def all_gather_one(ch: Channel, out: torch.Tensor, t: torch.Tensor) -> None:
+    """:func:`all_gather` of a contiguous ``t`` that fits one slot into the contiguous ``out``
+    (``size`` times as many elements), in one step."""
+    views = ch.views(t.dtype, t.shape)[(ch.seq + 1) & 1]
+    views[ch.rank].copy_(t)
+    ch.step(*header(ALL_GATHER, DTYPE_CODES[t.dtype], t.numel()))
+    torch.stack(views, out=out.view((ch.size,) + t.shape))
+
+
+def reduce_scatter_one(ch: Channel, out: torch.Tensor, t: torch.Tensor, code: int) -> None:
+    """:func:`reduce_scatter` of the contiguous ``t`` (``size`` pieces of ``out``'s size, at
+    most :func:`_per` elements each: the pieces lie where :func:`reduce_scatter` puts them) into
+    the contiguous ``out``, in one step."""
+    n = out.numel()
+    mine, parts = ch.scatter_views(t.dtype, n, _per(ch, t.dtype, ch.size))[(ch.seq + 1) & 1]
+    mine.copy_(t.view(ch.size, n))
+    ch.step(*header(REDUCE_SCATTER, DTYPE_CODES[t.dtype], n, code))
+    _combine(out.view(-1), parts, code)
+
+
 def all_reduce(ch: Channel, flat: torch.Tensor, code: int, root: int = -1) -> None:
     """``flat`` becomes the reduction of every member's; with ``root >= 0`` only there (reduce)."""
-    header = (ALL_REDUCE if root < 0 else REDUCE, DTYPE_CODES[flat.dtype], flat.numel(), code,
-              max(root, 0))
+    words = header(ALL_REDUCE if root < 0 else REDUCE, DTYPE_CODES[flat.dtype], flat.numel(), code,
+                   max(root, 0))
     for off, k in _spans(flat.numel(), _per(ch, flat.dtype)):
         src = flat[off:off + k]
         _mine(ch, flat.dtype, 0, k).copy_(src)
-        ch.step(header)
+        ch.step(*words)
         if root < 0 or root == ch.rank:
             _combine(src, [_view(ch, r, flat.dtype, 0, k) for r in range(ch.size)], code)
 
 
 def broadcast(ch: Channel, flat: torch.Tensor, root: int) -> None:
-    header = (BROADCAST, DTYPE_CODES[flat.dtype], flat.numel(), root, 0)
+    words = header(BROADCAST, DTYPE_CODES[flat.dtype], flat.numel(), root)
     for off, k in _spans(flat.numel(), _per(ch, flat.dtype)):
         if ch.rank == root:
             _mine(ch, flat.dtype, 0, k).copy_(flat[off:off + k])
-        ch.step(header)
+        ch.step(*words)
         if ch.rank != root:
             flat[off:off + k].copy_(_view(ch, root, flat.dtype, 0, k))
 
 
 def all_gather(ch: Channel, outs: list[torch.Tensor], flat: torch.Tensor) -> None:
     """``outs[r]`` (flat, as long as ``flat``) becomes member r's ``flat``."""
-    header = (ALL_GATHER, DTYPE_CODES[flat.dtype], flat.numel(), 0, 0)
+    words = header(ALL_GATHER, DTYPE_CODES[flat.dtype], flat.numel())
     for off, k in _spans(flat.numel(), _per(ch, flat.dtype)):
         _mine(ch, flat.dtype, 0, k).copy_(flat[off:off + k])
-        ch.step(header)
+        ch.step(*words)
         for r, out in enumerate(outs):
             out[off:off + k].copy_(_view(ch, r, flat.dtype, 0, k))
 
 
 def reduce_scatter(ch: Channel, out: torch.Tensor, ins: list[torch.Tensor], code: int) -> None:
     """``out`` becomes the reduction over members of their ``ins[this rank]``."""
-    header = (REDUCE_SCATTER, DTYPE_CODES[out.dtype], out.numel(), code, 0)
+    words = header(REDUCE_SCATTER, DTYPE_CODES[out.dtype], out.numel(), code)
     per = _per(ch, out.dtype, ch.size)
     for off, k in _spans(out.numel(), per):
         for r, piece in enumerate(ins):
             _mine(ch, out.dtype, r * per, k).copy_(piece[off:off + k])
-        ch.step(header)
+        ch.step(*words)
         parts = [_view(ch, q, out.dtype, ch.rank * per, k) for q in range(ch.size)]
         _combine(out[off:off + k], parts, code)
 
@@ -141,10 +195,10 @@ def all_to_all(ch: Channel, out: torch.Tensor, flat: torch.Tensor,
     """Member q's elements ``sends[r]`` (in order, from ``flat``) land in member r's ``out``;
     ``receives[q]`` is what this member expects from q. Checked on every member first."""
     w, me = ch.size, ch.rank
-    header = (ALL_TO_ALL, DTYPE_CODES[flat.dtype], 0, 0, 0)
+    words = header(ALL_TO_ALL, DTYPE_CODES[flat.dtype], 0)
     counts = _mine(ch, torch.int64, 0, 2 * w)
     counts.copy_(torch.tensor(sends + receives, dtype=torch.int64))
-    ch.step(header)
+    ch.step(*words)
     table = [_view(ch, q, torch.int64, 0, 2 * w).tolist() for q in range(w)]
     wrong = [(q, r) for q in range(w) for r in range(w) if table[q][r] != table[r][w + q]]
     if wrong:
@@ -160,7 +214,7 @@ def all_to_all(ch: Channel, out: torch.Tensor, flat: torch.Tensor,
         for r in range(w):
             k = max(0, min(per, sends[r] - start))
             _mine(ch, flat.dtype, r * per, k).copy_(flat[send_at[r] + start:send_at[r] + start + k])
-        ch.step(header)
+        ch.step(*words)
         for q in range(w):
             k = max(0, min(per, receives[q] - start))
             out[recv_at[q] + start:recv_at[q] + start + k].copy_(
@@ -168,4 +222,4 @@ def all_to_all(ch: Channel, out: torch.Tensor, flat: torch.Tensor,
 
 
 def barrier(ch: Channel) -> None:
-    ch.step((BARRIER, 0, 0, 0, 0))
+    ch.step(BARRIER, 0)

@@ -37,18 +37,25 @@ def _read(path: str) -> str:
         return ""
 
 
+def _namespace(kind: str) -> int:
+    try:
+        return os.stat(f"/proc/self/ns/{kind}").st_ino
+    except OSError:
+        return -1
+
+
 def identity() -> dict[str, object]:
     """What makes two processes share memory: one kernel boot on one host, one PID namespace
     (so pids and ``/proc`` mean the same), an x86-64 CPU (the ordering argument of
-    :mod:`phalanx.shm.channel` relies on its total store order)."""
-    try:
-        pid_ns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        pid_ns = -1
+    :mod:`phalanx.shm.channel` relies on its total store order). One network namespace too:
+    processes in different ones are treated as different hosts (containers of one machine, or
+    the two namespaces ``phalanx bench`` uses to emulate a slow link between hosts)."""
+    pid_ns = _namespace("pid")
     return {
         "host": socket.gethostname(),
         "boot": _read("/proc/sys/kernel/random/boot_id"),
         "pid_ns": pid_ns,
+        "net_ns": _namespace("net"),
         "machine": platform.machine(),
         "memfd": hasattr(os, "memfd_create") and hasattr(os, "pidfd_open"),
     }

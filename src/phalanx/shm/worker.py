@@ -1,9 +1,14 @@
 """Issue order, off the caller's thread: each group's collectives run one at a time on a
 worker thread of its own, in the order they were issued, and each returns a :class:`ShmWork`
-at once; a blocking call with nothing queued before it runs on the caller's thread (no hand-off).
+at once. A blocking call with nothing queued or running before it runs on the caller's thread
+(no hand-off) and returns a work already complete.
 
 A collective that breaks the group (a peer died, a mismatch, a timeout) fails every one
 queued after it, and every later one, with the same error.
+
+The per-call path is kept short (small collectives take tens of microseconds): a work holds a
+plain lock that is released when it completes (no ``Event``), and its ``Future`` is made only
+when someone asks for it (``get_future``), so a blocking call builds neither.
 """
 
 from __future__ import annotations
@@ -18,37 +23,51 @@ from torch.futures import Future
 
 from .channel import BrokenGroupError
 
+# Guards the hand-over of a work's Future between the thread that completes the work and one
+# asking for the Future (each must see the other's step, never both set it).
+_FUTURE_LOCK = threading.Lock()
+
 
 class ShmWork(dist._Work):
     """The handle of one collective: ``wait()`` returns once it is done (raising its error),
     ``get_future()`` completes with ``result`` then."""
 
-    def __init__(self, result: list[Any]) -> None:
+    def __init__(self, result: list[Any], done: bool = False,
+                 error: BaseException | None = None) -> None:
         super().__init__()
         self._result = result
-        self._future: Future = Future()
-        self._done = threading.Event()
-        self._error: BaseException | None = None
+        self._future: Future | None = None
+        self._error = error
+        self._done = done
+        # Held until the work completes: wait() acquires and releases it.
+        self._pending: Any = None
+        if not done:
+            self._pending = threading.Lock()
+            self._pending.acquire()
 
     def finish(self, error: BaseException | None) -> None:
+        """Complete the work (the worker thread's call, once)."""
         self._error = error
-        if error is None:
-            self._future.set_result(self._result)
-        else:
-            self._future.set_exception(error)
-        self._done.set()
+        with _FUTURE_LOCK:
+            self._done = True
+            future = self._future
+        if future is not None:
+            _complete(future, self._result, error)
+        self._pending.release()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        self._done.wait()
+        if not self._done:
+            self._pending.acquire()
+            self._pending.release()
         if self._error is not None:
             raise self._error
         return True
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._done
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
+        return self._done and self._error is None
 
     def exception(self) -> BaseException | None:
         return self._error
@@ -58,35 +77,51 @@ class ShmWork(dist._Work):
         return self._result
 
     def get_future(self) -> Future:
-        return self._future
+        with _FUTURE_LOCK:
+            future = self._future
+            if future is not None:
+                return future
+            future = self._future = Future()
+            done = self._done
+        if done:
+            _complete(future, self._result, self._error)
+        return future
+
+
+def _complete(future: Future, result: list[Any], error: BaseException | None) -> None:
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
 
 
 class Worker:
     """Runs one group's collectives in issue order (see the module's notes)."""
 
     def __init__(self, name: str) -> None:
-        self._cv = threading.Condition()
+        self._cv = threading.Condition(threading.Lock())
         self._queue: deque[tuple[Callable[[], None], ShmWork]] = deque()
         self._busy = False
         self._closed = False
         self._broken: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+        self.ident = self._thread.ident
 
     def submit(self, run: Callable[[], None], result: list[Any], async_op: bool) -> ShmWork:
-        work = ShmWork(result)
         with self._cv:
             if self._closed:
                 raise RuntimeError("phalanx_shm: the process group has been destroyed")
             if async_op or self._busy or self._queue:
+                work = ShmWork(result)
                 self._queue.append((run, work))
-                self._cv.notify_all()
+                self._cv.notify()
                 return work
             self._busy = True
-        self._execute(run, work)
-        return work
+        return ShmWork(result, True, self._run(run))
 
-    def _execute(self, run: Callable[[], None], work: ShmWork) -> None:
+    def _run(self, run: Callable[[], None]) -> BaseException | None:
+        """Run one collective (this thread holds the group: ``_busy``); its error, if any."""
         error = self._broken
         if error is None:
             try:
@@ -97,8 +132,9 @@ class Worker:
                 error = e
         with self._cv:
             self._busy = False
-            self._cv.notify_all()
-        work.finish(error)
+            if self._queue or self._closed:
+                self._cv.notify()
+        return error
 
     def _loop(self) -> None:
         while True:
@@ -109,7 +145,7 @@ class Worker:
                     self._cv.wait()
                 run, work = self._queue.popleft()
                 self._busy = True
-            self._execute(run, work)
+            work.finish(self._run(run))
 
     def close(self) -> None:
         """Finish what is queued, then stop the thread."""
