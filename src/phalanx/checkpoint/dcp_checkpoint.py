@@ -53,6 +53,7 @@ from .._logging import get_logger
 from ..agreement import agree
 from ..errors import CheckpointError
 from ..process_group import leave_at_exit
+from . import dcp_zero
 from .dcp_engine import BalancedSavePlanner, ChecksummingWriter, SafeReader, merge, split, stage
 from .dcp_layout import (
     MANIFEST,
@@ -92,12 +93,14 @@ AUTO_SHARDED_WORLD = 9
 
 def auto_format(model: Any, optimizer: Any, group: Any) -> str:
     """What ``format="auto"`` picks: ``"sharded"`` for a model with DTensor parameters
-    (``fully_shard``) or a group of :data:`AUTO_SHARDED_WORLD` ranks or more, else
-    ``"consolidated"`` (also with a sharded optimizer, which the sharded format does not save)."""
+    (``fully_shard``), for phalanx's ``ZeroRedundancyOptimizer`` (the single file would gather
+    all of its state on rank 0) or for a group of :data:`AUTO_SHARDED_WORLD` ranks or more,
+    else ``"consolidated"`` (also with another sharded optimizer, torch's ZeRO, which the
+    sharded format does not save)."""
+    if dcp_zero.is_zero(optimizer) or any(isinstance(p, DTensor) for p in model.parameters()):
+        return "sharded"
     if hasattr(optimizer, "consolidate_state_dict"):
         return "consolidated"
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        return "sharded"
     return "sharded" if _rank_world(group)[1] >= AUTO_SHARDED_WORLD else "consolidated"
 
 
@@ -134,12 +137,17 @@ class ShardedIO:
              blocking: bool) -> Path:
         self.wait()
         o = self.owner
+        zero = dcp_zero.is_zero(o.optimizer)
         tree = {"model": o.module.state_dict()}
-        if o.optimizer is not None:
+        if zero:  # this rank's owned entries, named as a plain optimizer's
+            tree["optimizer"] = dcp_zero.optimizer_tree(o.module, o.optimizer)
+        elif o.optimizer is not None:
             tree["optimizer"] = get_optimizer_state_dict(o.module, o.optimizer)
         tensors, rest = split(tree)
         local = None if o.comm_state is None else o.comm_state.state_dict()
-        gathered = gather_to_writer((epoch, step, capture_rng_state(), local), o.group)
+        # (ZeRO: the non-tensor state of each rank's own parameters, if its optimizer has any)
+        owned_rest = rest["optimizer"].get("state") if zero else None
+        gathered = gather_to_writer((epoch, step, capture_rng_state(), local, owned_rest), o.group)
         final = o.directory / sharded_name(step)
         temp, state, error = None, None, None
         if gathered is not None:
@@ -178,11 +186,15 @@ class ShardedIO:
         o = self.owner
         epoch, step = check_save_step(gathered, o.directory)
         sharded = any(isinstance(t, DTensor) for t in _leaves(tensors))
+        layout = "sharded" if sharded else "zero" if dcp_zero.is_zero(o.optimizer) else "replicated"
+        if layout == "zero":
+            owned = {k: v for *_, part in gathered for k, v in (part or {}).items()}
+            rest = {**rest, "optimizer": {**rest["optimizer"], "state": owned}} if owned else rest
         state = {"version": STATE_VERSION, "epoch": epoch, "step": step, "world_size": len(gathered),
-                 "layout": "sharded" if sharded else "replicated", "skeleton": rest,
-                 "rng": [rng for _, _, rng, _ in gathered], "extra": extra}
+                 "layout": layout, "skeleton": rest,
+                 "rng": [rng for _, _, rng, *_ in gathered], "extra": extra}
         if o.comm_state is not None:
-            state["comm_state"] = [local for *_, local in gathered]
+            state["comm_state"] = [local for _, _, _, local, _ in gathered]
         for name in ("scheduler", "scaler", "sampler"):
             obj = getattr(o, name)
             if obj is not None:
@@ -315,14 +327,19 @@ class ShardedIO:
     def apply(self, state: dict, path: Path) -> None:
         """Every rank: ``dcp.load`` into the model's and optimizer's state (a collective)."""
         o = self.owner
-        if hasattr(o.optimizer, "consolidate_state_dict"):
-            raise CheckpointError(f"Checkpoint {path} is sharded (DCP): loading it into a sharded "
-                                  "optimizer (ZeroRedundancyOptimizer) is not supported yet")
+        zero = dcp_zero.is_zero(o.optimizer)
+        if hasattr(o.optimizer, "consolidate_state_dict") and not zero:
+            raise CheckpointError(f"Checkpoint {path} is sharded (DCP): loading it into "
+                                  f"{type(o.optimizer).__name__} is not supported (phalanx's "
+                                  "ZeroRedundancyOptimizer is)")
+        reader = SafeReader(path, None if state.get("foreign") else self._manifest)
         target = {"model": o.module.state_dict()}
-        if o.optimizer is not None:
+        if zero:  # the entries of the parameters this rank owns, shaped as saved
+            target["optimizer"] = {**dcp_zero.targets(o.module, o.optimizer, reader.read_metadata()),
+                                   "param_groups": dcp_zero.param_groups(o.module, o.optimizer)}
+        elif o.optimizer is not None:
             target["optimizer"] = get_optimizer_state_dict(o.module, o.optimizer)
         tensors, rest = split(target)
-        reader = SafeReader(path, None if state.get("foreign") else self._manifest)
         bare = False
         if state.get("foreign"):
             keys = reader.read_metadata().state_dict_metadata
@@ -341,7 +358,9 @@ class ShardedIO:
             raise
         loaded = merge(tensors, rest)
         o.module.load_state_dict(loaded["model"])
-        if o.optimizer is not None:
+        if zero:
+            dcp_zero.load(o.module, o.optimizer, loaded["optimizer"], path)
+        elif o.optimizer is not None:
             set_optimizer_state_dict(o.module, o.optimizer, loaded["optimizer"])
 
 

@@ -115,6 +115,7 @@ class SafeReader(FileSystemReader):
     def __init__(self, path: Path, manifest: dict | None = None) -> None:
         super().__init__(path)
         self.manifest = manifest
+        self._metadata: bytes | None = None
         self._crcs = {} if manifest is None else {
             (name, offset): crc for name, entry in manifest["files"].items()
             for offset, _, crc in entry.get("items", ())}
@@ -130,11 +131,14 @@ class SafeReader(FileSystemReader):
         return io.BytesIO(data)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with open(Path(self.path) / ".metadata", "rb") as f:
-            data = f.read()
-        if self.manifest is not None:
-            expected = self.manifest["files"].get(".metadata", {}).get("crc32")
-            check_item(Path(self.path), ".metadata", 0, data, expected)
+        if self._metadata is None:  # (read once, checked once: a load may ask twice)
+            with open(Path(self.path) / ".metadata", "rb") as f:
+                data = f.read()
+            if self.manifest is not None:
+                expected = self.manifest["files"].get(".metadata", {}).get("crc32")
+                check_item(Path(self.path), ".metadata", 0, data, expected)
+            self._metadata = data
+        data = self._metadata
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not DCP's Metadata")
