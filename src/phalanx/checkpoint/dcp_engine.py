@@ -4,9 +4,9 @@
   (DDP's parameters, buffers, replicated optimizer state) is written by one rank chosen so that
   the ranks' bytes come out even: the shards each rank must write are counted first, then the
   replicated tensors go, largest first, to the least loaded rank holding them.
-* :class:`ChecksummingWriter`: DCP's ``FileSystemWriter`` (fsyncs its files) that remembers
-  which files this rank wrote and where each item lies in them, so that each rank checksums
-  its own files and their items.
+* :class:`ChecksummingWriter`: DCP's ``FileSystemWriter`` (fsyncs its file) whose loop
+  checksums the file and each item in it as they are written, and holds at most one copied
+  tensor at a time.
 * :class:`SafeReader`: DCP's ``FileSystemReader`` whose ``.metadata`` is unpickled with an
   allow-list of DCP's metadata classes (torch's reader runs ``pickle.load`` on it), and which
   checks each item's bytes against the manifest's CRC-32 as it reads them, before decoding.
@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import pickle
+import zlib
 from collections import defaultdict
 from pathlib import Path
 from typing import IO, Any
@@ -28,8 +30,10 @@ from typing import IO, Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.futures import Future
 from torch.distributed.tensor import DTensor
 
 from .dcp_layout import check_item
@@ -78,21 +82,70 @@ class BalancedSavePlanner(DefaultSavePlanner):
         return super().create_global_plan(balance(all_plans))
 
 
+class _Summing:
+    """The file being written, passing every byte through CRC-32: of the whole file so far,
+    and of the current item (reset by the writer between items)."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self.file = file
+        self.crc = 0
+        self.item = 0
+
+    def write(self, data: Any) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        self.item = zlib.crc32(data, self.item)
+        return self.file.write(data)
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 class ChecksummingWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter`` into ``path`` (one file per rank, fsynced, never overwriting)
-    that records the names of the files this rank wrote in :attr:`written`."""
+    """DCP's ``FileSystemWriter`` into ``path``: one file ``__<rank>_0.distcp`` per rank, each
+    item ``torch.save``'d into it by DCP's own ``_write_item``, fsynced, never overwriting;
+    unlike DCP's writer loop (torch 2.13), the CRC-32s of the file and of each item are taken
+    from the bytes as they are written (no second pass over the file), and each tensor that
+    must be copied (a view into a larger storage: ``torch.save`` writes whole storages) is
+    freed once written, where DCP's loop keeps every copy until the file is closed: at most
+    one tensor is copied at a time. :meth:`checksums` gives what the manifest records."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, overwrite=False)
-        self.written: dict[str, list[tuple[int, int]]] = {}
+        self._sums: dict[str, dict] = {}
 
     def write_data(self, plan: SavePlan, planner: Any) -> Any:
-        future = super().write_data(plan, planner)
-        self.written = {}
-        for result in future.wait():
-            info = result.storage_data  # DCP's _StorageInfo: where the item's bytes are
-            self.written.setdefault(info.relative_path, []).append((info.offset, info.length))
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        results, items = [], []
+        # (as DCP's loop: byte items first, then tensors, in plan order)
+        ordered = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
+        with open(Path(self.path) / name, "wb") as f:
+            stream = _Summing(f)
+            for item in ordered:
+                data = planner.resolve_data(item)
+                if item.type != WriteItemType.BYTE_IO:
+                    data = data.detach().cpu()
+                    if data.untyped_storage().size() != data.nbytes:
+                        data = data.clone()  # its own storage, this tensor's bytes only
+                stream.item = 0
+                result = _write_item(self.transforms, stream, data, item, name, self.serialization_format)
+                del data
+                items.append([result.storage_data.offset, result.storage_data.length, f"{stream.item:#010x}"])
+                results.append(result)
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        self._sums = {name: {"bytes": size, "crc32": f"{stream.crc:#010x}", "items": sorted(items)}}
+        future: Future = Future()
+        future.set_result(results)
         return future
+
+    def checksums(self) -> dict[str, dict]:
+        """``{file name: {"bytes", "crc32", "items": [[offset, length, crc32], ...]}}`` of the
+        file this rank wrote (as :func:`~phalanx.checkpoint.dcp_layout.checksum` computes)."""
+        return self._sums
 
 
 class _MetadataUnpickler(pickle.Unpickler):

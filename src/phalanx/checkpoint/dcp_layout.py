@@ -148,9 +148,9 @@ def checksum(path: Path, items: list[tuple[int, int]] = ()) -> dict[str, Any]:
     crc, size = 0, 0
     ranges = sorted(items)
     crcs = [0] * len(ranges)
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
     with open(path, "rb") as f:
+        buffer = bytearray(max(1, min(_CHUNK, os.fstat(f.fileno()).st_size)))  # (a small file: its size)
+        view = memoryview(buffer)
         while n := f.readinto(buffer):
             crc = zlib.crc32(view[:n], crc)
             for i, (offset, length) in enumerate(ranges):  # (a few items per file)
