@@ -275,6 +275,16 @@ def _newest(directory: Path) -> Path:
     return max(directory.iterdir(), key=lambda p: int(p.name))
 
 
+def _keep_newest(directory: Path) -> None:
+    """Remove all but the newest checkpoint in ``directory`` (``ckpt-<step>...`` or DCP's
+    ``<step>`` directories)."""
+    def step(path: Path) -> int:
+        return int(path.name.split(".")[0].removeprefix("ckpt-"))
+
+    for old in sorted(directory.iterdir(), key=step)[:-1]:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
 def _written(kind: str, directory: Path, world: int) -> list[int]:
     """Bytes each rank wrote in its newest checkpoint of ``kind`` (file sizes: exact)."""
     if kind == "consolidated":
@@ -342,7 +352,9 @@ def _save_rank(args) -> dict:
     base = Path(args.scratch) / f"w{world}"
     dirs = {name: base / name.replace(" ", "-").replace("+", "-") for name in SAVES}
     own_group = dist.new_group(backend="gloo")  # dcp.async_save's, as phalanx's background saves
-    ckpts = {name: Checkpointer(dirs[name], model, opt, keep=1,
+    # keep=None: the older checkpoints are removed untimed, as dcp.save's (unlinking 400 MB of
+    # files takes this disk ~0.1 s, which keep=1 would add to the Checkpointer's saves alone)
+    ckpts = {name: Checkpointer(dirs[name], model, opt, keep=None,
                                 format="consolidated" if name == "consolidated" else "sharded")
              for name in ("consolidated", "sharded", "sharded async")}
     disk = {"bytes": b""}
@@ -381,6 +393,7 @@ def _save_rank(args) -> dict:
     for d in dirs.values():
         d.mkdir(parents=True, exist_ok=True)
     step = itertools.count(1)
+    small: dict[str, int] = {}
     times: dict[str, list] = {name: [] for name in SAVES}
     written: dict[str, list[int]] = {}
     for r in range(args.sharded_rounds + 1):  # round 0: warm-up (and the sizes, the gap)
@@ -395,12 +408,14 @@ def _save_rank(args) -> dict:
                              "waited": waited, "rise": rise})
             if r:
                 times[name].append(per_rank)
-            if rank == 0 and name in ("dcp.save", "dcp.async_save"):  # the older ones, untimed
-                for old in sorted(dirs[name].iterdir(), key=lambda p: int(p.name))[:-1]:
-                    shutil.rmtree(old)
+            if rank == 0 and name != "disk write+fsync":  # the older checkpoints, untimed
+                _keep_newest(dirs[name])
             if r == 0:
                 if name != "disk write+fsync":
                     written[name] = _written(name, dirs[name], world) if rank == 0 else []
+                if name == "sharded" and rank == 0:  # what rank 0 alone writes, file by file
+                    path = max(dirs[name].glob("ckpt-*.dcp"))
+                    small = {n: (path / n).stat().st_size for n in _SMALL_FILES}
                 if name == "sharded":  # the floor writes the same bytes per rank
                     sizes = _all(_written("sharded", dirs[name], world) if rank == 0 else None)[0]
                     disk["bytes"] = torch.randint(0, 256, (sizes[rank],), dtype=torch.uint8,
@@ -415,6 +430,7 @@ def _save_rank(args) -> dict:
             shutil.rmtree(dirs[name], ignore_errors=True)
     held_all = _all((held, unit))
     return {"world": world, "times": times, "written": written, "gap": gap[0],
+            "rank0_small_files": small if rank == 0 else {},
             "held": [h for h, _ in held_all], "unit": max(u for _, u in held_all)}
 
 
@@ -539,6 +555,8 @@ def _report_sharded(args, saves: dict, loads: dict) -> dict:
             rows[f"w{world} stall: {name}"] = {"returned_s": returned, "waited_s": waited, "stall_s": stall,
                                                "vs_blocking": ratio, "gap_s": res["gap"]}
         goals = rows[f"w{world} save: sharded"]
+        goals["rank0_small_files"] = res["rank0_small_files"]
+        print("rank 0 alone writes: " + ", ".join(f"{n} {b / 1e3:.1f} kB" for n, b in res["rank0_small_files"].items()))
         print(f"goals: sharded / floor {goals['vs_floor']:.2f}x (<= 1.25 at world 4); rank 0 wrote "
               f"{written_of(res, 'sharded')[0] / MB:.1f} MB, share + unit {(share + unit) / MB:.1f} MB; "
               f"stall {rows[f'w{world} stall: sharded async']['vs_blocking']:.1%} (<= 10%); "

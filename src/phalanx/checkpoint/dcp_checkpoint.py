@@ -3,12 +3,15 @@ every rank writes its own part through torch's DCP, phalanx adds what DCP lacks.
 
 **Saving** (a collective). Rank 0 gathers every rank's RNG states (and comm state), builds the
 non-tensor state, removes temporaries of dead writers and makes a locked temporary directory
-``ckpt-<step>.dcp.tmp-...`` beside the final one; if that fails, every rank raises. Then every
-rank writes its tensors with ``dcp.save`` (:class:`~phalanx.checkpoint.dcp_engine.BalancedSavePlanner`:
-its shards, and its even share of the replicated tensors), fsyncs and checksums its own files,
-and sends rank 0 their CRC-32s or its error. Rank 0 writes ``phalanx-state.ckpt`` and the
-manifest, fsyncs the directory, renames it into place, fsyncs the parent, prunes to ``keep``,
-and broadcasts the outcome: every rank returns, or every rank raises the same error.
+``ckpt-<step>.dcp.tmp-...`` beside the final one; if that fails, every rank raises. Then rank
+0 writes ``phalanx-state.ckpt`` there, and every rank writes its tensors with ``dcp.save``
+(:class:`~phalanx.checkpoint.dcp_engine.BalancedSavePlanner`: its shards, and its even share
+of the replicated tensors; with phalanx's ZeRO, the optimizer state it owns, see
+:mod:`~phalanx.checkpoint.dcp_zero`), checksumming its file as it writes it
+(:class:`~phalanx.checkpoint.dcp_engine.ChecksummingWriter`), fsyncs it, and sends rank 0 its
+CRC-32s or its error. Rank 0 writes the manifest, fsyncs the directory, renames it into place,
+fsyncs the parent, prunes to ``keep``, and broadcasts the outcome: every rank returns, or
+every rank raises the same error.
 
 **Background saves** (``blocking=False``) stage this rank's tensors to host memory, then run
 the write and the commit above on a thread, over a Gloo group of their own (so that their
@@ -212,12 +215,17 @@ class ShardedIO:
         rank, _ = _rank_world(group)
         writer = ChecksummingWriter(temp_path)
         sums, error = {}, None
+        if state is not None:  # rank 0: the state file first, while the others write theirs
+            try:
+                write_checkpoint(temp_path / STATE_FILE, state)
+            except Exception as e:  # (reported below: every rank still takes part in dcp.save)
+                error = f"rank {rank}: {type(e).__name__}: {e}"
         try:
             dcp.save(tensors, storage_writer=writer, planner=BalancedSavePlanner(),
                      process_group=group, no_dist=not dist.is_initialized())
             sums = writer.checksums()  # taken as the file was written
         except Exception as e:
-            error = f"rank {rank}: {type(e).__name__}: {e}"
+            error = error or f"rank {rank}: {type(e).__name__}: {e}"
         reports = gather_to_writer((sums, error), group)
         outcome = None
         if reports is not None:
@@ -238,8 +246,7 @@ class ShardedIO:
         return final
 
     def _commit(self, temp_path: Path, final: Path, state: dict, files: dict) -> None:
-        """Rank 0, once every rank's files are durable: state file, manifest, rename."""
-        write_checkpoint(temp_path / STATE_FILE, state)
+        """Rank 0, once every rank's files are durable (the state file too): manifest, rename."""
         others = [n for n in os.listdir(temp_path) if n not in files and n != MANIFEST]
         fsync_files([temp_path / n for n in others])
         files.update({n: checksum(temp_path / n) for n in others})

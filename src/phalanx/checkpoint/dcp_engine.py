@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.futures import Future
 from torch.distributed.tensor import DTensor
 
-from .dcp_layout import check_item
+from .dcp_layout import check_item, crc32_combine
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 # What a DCP ``.metadata`` pickle is made of (torch 2.13: found by unpickling torch's own).
@@ -83,16 +83,15 @@ class BalancedSavePlanner(DefaultSavePlanner):
 
 
 class _Summing:
-    """The file being written, passing every byte through CRC-32: of the whole file so far,
-    and of the current item (reset by the writer between items)."""
+    """The file being written, passing every byte through CRC-32 once: the CRC-32 of the
+    current item (:attr:`item`, reset by the writer between items); the file's is combined
+    from its items' (:func:`~phalanx.checkpoint.dcp_layout.crc32_combine`)."""
 
     def __init__(self, file: IO[bytes]) -> None:
         self.file = file
-        self.crc = 0
         self.item = 0
 
     def write(self, data: Any) -> int:
-        self.crc = zlib.crc32(data, self.crc)
         self.item = zlib.crc32(data, self.item)
         return self.file.write(data)
 
@@ -118,7 +117,7 @@ class ChecksummingWriter(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: Any) -> Any:
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-        results, items = [], []
+        results, items, crc = [], [], 0
         # (as DCP's loop: byte items first, then tensors, in plan order)
         ordered = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
         with open(Path(self.path) / name, "wb") as f:
@@ -130,14 +129,17 @@ class ChecksummingWriter(FileSystemWriter):
                     if data.untyped_storage().size() != data.nbytes:
                         data = data.clone()  # its own storage, this tensor's bytes only
                 stream.item = 0
+                offset = f.tell()
                 result = _write_item(self.transforms, stream, data, item, name, self.serialization_format)
                 del data
+                length = f.tell() - offset  # (every byte of the file belongs to one item)
+                crc = crc32_combine(crc, stream.item, length)
                 items.append([result.storage_data.offset, result.storage_data.length, f"{stream.item:#010x}"])
                 results.append(result)
             f.flush()
             os.fsync(f.fileno())
             size = f.tell()
-        self._sums = {name: {"bytes": size, "crc32": f"{stream.crc:#010x}", "items": sorted(items)}}
+        self._sums = {name: {"bytes": size, "crc32": f"{crc:#010x}", "items": sorted(items)}}
         future: Future = Future()
         future.set_result(results)
         return future
