@@ -13,7 +13,8 @@ CRC-32s or its error. Rank 0 writes the manifest, fsyncs the directory, renames 
 fsyncs the parent, prunes to ``keep``, and broadcasts the outcome: every rank returns, or
 every rank raises the same error.
 
-**Background saves** (``blocking=False``) stage this rank's tensors to host memory, then run
+**Background saves** (``blocking=False``) stage this rank's tensors to host memory (into the
+previous background save's copy, kept until ``close()``, when the tensors fit it), then run
 the write and the commit above on a thread, over a Gloo group of their own (so that their
 collectives never interleave with training's). At most one is in flight: the next save,
 :meth:`~phalanx.checkpoint.Checkpointer.load`, ``wait()`` and ``close()`` wait for it and raise
@@ -128,6 +129,7 @@ class ShardedIO:
         self._background_group: Any = None
         self._warned_foreign = False
         self._manifest: dict | None = None  # of the checkpoint read last
+        self._staged: Any = None  # the host-memory copy of the last background save
 
     @property
     def owner(self) -> Checkpointer:
@@ -165,7 +167,9 @@ class ShardedIO:
         if blocking:
             return self._write(tensors, *job, o.group)
         group = self._group()  # (a collective: before the staging, which may fail on one rank)
-        staged = stage(tensors)  # this rank's shards and replicated tensors: one copy in host memory
+        # this rank's part: one copy in host memory, into the previous save's buffers (kept
+        # between saves, released by close()): a copy at memory speed, the least stall
+        staged = self._staged = stage(tensors, self._staged)
         self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="phalanx-checkpoint")
         self._pending = self._pool.submit(self._write, staged, *job, group)
         self._saving_for = o
@@ -288,6 +292,7 @@ class ShardedIO:
         try:
             self.wait()
         finally:
+            self._staged = None
             if self._pool is not None:
                 self._pool.shutdown()
                 self._pool = None

@@ -13,7 +13,8 @@
 * :func:`split` / :func:`merge`: only tensors go to DCP; every other leaf of a state dict goes
   to phalanx's state file (loaded ``weights_only``). phalanx never asks DCP for a non-tensor
   item, which torch's planner would unpickle with ``weights_only=False``.
-* :func:`stage`: a host-memory copy of a tensor tree, for a save written in the background.
+* :func:`stage`: a host-memory copy of a tensor tree, for a save written in the background
+  (into the buffers of the previous copy when they fit).
 """
 
 from __future__ import annotations
@@ -229,14 +230,31 @@ def merge(tensors: dict, rest: dict) -> dict:
     return out
 
 
-def stage(tree: Any) -> Any:
+@torch.no_grad()
+def stage(tree: Any, previous: Any = None) -> Any:
     """A copy of a tensor tree in host memory (DTensors stay DTensors, their local shards
-    copied); what a save written in the background reads while training changes the state."""
+    copied); what a save written in the background reads while training changes the state.
+    ``previous``: the copy an earlier call returned, whose buffers are reused (copied into)
+    wherever a tensor has the same shape, dtype and strides: no new memory, no page faults,
+    so the copy runs at memory speed. The caller must be done with ``previous``."""
     if isinstance(tree, dict):
-        return {k: stage(v) for k, v in tree.items()}
+        before = previous if isinstance(previous, dict) else {}
+        return {k: stage(v, before.get(k)) for k, v in tree.items()}
     if isinstance(tree, DTensor):
-        local = tree.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(local, tree.device_mesh, tree.placements, run_check=False,
-                                  shape=tree.shape, stride=tree.stride())
+        local = tree.to_local().detach()
+        if (isinstance(previous, DTensor) and previous.shape == tree.shape
+                and previous.placements == tree.placements and previous.device_mesh == tree.device_mesh
+                and _fits(previous.to_local(), local)):
+            previous.to_local().copy_(local)
+            return previous
+        return DTensor.from_local(local.to("cpu", copy=True), tree.device_mesh, tree.placements,
+                                  run_check=False, shape=tree.shape, stride=tree.stride())
+    if not isinstance(previous, DTensor) and _fits(previous, tree):
+        previous.copy_(tree.detach())
+        return previous
     return tree.detach().to("cpu", copy=True)
 
+
+def _fits(buffer: Any, tensor: torch.Tensor) -> bool:
+    return (isinstance(buffer, torch.Tensor) and buffer.device.type == "cpu" and buffer.dtype == tensor.dtype
+            and buffer.shape == tensor.shape and buffer.stride() == tensor.stride())
