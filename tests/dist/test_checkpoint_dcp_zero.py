@@ -20,7 +20,7 @@ from phalanx.checkpoint import Checkpointer
 from phalanx.fsdp import fully_shard
 from tests.dist.test_checkpoint_dcp import _full, _rchar, _snapshot
 from tests.dist.test_fully_shard import VOCAB, _model, _shard
-from tests.harness import run_ranks
+from tests.harness import error_of, run_ranks
 
 LAYOUTS = ("zero", "ddp", "fully_shard")
 
@@ -99,6 +99,12 @@ def _load(rank, world_size, directory):
             if layout == "zero":  # it trains on, its owners' new values broadcast to every rank
                 _train(model, opt, steps=1)
                 out[source, "trained"] = _snap(layout, model, opt)
+    # an optimizer that does not fit: named, on every rank
+    ddp = phalanx.DistributedDataParallel(_model(1))
+    params = list(ddp.parameters())
+    two_groups = phalanx.ZeroRedundancyOptimizer([{"params": params[:2]}, {"params": params[2:]}],
+                                                 torch.optim.AdamW, lr=0.01)
+    out["misfit"] = error_of(Checkpointer(Path(directory) / "zero", ddp, two_groups, format="sharded").load)
     return out
 
 
@@ -141,6 +147,9 @@ def test_zero2_saves_its_shards_and_loads_in_every_layout_at_every_world_size(tm
             _equal(out["fs", "zero"][0], fs, (saved_at, world, "fully_shard into zero"))
             # a step after loading changes the state: the loaded ZeRO is live, not a copy
             assert out["zero", "trained"]["optim.head.weight.exp_avg"] != zero["optim.head.weight.exp_avg"]
+            kind, message = out["misfit"]
+            assert kind == "CheckpointError" and "its optimizer state has 1 parameter groups, the " \
+                "optimizer given has 2" in message, out["misfit"]
 
 
 def _wide_zero(seed):

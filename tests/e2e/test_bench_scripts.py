@@ -67,7 +67,8 @@ def test_bench_checkpoint_times_every_format_at_each_world_size(tmp_path):
             "consolidated", "sharded", "sharded async", "dcp.save", "dcp.async_save", "disk write+fsync")}
         total = sum(saves["sharded"]["bytes_by_rank"])
         assert saves["consolidated"]["bytes_by_rank"][1:] == [0] * (world - 1)  # rank 0 writes it all
-        assert saves["consolidated"]["bytes_by_rank"][0] > 0.9 * total
+        state = sum(saves["sharded"]["shard_by_rank"])  # every rank's shards: the whole state
+        assert saves["consolidated"]["bytes_by_rank"][0] >= state and total >= state
         # rank 0 writes its share plus the small files only it writes (.metadata, state, manifest)
         small = sum(saves["sharded"]["rank0_small_files"].values())
         assert saves["sharded"]["bytes_by_rank"][0] <= total / world + saves["sharded"]["unit"] + small

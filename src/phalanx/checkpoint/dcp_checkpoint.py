@@ -371,6 +371,8 @@ class ShardedIO:
         loaded = merge(tensors, rest)
         o.module.load_state_dict(loaded["model"])
         if zero:
+            if "optimizer" not in loaded:
+                raise CheckpointError(f"Checkpoint {path} holds no optimizer state, but an optimizer was given")
             dcp_zero.load(o.module, o.optimizer, loaded["optimizer"], path)
         elif o.optimizer is not None:
             set_optimizer_state_dict(o.module, o.optimizer, loaded["optimizer"])

@@ -100,8 +100,8 @@ def optimizer_tree(module: torch.nn.Module, zero: Any) -> dict:
 def targets(module: torch.nn.Module, zero: Any, metadata: Metadata) -> dict:
     """``{"state": {name: {state name: empty tensor}}}``: what this rank reads of a sharded
     checkpoint's optimizer state, the entries of the parameters it owns, shaped as saved."""
-    params = _params(zero)
-    mine = {_names(module, params)[i] for i in _owned(zero)}
+    names = _names(module, _params(zero))
+    mine = {names[i] for i in _owned(zero)}
     found: dict[str, dict[str, torch.Tensor]] = {}
     places = metadata.planner_data or {}
     for key, meta in metadata.state_dict_metadata.items():
