@@ -4,8 +4,9 @@ shard_gradients): every rank writes the optimizer state it owns.
 Saved with ZeRO-2 at world 2 (blocking) and 3 (blocking=False), loaded at 1, 2 and 3 into
 DDP+ZeRO-2, DDP with the plain AdamW and fully_shard, equal bit for bit to the state the saving
 job had, gathered (``consolidate_state_dict``, torch's ``get_optimizer_state_dict``); each
-optimizer entry lies in its owner's file; a fully_shard checkpoint loads into ZeRO; each rank
-reads at most 1.2x its share (rchar, /proc/self/io).
+optimizer entry lies in its owner's file; a fully_shard checkpoint loads into ZeRO; other
+param groups are refused; non-tensor state of every owner is kept; each rank reads at most
+1.2x its share (rchar, /proc/self/io).
 """
 
 import os
@@ -189,3 +190,45 @@ def test_each_zero_rank_reads_its_share(tmp_path):
         assert sum(owned for *_, owned in results) == 2 * 8 * (512 * 512 + 512) * 4 + 16 * 4  # each once
         for rank, (read, share, _) in enumerate(results):
             assert read <= 1.2 * share, (world, rank, read, share)
+
+
+class _Counting(torch.optim.SGD):
+    """SGD keeping non-tensor entries per parameter (a count, a float of its size): what DCP
+    does not store and phalanx's state file must carry, from every owner. (Not a string:
+    torch's Optimizer.load_state_dict turns a string into the repr of a generator.)"""
+
+    def step(self, closure=None):
+        super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["count"] = state.get("count", 0) + 1
+                state["tag"] = float(p.numel())
+
+
+def _non_tensor(rank, world_size, directory):
+    torch.manual_seed(0)
+    ddp = phalanx.DistributedDataParallel(_model(0))
+    zero = phalanx.ZeroRedundancyOptimizer(ddp.parameters(), _Counting, lr=0.01, momentum=0.9)
+    for _ in range(3):
+        _train(ddp, zero, steps=1)
+    Checkpointer(directory, ddp, zero, format="sharded").save(0, 1)
+    fresh = phalanx.DistributedDataParallel(_model(1))
+    loaded = phalanx.ZeroRedundancyOptimizer(fresh.parameters(), _Counting, lr=0.01, momentum=0.9)
+    Checkpointer(directory, fresh, loaded, format="sharded").load()
+    plain = phalanx.DistributedDataParallel(_model(2))
+    sgd = _Counting(plain.parameters(), lr=0.01, momentum=0.9)
+    Checkpointer(directory, plain, sgd, format="sharded").load()
+    loaded.consolidate_state_dict(to=0)
+    counts = None
+    if rank == 0:
+        counts = sorted({(s["count"], s["tag"]) for s in loaded.state_dict()["state"].values()})
+    return counts, sorted({(s["count"], s["tag"]) for s in sgd.state.values()}), len(sgd.state)
+
+
+@pytest.mark.slow
+def test_non_tensor_optimizer_state_of_every_owner_is_kept(tmp_path):
+    counts, plain, entries = run_ranks(_non_tensor, 2, tmp_path, timeout=200)[0]
+    params = len(list(_model(0).parameters()))
+    expected_tags = sorted({(3, float(p.numel())) for p in _model(0).parameters()})
+    assert counts == expected_tags and plain == expected_tags and entries == params
