@@ -1,9 +1,12 @@
-"""Checkpoint save/load time against plain torch.save/torch.load, and the preemption check.
+"""Checkpoint save/load time against plain torch.save/torch.load, the preemption check, and
+sharded checkpoints against the single file and torch's DCP at several world sizes.
 
 Usage::
 
-    python benchmarks/bench_checkpoint.py                 # ~105 MB model, 7 rounds
+    python benchmarks/bench_checkpoint.py                 # ~105 MB model, 7 rounds; worlds 1 2 4
     python benchmarks/bench_checkpoint.py --layers 50 --rounds 11 --dir /scratch --json ckpt.json
+    python benchmarks/bench_checkpoint.py --skip-single --worlds 1 2 3 4 --sharded-rounds 7
+    python benchmarks/bench_checkpoint.py --quick         # a smoke run (~30 s: three launches)
 
 The state is an MLP of ``--layers`` x Linear(``--width``, ``--width``) (default 25 x 1024:
 26.2 M float32 parameters, 105 MB). One process. Each round runs every variant once, the order
@@ -59,7 +62,8 @@ Loading at another world size: each world loads the checkpoints the previous wor
 cache: ``Checkpointer.load`` of the consolidated file and of the sharded directory, and
 torch's ``dcp.load`` (plus ``set_optimizer_state_dict``) of the ``dcp.save`` directory.
 
-``--quick``: a few seconds' smoke run (small models, one round, worlds 1 and 2).
+``--quick``: a smoke run (small models, one round, worlds 1 and 2; its time is the ranks'
+start-up, three launches).
 """
 
 from __future__ import annotations
