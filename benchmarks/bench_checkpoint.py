@@ -52,7 +52,8 @@ stands for the training between two checkpoints, which on an accelerator leaves 
 CPU to the writer thread; here it sleeps). Bytes written per rank are the sizes of the files
 each rank wrote (exact). Peak memory: the rise of each rank's peak resident memory over its
 resident memory before the save (``VmHWM`` reset through ``/proc/self/clear_refs``; glibc's
-``mmap`` threshold fixed at 64 KiB so that freed tensors leave resident memory at once),
+``mmap`` threshold fixed at 64 KiB for the saves, so that freed tensors leave resident memory
+at once; the loads run first, with glibc's own threshold),
 against one *unit*, the largest tensor shard a rank holds. ``sharded async`` stages into the
 copy its previous save made (kept until ``close()``), so its rise is over that copy, whose
 size (the resident memory it kept after the first save) is printed too.
@@ -490,13 +491,13 @@ def _load_rank(args) -> dict:
 
 
 def _sharded_rank(args) -> dict:
-    libc = ctypes.CDLL("libc.so.6")
-    if libc.mallopt(_M_MMAP_THRESHOLD, 1 << 16) != 1:  # freed tensors unmapped at once
-        raise OSError("mallopt(M_MMAP_THRESHOLD) failed: the peak memory would not be exact")
     out = {}
     if args.load_from is not None:  # first: what the ranks of another world size saved
-        out["load"] = _load_rank(args)
+        out["load"] = _load_rank(args)  # (glibc's own mmap threshold: as a job runs)
     if args.save_here:
+        libc = ctypes.CDLL("libc.so.6")
+        if libc.mallopt(_M_MMAP_THRESHOLD, 1 << 16) != 1:  # freed tensors unmapped at once
+            raise OSError("mallopt(M_MMAP_THRESHOLD) failed: the peak memory would not be exact")
         out["save"] = _save_rank(args)
     return out
 
