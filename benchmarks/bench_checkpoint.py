@@ -45,7 +45,9 @@ every save once, the order rotating; medians over ``--sharded-rounds``:
 ``disk write+fsync``    each rank writes the bytes its ``sharded`` save wrote, from memory, to
                         one file, and fsyncs it: this disk's own time for those bytes, the floor.
 
-A save's time is its slowest rank's. For the two asynchronous saves the *stall* is what
+After each save, untimed, the older checkpoints are removed and ``sync()`` is called, so that
+the next save starts on a quiet disk (the rotation puts each save after the same one every
+round). A save's time is its slowest rank's. For the two asynchronous saves the *stall* is what
 training waits for: the call's return plus what ``wait()``/``result()`` still waits after a
 gap (``--async-gap`` seconds, default twice the warm-up's blocking sharded save: the gap
 stands for the training between two checkpoints, which on an accelerator leaves the host's
@@ -419,8 +421,12 @@ def _save_rank(args) -> dict:
                              "waited": waited, "rise": rise})
             if r:
                 times[name].append(per_rank)
-            if rank == 0 and name != "disk write+fsync":  # the older checkpoints, untimed
-                _keep_newest(dirs[name])
+            if rank == 0:
+                if name != "disk write+fsync":  # the older checkpoints, untimed
+                    _keep_newest(dirs[name])
+                # the disk quiet again (the unlinks' and the writes' journal work done): the
+                # rotation puts each save after the same one, which must not leave it its work
+                os.sync()
             if r == 0:
                 if name != "disk write+fsync":
                     written[name] = _written(name, dirs[name], world) if rank == 0 else []
