@@ -52,8 +52,8 @@ def _die_on_second_call(fn):
 def _intercept(point):
     if point.endswith("mid-write"):
         dcp_engine.ChecksummingWriter.write_data = _die
-    elif point.endswith("before-report"):  # its files written, not yet checksummed and reported
-        dcp_checkpoint.checksum = _die
+    elif point.endswith("before-report"):  # its file written and fsynced, not yet reported
+        dcp_engine.ChecksummingWriter.checksums = _die
     elif point.endswith("before-manifest"):
         dcp_checkpoint.write_manifest = _die
     elif point.endswith("before-rename"):

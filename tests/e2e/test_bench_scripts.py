@@ -68,3 +68,29 @@ def test_bench_data_times_streaming_and_plain_at_each_worker_count(tmp_path):
         for name in ("plain", "phalanx", "phalanx unshuffled"):
             assert rows[f"{name}, workers {workers}"]["median"] > 0
         assert rows[f"phalanx / plain, workers {workers}"]["median"] > 0
+
+
+def test_bench_checkpoint_times_every_format_at_each_world_size(tmp_path):
+    """--quick: the single-process table, then the fully sharded GPT at worlds 1 and 2: every
+    save and load measured, the bytes each rank wrote exact (rank 0 its share of the sharded
+    save, the whole consolidated file), the async stall and the peak memory recorded."""
+    rows = _run("bench_checkpoint.py", "--quick", out=tmp_path / "k.json")["results"]
+    assert rows["save: phalanx Checkpointer.save"]["ms_median"] > 0
+    for world in (1, 2):
+        saves = {name: rows[f"w{world} save: {name}"] for name in (
+            "consolidated", "sharded", "sharded async", "dcp.save", "dcp.async_save", "disk write+fsync")}
+        total = sum(saves["sharded"]["bytes_by_rank"])
+        assert saves["consolidated"]["bytes_by_rank"][1:] == [0] * (world - 1)  # rank 0 writes it all
+        state = sum(saves["sharded"]["shard_by_rank"])  # every rank's shards: the whole state
+        assert saves["consolidated"]["bytes_by_rank"][0] >= state and total >= state
+        # rank 0 writes its share plus the small files only it writes (.metadata, state, manifest)
+        small = sum(saves["sharded"]["rank0_small_files"].values())
+        assert saves["sharded"]["bytes_by_rank"][0] <= total / world + saves["sharded"]["unit"] + small
+        assert saves["disk write+fsync"]["bytes_by_rank"] == saves["sharded"]["bytes_by_rank"]
+        assert all(s["s_median"] > 0 and len(s["peak_rise_by_rank"]) == world for s in saves.values())
+        for name in ("sharded async", "dcp.async_save"):
+            stall = rows[f"w{world} stall: {name}"]
+            assert stall["stall_s"] == pytest.approx(stall["returned_s"] + stall["waited_s"], rel=0.5)
+        other = 2 if world == 1 else 1
+        for name in ("consolidated", "sharded", "dcp.load"):
+            assert rows[f"w{world} load from w{other}: {name}"]["s_median"] > 0

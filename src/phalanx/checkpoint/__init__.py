@@ -22,6 +22,9 @@ The files, in the order data flows through them:
     size, :mod:`dcp_engine`); phalanx adds the checksummed manifest, the atomic commit and
     background saves (:mod:`dcp_checkpoint`), and the names, listing and pruning of both
     formats (:mod:`dcp_layout`).
+``dcp_zero.py``
+    ``ZeroRedundancyOptimizer`` in that format: each rank offers the state of the parameters
+    it owns, named as a plain optimizer's; at load, only those of the ones it owns then.
 ``contents.py``
     A checkpoint of either format seen from outside a run (``phalanx checkpoint``): what it
     holds, every byte checked, its model's state dict whole, exported.

@@ -63,6 +63,7 @@ from ..diagnostics import ledger
 from ..errors import CheckpointError
 from ..uneven import Joinable
 from .dcp_checkpoint import ShardedIO, auto_format
+from .dcp_zero import is_zero
 from .dcp_layout import DamagedCheckpoint, check_save_step, list_all, prune_all
 from .file import checkpoint_name, clean_stale_temps, read_checkpoint, write_checkpoint
 from .sharded import ShardedState, mesh_of, optimizer_state, restore, rows_for
@@ -160,10 +161,11 @@ class Checkpointer(Joinable):
         format (str, optional): how :meth:`save` writes: ``"consolidated"``, one file
             written by rank 0, or ``"sharded"``, a directory ``ckpt-<step>.dcp`` in torch's
             DCP format that every rank writes its part of, checksummed and committed
-            atomically (see :mod:`phalanx.checkpoint.dcp_checkpoint`; not with a sharded
-            optimizer such as ``ZeroRedundancyOptimizer`` yet), or ``"auto"``: sharded for a
-            ``fully_shard`` model (DTensor parameters) or a group of 9 ranks or more (past one
-            8-GPU node), else consolidated; :attr:`format` says which. :meth:`load` reads
+            atomically (see :mod:`phalanx.checkpoint.dcp_checkpoint`; phalanx's
+            ``ZeroRedundancyOptimizer``: each rank writes the state it owns, not torch's
+            ZeRO), or ``"auto"``: sharded for a ``fully_shard`` model (DTensor parameters),
+            for phalanx's ``ZeroRedundancyOptimizer`` or for a group of 9 ranks or more (past
+            one 8-GPU node), else consolidated; :attr:`format` says which. :meth:`load` reads
             both. Default ``"consolidated"``.
 
     .. warning::
@@ -211,9 +213,10 @@ class Checkpointer(Joinable):
             raise ValueError(f"Invalid format {format!r}, expected one of {', '.join(map(repr, FORMATS))}")
         if format == "auto":
             format = auto_format(model, optimizer, group)
-        if format == "sharded" and hasattr(optimizer, "consolidate_state_dict"):
-            raise TypeError("Checkpointer(format='sharded') does not save a sharded optimizer "
-                            f"({type(optimizer).__name__}) yet: use format='consolidated'")
+        if format == "sharded" and hasattr(optimizer, "consolidate_state_dict") and not is_zero(optimizer):
+            raise TypeError("Checkpointer(format='sharded') saves phalanx's ZeroRedundancyOptimizer, "
+                            f"not {type(optimizer).__name__} (its state is not keyed by parameter "
+                            "owner): use format='consolidated'")
         self.format = format
         self.directory = Path(directory)
         self.model = model

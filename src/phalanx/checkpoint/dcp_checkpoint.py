@@ -3,14 +3,18 @@ every rank writes its own part through torch's DCP, phalanx adds what DCP lacks.
 
 **Saving** (a collective). Rank 0 gathers every rank's RNG states (and comm state), builds the
 non-tensor state, removes temporaries of dead writers and makes a locked temporary directory
-``ckpt-<step>.dcp.tmp-...`` beside the final one; if that fails, every rank raises. Then every
-rank writes its tensors with ``dcp.save`` (:class:`~phalanx.checkpoint.dcp_engine.BalancedSavePlanner`:
-its shards, and its even share of the replicated tensors), fsyncs and checksums its own files,
-and sends rank 0 their CRC-32s or its error. Rank 0 writes ``phalanx-state.ckpt`` and the
-manifest, fsyncs the directory, renames it into place, fsyncs the parent, prunes to ``keep``,
-and broadcasts the outcome: every rank returns, or every rank raises the same error.
+``ckpt-<step>.dcp.tmp-...`` beside the final one; if that fails, every rank raises. Then rank
+0 writes ``phalanx-state.ckpt`` there, and every rank writes its tensors with ``dcp.save``
+(:class:`~phalanx.checkpoint.dcp_engine.BalancedSavePlanner`: its shards, and its even share
+of the replicated tensors; with phalanx's ZeRO, the optimizer state it owns, see
+:mod:`~phalanx.checkpoint.dcp_zero`), checksumming its file as it writes it
+(:class:`~phalanx.checkpoint.dcp_engine.ChecksummingWriter`), fsyncs it, and sends rank 0 its
+CRC-32s or its error. Rank 0 writes the manifest, fsyncs the directory, renames it into place,
+fsyncs the parent, prunes to ``keep``, and broadcasts the outcome: every rank returns, or
+every rank raises the same error.
 
-**Background saves** (``blocking=False``) stage this rank's tensors to host memory, then run
+**Background saves** (``blocking=False``) stage this rank's tensors to host memory (into the
+previous background save's copy, kept until ``close()``, when the tensors fit it), then run
 the write and the commit above on a thread, over a Gloo group of their own (so that their
 collectives never interleave with training's). At most one is in flight: the next save,
 :meth:`~phalanx.checkpoint.Checkpointer.load`, ``wait()`` and ``close()`` wait for it and raise
@@ -53,6 +57,7 @@ from .._logging import get_logger
 from ..agreement import agree
 from ..errors import CheckpointError
 from ..process_group import leave_at_exit
+from . import dcp_zero
 from .dcp_engine import BalancedSavePlanner, ChecksummingWriter, SafeReader, merge, split, stage
 from .dcp_layout import (
     MANIFEST,
@@ -92,12 +97,14 @@ AUTO_SHARDED_WORLD = 9
 
 def auto_format(model: Any, optimizer: Any, group: Any) -> str:
     """What ``format="auto"`` picks: ``"sharded"`` for a model with DTensor parameters
-    (``fully_shard``) or a group of :data:`AUTO_SHARDED_WORLD` ranks or more, else
-    ``"consolidated"`` (also with a sharded optimizer, which the sharded format does not save)."""
+    (``fully_shard``), for phalanx's ``ZeroRedundancyOptimizer`` (the single file would gather
+    all of its state on rank 0) or for a group of :data:`AUTO_SHARDED_WORLD` ranks or more,
+    else ``"consolidated"`` (also with another sharded optimizer, torch's ZeRO, which the
+    sharded format does not save)."""
+    if dcp_zero.is_zero(optimizer) or any(isinstance(p, DTensor) for p in model.parameters()):
+        return "sharded"
     if hasattr(optimizer, "consolidate_state_dict"):
         return "consolidated"
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        return "sharded"
     return "sharded" if _rank_world(group)[1] >= AUTO_SHARDED_WORLD else "consolidated"
 
 
@@ -122,6 +129,7 @@ class ShardedIO:
         self._background_group: Any = None
         self._warned_foreign = False
         self._manifest: dict | None = None  # of the checkpoint read last
+        self._staged: Any = None  # the host-memory copy of the last background save
 
     @property
     def owner(self) -> Checkpointer:
@@ -134,12 +142,17 @@ class ShardedIO:
              blocking: bool) -> Path:
         self.wait()
         o = self.owner
+        zero = dcp_zero.is_zero(o.optimizer)
         tree = {"model": o.module.state_dict()}
-        if o.optimizer is not None:
+        if zero:  # this rank's owned entries, named as a plain optimizer's
+            tree["optimizer"] = dcp_zero.optimizer_tree(o.module, o.optimizer)
+        elif o.optimizer is not None:
             tree["optimizer"] = get_optimizer_state_dict(o.module, o.optimizer)
         tensors, rest = split(tree)
         local = None if o.comm_state is None else o.comm_state.state_dict()
-        gathered = gather_to_writer((epoch, step, capture_rng_state(), local), o.group)
+        # (ZeRO: the non-tensor state of each rank's own parameters, if its optimizer has any)
+        owned_rest = rest["optimizer"].get("state") if zero else None
+        gathered = gather_to_writer((epoch, step, capture_rng_state(), local, owned_rest), o.group)
         final = o.directory / sharded_name(step)
         temp, state, error = None, None, None
         if gathered is not None:
@@ -154,7 +167,9 @@ class ShardedIO:
         if blocking:
             return self._write(tensors, *job, o.group)
         group = self._group()  # (a collective: before the staging, which may fail on one rank)
-        staged = stage(tensors)  # this rank's shards and replicated tensors: one copy in host memory
+        # this rank's part: one copy in host memory, into the previous save's buffers (kept
+        # between saves, released by close()): a copy at memory speed, the least stall
+        staged = self._staged = stage(tensors, self._staged)
         self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="phalanx-checkpoint")
         self._pending = self._pool.submit(self._write, staged, *job, group)
         self._saving_for = o
@@ -178,11 +193,15 @@ class ShardedIO:
         o = self.owner
         epoch, step = check_save_step(gathered, o.directory)
         sharded = any(isinstance(t, DTensor) for t in _leaves(tensors))
+        layout = "sharded" if sharded else "zero" if dcp_zero.is_zero(o.optimizer) else "replicated"
+        if layout == "zero":
+            owned = {k: v for *_, part in gathered for k, v in (part or {}).items()}
+            rest = {**rest, "optimizer": {**rest["optimizer"], "state": owned}} if owned else rest
         state = {"version": STATE_VERSION, "epoch": epoch, "step": step, "world_size": len(gathered),
-                 "layout": "sharded" if sharded else "replicated", "skeleton": rest,
-                 "rng": [rng for _, _, rng, _ in gathered], "extra": extra}
+                 "layout": layout, "skeleton": rest,
+                 "rng": [rng for _, _, rng, *_ in gathered], "extra": extra}
         if o.comm_state is not None:
-            state["comm_state"] = [local for *_, local in gathered]
+            state["comm_state"] = [local for _, _, _, local, _ in gathered]
         for name in ("scheduler", "scaler", "sampler"):
             obj = getattr(o, name)
             if obj is not None:
@@ -200,12 +219,17 @@ class ShardedIO:
         rank, _ = _rank_world(group)
         writer = ChecksummingWriter(temp_path)
         sums, error = {}, None
+        if state is not None:  # rank 0: the state file first, while the others write theirs
+            try:
+                write_checkpoint(temp_path / STATE_FILE, state)
+            except Exception as e:  # (reported below: every rank still takes part in dcp.save)
+                error = f"rank {rank}: {type(e).__name__}: {e}"
         try:
             dcp.save(tensors, storage_writer=writer, planner=BalancedSavePlanner(),
                      process_group=group, no_dist=not dist.is_initialized())
-            sums = {name: checksum(temp_path / name, items) for name, items in writer.written.items()}
+            sums = writer.checksums()  # taken as the file was written
         except Exception as e:
-            error = f"rank {rank}: {type(e).__name__}: {e}"
+            error = error or f"rank {rank}: {type(e).__name__}: {e}"
         reports = gather_to_writer((sums, error), group)
         outcome = None
         if reports is not None:
@@ -226,8 +250,7 @@ class ShardedIO:
         return final
 
     def _commit(self, temp_path: Path, final: Path, state: dict, files: dict) -> None:
-        """Rank 0, once every rank's files are durable: state file, manifest, rename."""
-        write_checkpoint(temp_path / STATE_FILE, state)
+        """Rank 0, once every rank's files are durable (the state file too): manifest, rename."""
         others = [n for n in os.listdir(temp_path) if n not in files and n != MANIFEST]
         fsync_files([temp_path / n for n in others])
         files.update({n: checksum(temp_path / n) for n in others})
@@ -269,6 +292,7 @@ class ShardedIO:
         try:
             self.wait()
         finally:
+            self._staged = None
             if self._pool is not None:
                 self._pool.shutdown()
                 self._pool = None
@@ -315,14 +339,19 @@ class ShardedIO:
     def apply(self, state: dict, path: Path) -> None:
         """Every rank: ``dcp.load`` into the model's and optimizer's state (a collective)."""
         o = self.owner
-        if hasattr(o.optimizer, "consolidate_state_dict"):
-            raise CheckpointError(f"Checkpoint {path} is sharded (DCP): loading it into a sharded "
-                                  "optimizer (ZeroRedundancyOptimizer) is not supported yet")
+        zero = dcp_zero.is_zero(o.optimizer)
+        if hasattr(o.optimizer, "consolidate_state_dict") and not zero:
+            raise CheckpointError(f"Checkpoint {path} is sharded (DCP): loading it into "
+                                  f"{type(o.optimizer).__name__} is not supported (phalanx's "
+                                  "ZeroRedundancyOptimizer is)")
+        reader = SafeReader(path, None if state.get("foreign") else self._manifest)
         target = {"model": o.module.state_dict()}
-        if o.optimizer is not None:
+        if zero:  # the entries of the parameters this rank owns, shaped as saved
+            target["optimizer"] = {**dcp_zero.targets(o.module, o.optimizer, reader.read_metadata()),
+                                   "param_groups": dcp_zero.param_groups(o.module, o.optimizer)}
+        elif o.optimizer is not None:
             target["optimizer"] = get_optimizer_state_dict(o.module, o.optimizer)
         tensors, rest = split(target)
-        reader = SafeReader(path, None if state.get("foreign") else self._manifest)
         bare = False
         if state.get("foreign"):
             keys = reader.read_metadata().state_dict_metadata
@@ -341,7 +370,11 @@ class ShardedIO:
             raise
         loaded = merge(tensors, rest)
         o.module.load_state_dict(loaded["model"])
-        if o.optimizer is not None:
+        if zero:
+            if "optimizer" not in loaded:
+                raise CheckpointError(f"Checkpoint {path} holds no optimizer state, but an optimizer was given")
+            dcp_zero.load(o.module, o.optimizer, loaded["optimizer"], path)
+        elif o.optimizer is not None:
             set_optimizer_state_dict(o.module, o.optimizer, loaded["optimizer"])
 
 

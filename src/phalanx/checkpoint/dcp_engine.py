@@ -4,23 +4,26 @@
   (DDP's parameters, buffers, replicated optimizer state) is written by one rank chosen so that
   the ranks' bytes come out even: the shards each rank must write are counted first, then the
   replicated tensors go, largest first, to the least loaded rank holding them.
-* :class:`ChecksummingWriter`: DCP's ``FileSystemWriter`` (fsyncs its files) that remembers
-  which files this rank wrote and where each item lies in them, so that each rank checksums
-  its own files and their items.
+* :class:`ChecksummingWriter`: DCP's ``FileSystemWriter`` (fsyncs its file) whose loop
+  checksums the file and each item in it as they are written, and holds at most one copied
+  tensor at a time.
 * :class:`SafeReader`: DCP's ``FileSystemReader`` whose ``.metadata`` is unpickled with an
   allow-list of DCP's metadata classes (torch's reader runs ``pickle.load`` on it), and which
   checks each item's bytes against the manifest's CRC-32 as it reads them, before decoding.
 * :func:`split` / :func:`merge`: only tensors go to DCP; every other leaf of a state dict goes
   to phalanx's state file (loaded ``weights_only``). phalanx never asks DCP for a non-tensor
   item, which torch's planner would unpickle with ``weights_only=False``.
-* :func:`stage`: a host-memory copy of a tensor tree, for a save written in the background.
+* :func:`stage`: a host-memory copy of a tensor tree, for a save written in the background
+  (into the buffers of the previous copy when they fit).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import pickle
+import zlib
 from collections import defaultdict
 from pathlib import Path
 from typing import IO, Any
@@ -28,11 +31,13 @@ from typing import IO, Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.futures import Future
 from torch.distributed.tensor import DTensor
 
-from .dcp_layout import check_item
+from .dcp_layout import check_item, crc32_combine
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 # What a DCP ``.metadata`` pickle is made of (torch 2.13: found by unpickling torch's own).
@@ -78,21 +83,72 @@ class BalancedSavePlanner(DefaultSavePlanner):
         return super().create_global_plan(balance(all_plans))
 
 
+class _Summing:
+    """The file being written, passing every byte through CRC-32 once: the CRC-32 of the
+    current item (:attr:`item`, reset by the writer between items); the file's is combined
+    from its items' (:func:`~phalanx.checkpoint.dcp_layout.crc32_combine`)."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self.file = file
+        self.item = 0
+
+    def write(self, data: Any) -> int:
+        self.item = zlib.crc32(data, self.item)
+        return self.file.write(data)
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 class ChecksummingWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter`` into ``path`` (one file per rank, fsynced, never overwriting)
-    that records the names of the files this rank wrote in :attr:`written`."""
+    """DCP's ``FileSystemWriter`` into ``path``: one file ``__<rank>_0.distcp`` per rank, each
+    item ``torch.save``'d into it by DCP's own ``_write_item``, fsynced, never overwriting;
+    unlike DCP's writer loop (torch 2.13), the CRC-32s of the file and of each item are taken
+    from the bytes as they are written (no second pass over the file), and each tensor that
+    must be copied (a view into a larger storage: ``torch.save`` writes whole storages) is
+    freed once written, where DCP's loop keeps every copy until the file is closed: at most
+    one tensor is copied at a time. :meth:`checksums` gives what the manifest records."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, overwrite=False)
-        self.written: dict[str, list[tuple[int, int]]] = {}
+        self._sums: dict[str, dict] = {}
 
     def write_data(self, plan: SavePlan, planner: Any) -> Any:
-        future = super().write_data(plan, planner)
-        self.written = {}
-        for result in future.wait():
-            info = result.storage_data  # DCP's _StorageInfo: where the item's bytes are
-            self.written.setdefault(info.relative_path, []).append((info.offset, info.length))
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        results, items, crc = [], [], 0
+        # (as DCP's loop: byte items first, then tensors, in plan order)
+        ordered = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
+        with open(Path(self.path) / name, "wb") as f:
+            stream = _Summing(f)
+            for item in ordered:
+                data = planner.resolve_data(item)
+                if item.type != WriteItemType.BYTE_IO:
+                    data = data.detach().cpu()
+                    if data.untyped_storage().size() != data.nbytes:
+                        data = data.clone()  # its own storage, this tensor's bytes only
+                stream.item = 0
+                offset = f.tell()
+                result = _write_item(self.transforms, stream, data, item, name, self.serialization_format)
+                del data
+                length = f.tell() - offset  # (every byte of the file belongs to one item)
+                crc = crc32_combine(crc, stream.item, length)
+                items.append([result.storage_data.offset, result.storage_data.length, f"{stream.item:#010x}"])
+                results.append(result)
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        self._sums = {name: {"bytes": size, "crc32": f"{crc:#010x}", "items": sorted(items)}}
+        future: Future = Future()
+        future.set_result(results)
         return future
+
+    def checksums(self) -> dict[str, dict]:
+        """``{file name: {"bytes", "crc32", "items": [[offset, length, crc32], ...]}}`` of the
+        file this rank wrote (as :func:`~phalanx.checkpoint.dcp_layout.checksum` computes)."""
+        return self._sums
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -115,6 +171,7 @@ class SafeReader(FileSystemReader):
     def __init__(self, path: Path, manifest: dict | None = None) -> None:
         super().__init__(path)
         self.manifest = manifest
+        self._metadata: bytes | None = None
         self._crcs = {} if manifest is None else {
             (name, offset): crc for name, entry in manifest["files"].items()
             for offset, _, crc in entry.get("items", ())}
@@ -130,11 +187,14 @@ class SafeReader(FileSystemReader):
         return io.BytesIO(data)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with open(Path(self.path) / ".metadata", "rb") as f:
-            data = f.read()
-        if self.manifest is not None:
-            expected = self.manifest["files"].get(".metadata", {}).get("crc32")
-            check_item(Path(self.path), ".metadata", 0, data, expected)
+        if self._metadata is None:  # (read once, checked once: a load may ask twice)
+            with open(Path(self.path) / ".metadata", "rb") as f:
+                data = f.read()
+            if self.manifest is not None:
+                expected = self.manifest["files"].get(".metadata", {}).get("crc32")
+                check_item(Path(self.path), ".metadata", 0, data, expected)
+            self._metadata = data
+        data = self._metadata
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not DCP's Metadata")
@@ -170,14 +230,31 @@ def merge(tensors: dict, rest: dict) -> dict:
     return out
 
 
-def stage(tree: Any) -> Any:
+@torch.no_grad()
+def stage(tree: Any, previous: Any = None) -> Any:
     """A copy of a tensor tree in host memory (DTensors stay DTensors, their local shards
-    copied); what a save written in the background reads while training changes the state."""
+    copied); what a save written in the background reads while training changes the state.
+    ``previous``: the copy an earlier call returned, whose buffers are reused (copied into)
+    wherever a tensor has the same shape, dtype and strides: no new memory, no page faults,
+    so the copy runs at memory speed. The caller must be done with ``previous``."""
     if isinstance(tree, dict):
-        return {k: stage(v) for k, v in tree.items()}
+        before = previous if isinstance(previous, dict) else {}
+        return {k: stage(v, before.get(k)) for k, v in tree.items()}
     if isinstance(tree, DTensor):
-        local = tree.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(local, tree.device_mesh, tree.placements, run_check=False,
-                                  shape=tree.shape, stride=tree.stride())
+        local = tree.to_local().detach()
+        if (isinstance(previous, DTensor) and previous.shape == tree.shape
+                and previous.placements == tree.placements and previous.device_mesh == tree.device_mesh
+                and _fits(previous.to_local(), local)):
+            previous.to_local().copy_(local)
+            return previous
+        return DTensor.from_local(local.to("cpu", copy=True), tree.device_mesh, tree.placements,
+                                  run_check=False, shape=tree.shape, stride=tree.stride())
+    if not isinstance(previous, DTensor) and _fits(previous, tree):
+        previous.copy_(tree.detach())
+        return previous
     return tree.detach().to("cpu", copy=True)
 
+
+def _fits(buffer: Any, tensor: torch.Tensor) -> bool:
+    return (isinstance(buffer, torch.Tensor) and buffer.device.type == "cpu" and buffer.dtype == tensor.dtype
+            and buffer.shape == tensor.shape and buffer.stride() == tensor.stride())

@@ -25,6 +25,7 @@ directory under a final name, and the next save removes the temporary.
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import re
@@ -148,9 +149,9 @@ def checksum(path: Path, items: list[tuple[int, int]] = ()) -> dict[str, Any]:
     crc, size = 0, 0
     ranges = sorted(items)
     crcs = [0] * len(ranges)
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
     with open(path, "rb") as f:
+        buffer = bytearray(max(1, min(_CHUNK, os.fstat(f.fileno()).st_size)))  # (a small file: its size)
+        view = memoryview(buffer)
         while n := f.readinto(buffer):
             crc = zlib.crc32(view[:n], crc)
             for i, (offset, length) in enumerate(ranges):  # (a few items per file)
@@ -162,6 +163,45 @@ def checksum(path: Path, items: list[tuple[int, int]] = ()) -> dict[str, Any]:
     if ranges:
         found["items"] = [[o, n, f"{c:#010x}"] for (o, n), c in zip(ranges, crcs)]
     return found
+
+
+_POLY = 0xEDB88320  # CRC-32's polynomial, reflected (zlib's)
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a * b`` modulo CRC-32's polynomial (zlib's ``multmodp``)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]  # x^(2^n) modulo the polynomial, n = 0..31
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _shift(length: int) -> int:
+    """x^(8 * length) modulo the polynomial (zlib's ``x2nmodp(length, 3)``)."""
+    p, k = 1 << 31, 3
+    while length:
+        if length & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        length >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
+    """The CRC-32 of ``a + b`` from ``crc1 = crc32(a)``, ``crc2 = crc32(b)`` and ``len(b)``
+    (zlib's ``crc32_combine``, which Python's zlib does not expose): about 100 us, a few us
+    for a length seen before (a checkpoint's items come in few sizes)."""
+    return _multmodp(_shift(length2), crc1) ^ crc2
 
 
 class DamagedCheckpoint(CheckpointError):
