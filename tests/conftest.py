@@ -33,12 +33,24 @@ def _shared_setup_group(item: pytest.Item) -> str | None:
                     and defs[-1].baseid)  # baseid "": a plugin's or pytest's own fixture
     if not shared:
         return None
-    indices = getattr(getattr(item, "callspec", None), "indices", {})
-    params = ",".join(f"{name}={indices[name]}" if name in indices else name for name in shared)
+    callspec = getattr(item, "callspec", None)
+    values = getattr(callspec, "params", {})
+    params = ",".join(f"{name}={_param_key(values[name], callspec.indices[name])}"
+                      if name in values else name for name in shared)
     # no "]" in the name: xdist reads the text after the last "@" as the group only when no
     # "]" follows it
     module = item.nodeid.split("::")[0].removeprefix("tests/").removesuffix(".py")
     return f"{module}:{params}"
+
+
+def _param_key(value: object, index: int) -> str:
+    """A parameter as a group name has it: a number or a string by value, so that a test that
+    picks the world-3 ranks by an indirect parametrisation of its own joins the other world-3
+    tests; anything else by its index (the same in every worker: xdist checks that the workers
+    collected the same ids)."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return repr(value).replace("]", ")").replace("[", "(").replace("@", "#")
+    return f"#{index}"
 
 
 def _join_group(item: pytest.Item, group: str) -> None:
