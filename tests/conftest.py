@@ -62,6 +62,9 @@ def _join_group(item: pytest.Item, group: str) -> None:
         item._id = NodeId.parse(grouped)
     else:
         item._nodeid = grouped
+    if item.nodeid != grouped:  # loudly, not a silent `--dist load` again
+        raise pytest.UsageError(f"cannot put {item.nodeid} in xdist group {group!r}: this "
+                                "pytest keeps a test's id elsewhere (tests/conftest.py)")
 
 
 @pytest.hookimpl(trylast=True)  # after xdist's own (a no-op under pytest 9.2, see above)
