@@ -172,16 +172,53 @@ def _check_training(results, backend):
                 assert out[schedule] <= noise if len(results) == 3 else out[schedule] == 0.0, (schedule, out)
 
 
+def _compiled_checks(rank, world_size, backend):
+    """The training checks, and at world 2 the collective log's (:func:`_ledgered`): one group
+    of ranks per world size and backend runs them all."""
+    out = {"training": _training(rank, world_size, backend)}
+    if world_size == 2:
+        torch._dynamo.reset()  # as in a fresh process: the step compiled anew
+        out["ledgered"] = _ledgered(rank, world_size, backend)
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled_runs():
+    """``get(world_size, backend)``: the results of :func:`_compiled_checks`, run once for the
+    tests that read them (the same xdist group keeps those tests on one worker); a failed run
+    fails each of them without starting again."""
+    runs: dict = {}
+
+    def get(world_size: int, backend: str) -> list:
+        key = (world_size, backend)
+        if key not in runs:
+            try:
+                runs[key] = run_ranks(_compiled_checks, world_size, backend, timeout=280)
+            except AssertionError as e:
+                runs[key] = e
+        if isinstance(runs[key], AssertionError):
+            raise runs[key]
+        return runs[key]
+
+    return get
+
+
+def _run_of(world_size: int, backend: str, id: str):
+    """A test parameter of the run at ``world_size`` with ``backend``, in that run's group."""
+    return pytest.param(world_size, backend, id=id, marks=pytest.mark.xdist_group(
+        f"dist/test_compiled_autograd:world{world_size}-{backend}"))
+
+
 @pytest.mark.slow  # compiles six training steps per rank
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_training_equals_eager_and_torchs_ddp_aot_eager(world_size):
-    _check_training(run_ranks(_training, world_size, "aot_eager", timeout=280), "aot_eager")
+@pytest.mark.parametrize("world_size, backend", [_run_of(n, "aot_eager", str(n)) for n in (2, 3)])
+def test_training_equals_eager_and_torchs_ddp_aot_eager(compiled_runs, world_size, backend):
+    _check_training([out["training"] for out in compiled_runs(world_size, backend)], backend)
 
 
 @pytest.mark.slow  # inductor compiles
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_training_equals_eager_and_torchs_ddp_inductor(world_size):
-    _check_training(run_ranks(_training, world_size, "inductor", timeout=280), "inductor")
+@pytest.mark.parametrize("world_size, backend", [_run_of(n, "inductor", str(n)) for n in (2, 3)])
+def test_training_equals_eager_and_torchs_ddp_inductor(compiled_runs, world_size, backend):
+    _check_training([out["training"] for out in compiled_runs(world_size, backend)], backend)
 
 
 # ---- refusals -------------------------------------------------------------------------------
@@ -350,9 +387,10 @@ def _ledgered(rank, world_size, backend):
 
 
 @pytest.mark.slow  # compiles
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_the_compiled_graph_records_its_step_and_the_sync_point_names_a_rank_that_parted(backend):
-    results = run_ranks(_ledgered, 2, backend, timeout=200)
+@pytest.mark.parametrize("world_size, backend", [_run_of(2, b, b) for b in ("aot_eager", "inductor")])
+def test_the_compiled_graph_records_its_step_and_the_sync_point_names_a_rank_that_parted(
+        compiled_runs, world_size, backend):
+    results = [out["ledgered"] for out in compiled_runs(world_size, backend)]  # world 2
     site = _line("the compiled step")  # a compiled function's frames stand at its first line
     params = (10, 16 * 32 + 32 + 2 * (32 * 32 + 32) + 32 * 4 + 4 + 2 * 32)  # with BatchNorm's affine
     step = [("check before DistributedDataParallel forward (compiled)", "-", (), site, True),

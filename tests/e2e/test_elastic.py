@@ -65,12 +65,29 @@ def _assert_every_sample_once(directory: Path) -> None:
         assert sorted(i for e, i in kept if e == epoch) == list(range(SAMPLES)), epoch
 
 
-def _wait_for(predicate, what: str, timeout: float = 120) -> None:
+def _wait_for(predicate, what: str, timeout: float = 120, needs=()) -> None:
+    """Wait until ``predicate()``; fail after ``timeout`` s, or as soon as one of the launchers
+    it ``needs`` (``subprocess.Popen``) has exited: then it can never happen (on a loaded
+    machine, the others may have finished the job before a node rejoined), and the failure
+    shows what that launcher said instead of waiting out the timeout."""
     deadline = time.monotonic() + timeout
     while not predicate():
+        ended = [proc for proc in needs if proc.poll() is not None]
+        if ended and not predicate():
+            said = "".join(f"\n--- launcher (pid {proc.pid}) exited {proc.returncode}:\n"
+                           f"{finish(proc).err[-3000:]}" for proc in ended)
+            raise AssertionError(f"never happened: {what}; a launcher it needs has exited{said}")
         if time.monotonic() > deadline:
             raise AssertionError(f"never happened: {what}")
         time.sleep(0.05)
+
+
+def _kill(procs) -> None:
+    """Kill the launchers a failed test left running (each kills its workers as it dies)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def _steps_of_round(directory: Path, round_: int) -> list[int]:
@@ -99,18 +116,24 @@ def test_a_node_lost_then_back_in_network_namespaces(tmp_path):
             return start(in_namespace(ns, cmd), node_env(GLOO_SOCKET_IFNAME=dev))
 
         node0, node1 = node(ns0, dev0, "--node-rank", "0"), node(ns1, dev1, "--node-rank", "1")
-        # a step after the checkpoint of step 5: steps 6.. are lost with node 1
-        _wait_for(lambda: 7 in _steps_of_round(ckpt, 0), "step 7 at world size 2")
-        node1.send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        finish(node1)
-        _wait_for(lambda: _steps_of_round(ckpt, 1), "node 0 training alone")
-        alone = time.monotonic() - killed
-        print(f"from node 1's SIGKILL to node 0's first step alone: {alone:.1f} s")
-        node1 = node(ns1, dev1)  # the same command; elastic numbers it as it joins
-        _wait_for(lambda: _steps_of_round(ckpt, 2), "node 1 back in")
-        listeners = {ns: _ss(ns) for ns in (ns0, ns1)}
-        results = [finish(node0, timeout=180), finish(node1, timeout=180)]
+        started = [node0, node1]
+        try:
+            # a step after the checkpoint of step 5: steps 6.. are lost with node 1
+            _wait_for(lambda: 7 in _steps_of_round(ckpt, 0), "step 7 at world size 2",
+                      needs=[node0, node1])
+            node1.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            finish(node1)
+            _wait_for(lambda: _steps_of_round(ckpt, 1), "node 0 training alone", needs=[node0])
+            alone = time.monotonic() - killed
+            print(f"from node 1's SIGKILL to node 0's first step alone: {alone:.1f} s")
+            node1 = node(ns1, dev1)  # the same command; elastic numbers it as it joins
+            started.append(node1)
+            _wait_for(lambda: _steps_of_round(ckpt, 2), "node 1 back in", needs=[node0, node1])
+            listeners = {ns: _ss(ns) for ns in (ns0, ns1)}
+            results = [finish(node0, timeout=180), finish(node1, timeout=180)]
+        finally:
+            _kill(started)
     for res in results:
         assert res.code == 0, res.err
     out0 = results[0].err

@@ -31,7 +31,8 @@ from tests.e2e.launch_helpers import (
     set_link,
     start,
 )
-from tests.e2e.test_elastic import SCRIPT, _assert_every_sample_once, _log, _resumes, _wait_for
+from tests.e2e.test_elastic import (SCRIPT, _assert_every_sample_once, _kill, _log, _resumes,
+                                    _wait_for)
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 
@@ -54,6 +55,7 @@ class Job:
         self.nodes, self.ckpt = nodes, ckpt
         self.endpoints = ",".join(f"{addr}:{PORT}" for _, _, addr in nodes)
         self.procs = [self.start(n) for n in range(len(nodes))]
+        self.started = list(self.procs)  # every launcher, killed at the end if still running
 
     def start(self, n: int):
         ns, dev, _ = self.nodes[n]
@@ -62,14 +64,25 @@ class Job:
                           "last_call_timeout=20", "--shutdown-timeout", str(SHUTDOWN_S),
                           SCRIPT, "--dir", str(self.ckpt), "--batch", "2", "--global-batch",
                           "12", "--step-delay", "0.4")
-        return start(in_namespace(ns, cmd), node_env(GLOO_SOCKET_IFNAME=dev))
+        proc = start(in_namespace(ns, cmd), node_env(GLOO_SOCKET_IFNAME=dev))
+        if hasattr(self, "started"):
+            self.started.append(proc)
+        return proc
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _kill(self.started)
 
     def wait_past_checkpoint(self) -> None:
         """Round 0 at world size 3, a step after the checkpoint of step 5."""
-        _wait_for(lambda: 7 in _steps_of(self.ckpt, 0), "step 7 at world size 3", 240)
+        _wait_for(lambda: 7 in _steps_of(self.ckpt, 0), "step 7 at world size 3", 240,
+                  needs=self.procs)
 
-    def time_to_next_step(self, lost_at: float, round_: int = 0) -> float:
-        _wait_for(lambda: _first_step_after(self.ckpt, round_), "a step of a later round", 240)
+    def time_to_next_step(self, lost_at: float, survivors, round_: int = 0) -> float:
+        _wait_for(lambda: _first_step_after(self.ckpt, round_), "a step of a later round", 240,
+                  needs=survivors)
         return time.monotonic() - lost_at
 
 
@@ -77,12 +90,11 @@ class Job:
 def test_a_launcher_killed_the_others_go_on(tmp_path, victim):
     """SIGKILL node 0's launcher (the store's host), or node 2's for comparison: the two
     others train on at world size 2 from the last checkpoint and exit 0."""
-    with bridged_namespaces(3) as nodes:
-        job = Job(nodes, tmp_path / "ckpt")
+    with bridged_namespaces(3) as nodes, Job(nodes, tmp_path / "ckpt") as job:
         job.wait_past_checkpoint()
         job.procs[victim].send_signal(signal.SIGKILL)
         killed = time.monotonic()
-        gap = job.time_to_next_step(killed)
+        gap = job.time_to_next_step(killed, [p for n, p in enumerate(job.procs) if n != victim])
         print(f"node {victim} SIGKILLed: {gap:.1f} s to the survivors' next training step")
         finish(job.procs[victim])
         results = [finish(p, timeout=240) for n, p in enumerate(job.procs) if n != victim]
@@ -105,21 +117,21 @@ def test_the_store_host_cut_off_stops_and_rejoins_when_started_again(tmp_path):
     back and its launcher started again (same command), it finds the job at node 1 and
     joins the next round; every launcher still running exits 0."""
     ckpt = tmp_path / "ckpt"
-    with bridged_namespaces(3) as nodes:
-        job = Job(nodes, ckpt)
+    with bridged_namespaces(3) as nodes, Job(nodes, ckpt) as job:
         job.wait_past_checkpoint()
         set_link(nodes[0][0], nodes[0][1], "down")
         cut = time.monotonic()
         with ThreadPoolExecutor(1) as pool:  # both timed from the cut, as they happen
             stopping = pool.submit(finish, job.procs[0], 120, cut)
-            gap = job.time_to_next_step(cut)
+            gap = job.time_to_next_step(cut, job.procs[1:])
             cut_off = stopping.result()
         stopped = cut_off.seconds
         print(f"node 0 cut off: it stopped after {stopped:.1f} s; {gap:.1f} s to the "
               "survivors' next training step")
         set_link(nodes[0][0], nodes[0][1], "up")
         job.procs[0] = job.start(0)
-        _wait_for(lambda: _steps_of(ckpt, 2), "a step of round 2 (node 0 back)", 240)
+        _wait_for(lambda: _steps_of(ckpt, 2), "a step of round 2 (node 0 back)", 240,
+                  needs=job.procs)
         results = [finish(p, timeout=240) for p in job.procs]
     assert cut_off.code == 1, cut_off.err
     host = socket.gethostname()
@@ -142,14 +154,13 @@ def test_a_job_cut_1_plus_2_only_the_side_of_2_trains_on(tmp_path):
     2; node 2 elects itself (it cannot reach node 1), finds no majority and stops, having
     trained nothing after the cut."""
     ckpt = tmp_path / "ckpt"
-    with bridged_namespaces(3) as nodes:
-        job = Job(nodes, ckpt)
+    with bridged_namespaces(3) as nodes, Job(nodes, ckpt) as job:
         job.wait_past_checkpoint()
         set_link(nodes[2][0], nodes[2][1], "down")
         cut = time.monotonic()
         with ThreadPoolExecutor(1) as pool:  # both timed from the cut, as they happen
             stopping = pool.submit(finish, job.procs[2], 240, cut)
-            gap = job.time_to_next_step(cut)
+            gap = job.time_to_next_step(cut, job.procs[:2])
             alone = stopping.result()
         stopped = alone.seconds
         results = [finish(p, timeout=240) for p in job.procs[:2]]
