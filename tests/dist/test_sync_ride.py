@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
-from unittest import mock
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from torch import nn
 import phalanx
 from phalanx.diagnostics import ledger
 from phalanx.ledger import syncpoint
+from tests.dist.test_comm_hooks import _all_reduces
 from tests.harness import error_of, marked_line, run_ranks
 from tests.oracle import magnitude, oracle_bound
 
@@ -28,19 +28,6 @@ ENVELOPE = ("float32", syncpoint.envelope_size(3))  # the same at world 2 and 3
 
 def _line(marker: str) -> str:
     return marked_line(__file__, marker)
-
-
-def _all_reduces(run):
-    """The (dtype, numel) of each all-reduce ``run()`` issues through torch.distributed."""
-    seen, all_reduce = [], dist.all_reduce
-
-    def counting(tensor, *args, **kwargs):
-        seen.append((str(tensor.dtype).removeprefix("torch."), tensor.numel()))
-        return all_reduce(tensor, *args, **kwargs)
-
-    with mock.patch.object(dist, "all_reduce", counting):
-        run()
-    return seen
 
 
 def _step(model, rank, step, width=20):
