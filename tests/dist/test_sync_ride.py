@@ -13,7 +13,6 @@ from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import phalanx
