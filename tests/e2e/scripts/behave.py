@@ -1,7 +1,7 @@
 """A torch-free worker for launcher tests: does what its flags say, records what happened.
 
 Files it writes under --record DIR: ``pid.RANK`` (its pid), ``child.RANK`` (a grandchild's pid),
-``env.RANK.json`` (its environment), ``signal.RANK`` (the signal it got), ``sigterm_at.RANK``
+``env.RANK.json`` (its environment), ``signal.RANK`` (the first signal it got), ``sigterm_at.RANK``
 (when an ignored SIGTERM arrived, time.time()), and one line per attempt in ``attempts.log``.
 """
 
@@ -53,6 +53,8 @@ write(f"env.{rank}.json", json.dumps(dict(os.environ)))
 child = None
 if args.on_sigterm_exit is not None:
     def _on_term(signum, frame):
+        if os.path.exists(os.path.join(rec, f"signal.{rank}")):
+            return  # already on its way out: the signal that came first is the one recorded
         write(f"signal.{rank}", signal.Signals(signum).name)
         if child is not None:
             try:  # a signal sent to the whole process group kills it at once
