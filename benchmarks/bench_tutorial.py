@@ -104,11 +104,21 @@ def _launch(impl: str, args: argparse.Namespace, scratch: str, nodes: list | Non
               "--batch-size", str(args.batch_size), "--result", result]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # torchrun's default for several workers
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))
-    if nodes is None:
-        command = [*_launcher(impl), "--standalone", "--nproc-per-node", str(args.nproc), *worker]
-        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
-    else:
-        _on_nodes(impl, nodes, worker, env)
+    for attempt in (1, 2):  # a launch that fails is retried once, and said (torchrun's two-node
+        # exit barrier has failed after its workers were done: "Failed to recv", exit 1)
+        if os.path.exists(result):
+            os.remove(result)
+        try:
+            if nodes is None:
+                command = [*_launcher(impl), "--standalone", "--nproc-per-node", str(args.nproc), *worker]
+                subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+            else:
+                _on_nodes(impl, nodes, worker, env)
+            break
+        except (RuntimeError, subprocess.CalledProcessError) as e:
+            if attempt == 2:
+                raise
+            print(f"{impl}: launch failed ({e}); launching it again", file=sys.stderr)
     with open(result) as f:
         return json.load(f)[1:]  # the first epoch is start-up
 
