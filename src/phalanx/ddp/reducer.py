@@ -358,8 +358,7 @@ class Reducer:
             tail.fill_(problems)  # the tail is this one number (one call, not an indexing)
             return
         tail[0] = float(problems)
-        if self.allow_unused:
-            tail[1:].copy_(torch.tensor(self._had_grad + sparse.had_grad, dtype=tail.dtype))
+        tail[1:].copy_(torch.tensor(self._had_grad + sparse.had_grad, dtype=tail.dtype))
 
     def _finalize(self) -> None:
         """End of backward: settle what is left, wait, write back, report problems everywhere."""
