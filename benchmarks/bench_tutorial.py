@@ -131,7 +131,7 @@ def _launcher(impl: str) -> list[str]:
 
 def _on_nodes(impl: str, nodes: list, worker: list[str], env: dict) -> None:
     """Node 0 and node 1 of a two-node job, one rank each, one per namespace (as on two hosts)."""
-    from phalanx.bench.nodes import RDZV_TIMEOUT_S, stop
+    from phalanx.bench.nodes import RDZV_TIMEOUT_S, stop, wait_nodes
     from phalanx.gate.secret import new_secret
 
     env = {**env, "PHALANX_JOB_SECRET": os.environ.get("PHALANX_JOB_SECRET") or new_secret()}
@@ -144,7 +144,7 @@ def _on_nodes(impl: str, nodes: list, worker: list[str], env: dict) -> None:
                        "--nproc-per-node", "1", *extra, *worker]
             procs.append(subprocess.Popen(command, env={**env, "GLOO_SOCKET_IFNAME": dev},
                                           stdout=subprocess.DEVNULL))
-        codes = [p.wait() for p in procs]
+        codes = wait_nodes(procs)
         if any(codes):
             raise RuntimeError(f"{impl} across the namespaces failed: exit statuses {codes} "
                                "(the launchers' output is above)")

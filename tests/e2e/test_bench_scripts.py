@@ -53,12 +53,16 @@ def test_bench_tutorial_times_torch_and_phalanx_with_and_without_diagnostics(tmp
 @pytest.mark.skipif(not (os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")),
                     reason="network namespaces need root, ip and tc")
 def test_bench_tutorial_runs_torch_and_phalanx_as_two_nodes_across_namespaces(tmp_path):
+    def namespaces() -> set[str]:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        return {line.split()[0] for line in listed.splitlines() if line.startswith("phxtut")}
+
+    before = namespaces()  # an earlier run killed by hand may have left its own
     rows = _run("bench_tutorial.py", "--netns", "--rounds", "1", "--epochs", "2", "--batch-size", "256",
                 out=tmp_path / "n.json")["results"]
     assert set(rows) == {"torch", "phalanx", "phalanx-nodiag"}  # no shared memory across hosts
     assert all(r["epoch_s"] > 0 and len(r["per_launch"]) == 1 for r in rows.values())
-    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "phxtut" not in left, left  # the namespaces went with the run
+    assert namespaces() <= before, namespaces() - before  # this run's namespaces went with it
 
 
 def test_bench_data_times_streaming_and_plain_at_each_worker_count(tmp_path):

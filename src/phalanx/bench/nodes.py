@@ -29,6 +29,9 @@ from .ranks import RESULT_FLAG
 # How long the launchers get to stop after SIGTERM before SIGKILL: a launcher still in its
 # rendezvous can otherwise wait out the rendezvous timeout (seen: 120 s) for its store.
 STOP_GRACE_S = 20.0
+# How long the other node gets to finish after one node's launcher failed: its worker is
+# then waiting on a peer that is gone, up to Gloo's timeout (30 min), unless stopped.
+PEER_GRACE_S = 10.0
 # The rendezvous timeout given to each node's launcher, seconds: the two start within a
 # second of each other here, so a node that is not there in 2 minutes failed (the launcher's
 # default, 600 s, is for machines that start apart).
@@ -101,9 +104,25 @@ def _run_nodes(nodes: list[tuple[str, str, str]], entrypoint: str, argv: list[st
             env = {**os.environ, "GLOO_SOCKET_IFNAME": dev, "PYTHONPATH": pythonpath,
                    "PHALANX_JOB_SECRET": secret}
             procs.append(subprocess.Popen(cmd, env=env))
-        return [p.wait() for p in procs]
+        return wait_nodes(procs)
     finally:
         stop(procs)
+
+
+def wait_nodes(procs: Sequence[subprocess.Popen], peer_grace_s: float = PEER_GRACE_S) -> list[int]:
+    """The nodes' exit statuses. Once one has failed, the others get ``peer_grace_s`` to end,
+    then are stopped (:func:`stop`): a worker whose peer died can wait out Gloo's timeout."""
+    deadline = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return codes
+        if deadline is None and any(codes):
+            deadline = time.monotonic() + peer_grace_s
+        if deadline is not None and time.monotonic() > deadline:
+            stop(procs)
+            return [p.wait() for p in procs]
+        time.sleep(0.1)
 
 
 def stop(procs: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
