@@ -236,8 +236,13 @@ class StreamingDataset(IterableDataset):
         if self._row_bytes:
             per_chunk = min(per_chunk, _CHUNK_BYTES // self._row_bytes)
         per_chunk = max(1, per_chunk // self.batch_size)  # in batches
-        for c in range(0, len(batches), per_chunk):
-            chunk = batches[c:c + per_chunk]
+        # the first chunk is one batch, and each next one twice the last up to per_chunk: the
+        # first batch waits for the order and one batch's reads, not a whole chunk's (the
+        # DataLoader's main process waits for it: 1.4 ms of 3 at 32k samples, one thread)
+        c, size = 0, 1
+        while c < len(batches):
+            chunk = batches[c:c + size]
+            c, size = c + size, min(2 * size, per_chunk)
             take = self._read(order.index_select(0, batch_positions(chunk) % order.numel()))
             at = 0
             for begin, end in chunk:

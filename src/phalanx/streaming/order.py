@@ -30,9 +30,10 @@ robin (batch ``j`` to worker ``j % W``), the order in which torch's DataLoader t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -67,6 +68,30 @@ def global_order(sizes: Sequence[int], seed: int, epoch: int, *, shuffle: bool =
     total = sum(sizes)
     if not shuffle or total == 0:
         return torch.arange(total, dtype=torch.int64)
+    with one_thread():
+        return _shuffled(sizes, total, seed, epoch, shuffle_block)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch's operations in the block run on one thread (the process's thread count is
+    restored after it). The order is a few operations over all the epoch's samples, each above
+    torch's parallel grain; on two threads its radix sorts alone took 23-160 ms of CPU at 320k
+    samples on busy cores (the threads wait at a barrier per pass for each other) against 5 ms on
+    one (torch 2.13). DataLoader workers run on one thread already: this changes nothing there."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _shuffled(sizes: Sequence[int], total: int, seed: int, epoch: int,
+              shuffle_block: int) -> torch.Tensor:
     sizes_t = torch.tensor(list(sizes), dtype=torch.int64)
     shard_rank = torch.empty(len(sizes), dtype=torch.float64)
     shard_rank[torch.randperm(len(sizes), generator=_generator(seed, epoch, 1))] = torch.arange(
@@ -98,9 +123,10 @@ def _argsort(key: torch.Tensor) -> torch.Tensor:
     non-negative doubles, read as int64, order as the doubles do, and int64 sorts faster, the
     same result. From 32768 keys (torch's parallel grain) torch sorts int64 by radix, 3.7x
     faster a key than its merge sort below (torch 2.13): from 8192 keys, in a process of one
-    torch thread (DataLoader workers), the bits are padded to 32768 with a larger key (no
-    double's bits reach int64's max), which sorts last. With more threads the radix sort is
-    parallel, which on busy cores took 10-20x its time: below 32768 keys it is not asked for."""
+    torch thread (DataLoader workers, and :func:`global_order`, which runs on one), the bits are
+    padded to 32768 with a larger key (no double's bits reach int64's max), which sorts last.
+    With more threads the radix sort is parallel, which on busy cores took 10-20x its time:
+    below 32768 keys it is not asked for."""
     bits = key.view(torch.int64)
     if _RADIX_PAD_FROM <= bits.numel() < _RADIX_FROM and torch.get_num_threads() == 1:
         padded = torch.full((_RADIX_FROM,), torch.iinfo(torch.int64).max, dtype=torch.int64)
