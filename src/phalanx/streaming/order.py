@@ -97,16 +97,18 @@ def _shuffled(sizes: Sequence[int], total: int, seed: int, epoch: int,
     shard_rank[torch.randperm(len(sizes), generator=_generator(seed, epoch, 1))] = torch.arange(
         len(sizes), dtype=torch.float64)
     # stage 2: sort by (shard's place in the shuffled shard order, a random key); the key is in
-    # [0, 1), so adding it to the integer place keeps the shards apart
-    shard_of = _segment_of(sizes_t, total)
-    key = shard_rank.index_select(0, shard_of) + torch.rand(
-        total, generator=_generator(seed, epoch, 2), dtype=torch.float64)
+    # [0, 1), so adding it to the integer place keeps the shards apart (the sums are made in
+    # the random keys' own tensor: a new one per operation cost as much again, in page faults)
+    key = torch.rand(total, generator=_generator(seed, epoch, 2), dtype=torch.float64)
+    key.add_(shard_rank.index_select(0, _segment_of(sizes_t, total)))
     order = _argsort(key)
-    del key, shard_of
-    # stage 3: the same within windows of shuffle_block positions
-    window = torch.arange(total, dtype=torch.int64) // shuffle_block
-    key = window.double() + torch.rand(total, generator=_generator(seed, epoch, 3),
-                                       dtype=torch.float64)
+    # stage 3: the same within windows of shuffle_block positions (window w's keys w + u, the
+    # window number added a window at a time: no integer division per sample)
+    key = torch.rand(total, generator=_generator(seed, epoch, 3), dtype=torch.float64)
+    whole = total // shuffle_block * shuffle_block
+    key[:whole].view(-1, shuffle_block).add_(
+        torch.arange(whole // shuffle_block, dtype=torch.float64)[:, None])
+    key[whole:].add_(float(whole // shuffle_block))
     return order.index_select(0, _argsort(key))
 
 
