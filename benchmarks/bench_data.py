@@ -26,6 +26,13 @@ the variants take turns, one epoch each, ``--repeats`` times. The report gives e
 median samples/s and the median ratio phalanx / plain over the rounds (the goal: at least
 0.95). Timings mean something only on an otherwise idle machine; a busy one also slows torch's
 multi-threaded operations (the main process's, with no workers) far more than plain Python.
+
+It also gives each variant's median CPU seconds an epoch, the main process and its DataLoader
+workers together (on Linux, from ``/proc``: the process's live children, every variant's
+workers, the other variants' idle; the workers' times count in clock ticks, 10 ms), and the
+median ratio of CPU rates, plain's CPU over phalanx's: steadier than samples/s on a shared
+machine, though it does not see a pipeline's waits (with workers, the main process waiting
+for a batch costs no CPU).
 """
 
 from __future__ import annotations
@@ -100,14 +107,34 @@ def _variants(files: list[str], shards: str, args) -> dict:
     return out
 
 
-def _epoch(loader, data) -> tuple[float, int]:
-    """Seconds for one epoch through ``loader``, and the samples it gave."""
+def _cpu_seconds() -> float | None:
+    """CPU seconds of this process and its live children (DataLoader workers), or None where
+    ``/proc`` does not list children (not Linux)."""
+    pid = os.getpid()
+    try:
+        children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+    except OSError:
+        return None
+    total = time.process_time()
+    for child in children:
+        try:
+            fields = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:  # gone
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return total
+
+
+def _epoch(loader, data) -> tuple[float, int, float | None]:
+    """Seconds for one epoch through ``loader``, the samples it gave, and the CPU seconds of
+    this process and its workers (None where they cannot be read)."""
     if isinstance(data, phalanx.StreamingDataset):
         data.set_epoch(data.epoch + 1)
-    start, samples = time.perf_counter(), 0
+    cpu, start, samples = _cpu_seconds(), time.perf_counter(), 0
     for batch in loader:
         samples += len(batch["tokens"] if isinstance(batch, dict) else batch)
-    return time.perf_counter() - start, samples
+    seconds, after = time.perf_counter() - start, _cpu_seconds()
+    return seconds, samples, None if cpu is None or after is None else after - cpu
 
 
 def measure(args) -> dict:
@@ -124,19 +151,31 @@ def measure(args) -> dict:
                                         persistent_workers=workers > 0)
                        for name, data in variants.items()}
             rates: dict = {name: [] for name in variants}
+            cpus: dict = {name: [] for name in variants}
             for repeat in range(args.repeats + 1):  # the first round warms up (workers start)
                 for name, loader in loaders.items():
-                    seconds, samples = _epoch(loader, variants[name])
+                    seconds, samples, cpu = _epoch(loader, variants[name])
                     if samples != expected:
                         raise RuntimeError(f"{name} gave {samples} samples, expected {expected}")
                     if repeat:
                         rates[name].append(samples / seconds)
+                        cpus[name].append(cpu)
             for name, values in rates.items():
                 results[f"{name}, workers {workers}"] = {"median": statistics.median(values),
                                                          "samples_per_s": values}
             for name in ("phalanx", "phalanx unshuffled"):
                 results[f"{name} / plain, workers {workers}"] = {"median": statistics.median(
                     p / q for p, q in zip(rates[name], rates["plain"]))}
+            if all(c is not None for values in cpus.values() for c in values):
+                for name, values in cpus.items():
+                    results[f"{name} CPU s an epoch, workers {workers}"] = {
+                        "median": statistics.median(values), "cpu_seconds": values}
+                for name in ("phalanx", "phalanx unshuffled"):
+                    ratios = [q / p for p, q in zip(cpus[name], cpus["plain"]) if p > 0]
+                    results[f"{name} / plain by CPU, workers {workers}"] = {
+                        "median": statistics.median(ratios)} if ratios else {
+                        "median": None,
+                        "absent": "no CPU time counted (epochs shorter than the clock's tick)"}
             if "HF datasets split_dataset_by_node" not in variants:
                 results[f"HF datasets split_dataset_by_node, workers {workers}"] = {
                     "median": None,
@@ -159,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in results.items():
         median = row["median"]
         shown = row.get("absent") if median is None else (
-            f"{median:.3f}" if "/" in name else f"{median:,.0f} samples/s")
-        print(f"{name:<50} {shown}")
+            f"{median:.3f}" if "/" in name else f"{median:.3f} s" if "CPU s" in name
+            else f"{median:,.0f} samples/s")
+        print(f"{name:<60} {shown}")
     if args.json:
         args.json.write_text(json.dumps({"config": vars(args) | {"json": str(args.json)},
                                          "results": results}, indent=1))

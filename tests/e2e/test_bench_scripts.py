@@ -72,6 +72,10 @@ def test_bench_data_times_streaming_and_plain_at_each_worker_count(tmp_path):
         for name in ("plain", "phalanx", "phalanx unshuffled"):
             assert rows[f"{name}, workers {workers}"]["median"] > 0
         assert rows[f"phalanx / plain, workers {workers}"]["median"] > 0
+        if sys.platform == "linux":  # CPU times from /proc, the workers' included
+            assert all(rows[f"{name} CPU s an epoch, workers {workers}"]["median"] >= 0
+                       for name in ("plain", "phalanx", "phalanx unshuffled"))
+            assert f"phalanx / plain by CPU, workers {workers}" in rows
 
 
 def test_bench_checkpoint_times_every_format_at_each_world_size(tmp_path):
