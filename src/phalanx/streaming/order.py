@@ -68,12 +68,12 @@ def global_order(sizes: Sequence[int], seed: int, epoch: int, *, shuffle: bool =
     total = sum(sizes)
     if not shuffle or total == 0:
         return torch.arange(total, dtype=torch.int64)
-    with one_thread():
+    with _one_thread():
         return _shuffled(sizes, total, seed, epoch, shuffle_block)
 
 
 @contextlib.contextmanager
-def one_thread() -> Iterator[None]:
+def _one_thread() -> Iterator[None]:
     """Torch's operations in the block run on one thread (the process's thread count is
     restored after it). The order is a few operations over all the epoch's samples, each above
     torch's parallel grain; on two threads its radix sorts alone took 23-160 ms of CPU at 320k
