@@ -234,9 +234,9 @@ def _id(sample):
 
 @pytest.mark.parametrize("kind", ["npy", "tokens", "one-sample shards", "long rows", "any"])
 def test_iteration_serves_the_partition(tmp_path, kind, monkeypatch):
-    """What __iter__ yields, read in chunks of 1, 2, then 3 batches, is what the partition
-    says, for every kind of reader, padded and uneven ends, and resumed; and the count
-    state_dict() takes without workers is exact after whole batches."""
+    """What __iter__ yields, read in chunks of 3 batches, is what the partition says, for every
+    kind of reader, padded and uneven ends, and resumed; and the count state_dict() takes
+    without workers is exact after whole batches."""
     monkeypatch.setattr(phalanx.streaming.dataset, "_CHUNK_SAMPLES", 6)
     if kind != "one-sample shards":  # gathers however few samples a shard (else a view each)
         monkeypatch.setattr(phalanx.streaming.dataset, "_GATHER_FROM", 0)
@@ -268,7 +268,8 @@ def test_iteration_serves_the_partition(tmp_path, kind, monkeypatch):
 
 
 def test_iteration_in_workers_reads_chunks(tmp_path, monkeypatch):
-    """Two DataLoader workers reading token rows in chunks of up to 3 batches give the partition."""
+    """Two DataLoader workers reading token rows in chunks of 1, then 3 batches give the
+    partition."""
     monkeypatch.setattr(phalanx.streaming.dataset, "_CHUNK_SAMPLES", 6)
     monkeypatch.setattr(phalanx.streaming.dataset, "_GATHER_FROM", 0)
     data = datasets(_sources(tmp_path, "tokens"), 3, batch_size=2, ends="pad", seed=4)[1]
@@ -276,22 +277,23 @@ def test_iteration_in_workers_reads_chunks(tmp_path, monkeypatch):
     assert [b[:, 0].tolist() for b in loader] == rank_stream(data, 2)
 
 
-def test_chunks_start_at_one_batch_and_double(tmp_path, monkeypatch):
-    """The first chunk is one batch (the first batch waits for one batch's reads), each next
-    twice the last, up to the chunk limit; in a worker's share too."""
-    monkeypatch.setattr(phalanx.streaming.dataset, "_CHUNK_SAMPLES", 20)  # 10 batches of 2
+def test_worker_chunks_start_at_one_batch(tmp_path, monkeypatch):
+    """In a DataLoader worker the first chunk is one batch (the main process waits for the first
+    batch), each next four times the last, up to the chunk limit; without workers every chunk
+    is whole. Both serve the partition."""
+    monkeypatch.setattr(phalanx.streaming.dataset, "_CHUNK_SAMPLES", 40)  # 20 batches of 2
     sizes = []
     read = phalanx.StreamingDataset._read
     monkeypatch.setattr(phalanx.StreamingDataset, "_read",
                         lambda self, ids: sizes.append(ids.numel()) or read(self, ids))
-    data = datasets(write_shards(tmp_path, [40, 37]), 1, batch_size=2, ends="uneven")[0]
+    data = datasets(write_shards(tmp_path, [80, 37]), 1, batch_size=2, ends="uneven")[0]
     assert [_id(x) for x in data] == [i for b in rank_stream(data, 0) for i in b]
-    assert sizes == [2, 4, 8, 16, 20, 20, 7]  # 77 samples: 38 batches of 2 and one of 1
+    assert sizes == [40, 40, 37]  # 117 samples: 58 batches of 2 and one of 1
     sizes.clear()
-    ours = data.layout().worker_batches(0, 1, 3)  # 13 batches: worker 1 of 3
-    assert [_id(x) for x in itertools.chain.from_iterable(data._batches(ours))] \
-        == [int(data.order()[p]) for b in ours for p in range(*b)]
-    assert sizes == [2, 4, 8, 12]
+    ours = data.layout().worker_batches(0, 1, 2)  # worker 1 of 2: 29 batches of 2
+    got = itertools.chain.from_iterable(data._batches(ours, ramp=True))
+    assert [_id(x) for x in got] == [int(data.order()[p]) for b in ours for p in range(*b)]
+    assert sizes == [2, 8, 32, 16]
 
 
 def test_order_runs_on_one_thread_and_restores_the_count(monkeypatch):

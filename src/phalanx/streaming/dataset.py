@@ -228,21 +228,25 @@ class StreamingDataset(IterableDataset):
             gathered = ordered
         return lambda a, b: gathered[a:b].unbind(0)
 
-    def _batches(self, batches: list[tuple[int, int]]) -> Iterator[Any]:
+    def _batches(self, batches: list[tuple[int, int]], ramp: bool = False) -> Iterator[Any]:
         """The samples of ``batches`` (position ranges), batch by batch: a list per batch,
-        transformed."""
+        transformed. ``ramp``: the first chunk is one batch, each next one four times the last,
+        up to the chunk size (in DataLoader workers: see below)."""
         order, transform = self.order(), self.transform
         per_chunk = _CHUNK_SAMPLES
         if self._row_bytes:
             per_chunk = min(per_chunk, _CHUNK_BYTES // self._row_bytes)
         per_chunk = max(1, per_chunk // self.batch_size)  # in batches
-        # the first chunk is one batch, and each next one twice the last up to per_chunk: the
-        # first batch waits for the order and one batch's reads, not a whole chunk's (the
-        # DataLoader's main process waits for it: 1.4 ms of 3 at 32k samples, one thread)
-        c, size = 0, 1
+        # In a DataLoader worker the main process waits for the first batch while the worker
+        # reads it, and the worker is idle later (waiting for the main process to ask): so its
+        # first batch waits for the order and one batch's reads, not a whole chunk's (3.5 ->
+        # 2.2 ms at 32k samples, one thread), and the small chunks' extra cost (1.3 ms a
+        # worker and epoch there) is paid where there is time for it. In the main process it
+        # would only add.
+        c, size = 0, 1 if ramp else per_chunk
         while c < len(batches):
             chunk = batches[c:c + size]
-            c, size = c + size, min(2 * size, per_chunk)
+            c, size = c + size, min(4 * size, per_chunk)
             take = self._read(order.index_select(0, batch_positions(chunk) % order.numel()))
             at = 0
             for begin, end in chunk:
@@ -253,7 +257,8 @@ class StreamingDataset(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        batches = self._batches(self.layout().worker_batches(self.rank, worker, workers))
+        batches = self._batches(self.layout().worker_batches(self.rank, worker, workers),
+                                ramp=info is not None)
         if info is not None:
             for batch in batches:
                 yield from batch
