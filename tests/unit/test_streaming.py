@@ -7,6 +7,7 @@ real DataLoader workers and checks they give exactly what the simulation says.
 """
 
 import itertools
+import os
 from collections import Counter
 
 import numpy as np
@@ -294,6 +295,22 @@ def test_worker_chunks_start_at_one_batch(tmp_path, monkeypatch):
     got = itertools.chain.from_iterable(data._batches(ours, ramp=True))
     assert [_id(x) for x in got] == [int(data.order()[p]) for b in ours for p in range(*b)]
     assert sizes == [2, 8, 32, 16]
+
+
+def test_rows_cache_stays_in_its_process(tmp_path):
+    """The shards' rows a process caches (views of its maps) are not pickled to workers, and a
+    copy started elsewhere (another pid) makes its own."""
+    import pickle
+    data = datasets(_sources(tmp_path, "tokens"), 1, batch_size=2, ends="drop", seed=2)[0]
+    first = [_id(x) for x in data]
+    assert data._rows_cache and data._rows_pid == os.getpid()
+    copy = pickle.loads(pickle.dumps(data))
+    assert copy._rows_cache == {} and copy._rows_pid == -1
+    assert [_id(x) for x in copy] == first
+    copy._rows_pid = -2  # as if forked: the cache is another process's
+    stale = copy._rows_cache
+    assert [_id(x) for x in copy] == first
+    assert copy._rows_pid == os.getpid() and copy._rows_cache is not stale
 
 
 def test_order_runs_on_one_thread_and_restores_the_count(monkeypatch):

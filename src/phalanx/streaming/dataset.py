@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 import operator
+import os
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -153,6 +154,11 @@ class StreamingDataset(IterableDataset):
         # samples that are rows of one tensor per shard, of one dtype and shape: read a chunk's
         # samples of a shard with one gather
         self._row_bytes, self._row_elements = _row_size(self.readers) or (None, None)
+        # each shard's rows tensor (a view of its mapped file), by shard, for this process only
+        # (a reader's rows() checks the process on every call: 1.5 µs, 66 calls a chunk at 320
+        # shards; this dict is checked once a chunk)
+        self._rows_cache: dict[int, torch.Tensor] = {}
+        self._rows_pid = -1
 
     @property
     def epoch(self) -> int:
@@ -201,19 +207,21 @@ class StreamingDataset(IterableDataset):
         shards_sorted = shards.index_select(0, where)
         present, counts = torch.unique_consecutive(shards_sorted, return_counts=True)
         present = present.tolist()
+        if self._rows_pid != os.getpid():  # a new process (a DataLoader worker): its own maps
+            self._rows_cache, self._rows_pid = {}, os.getpid()
         if len(present) * _GATHER_FROM > ids.numel():  # few samples a shard: a view each
-            rows = {s: readers[s].rows() for s in present}
+            rows = {s: self._rows(s) for s in present}
             pairs = list(zip(shards.tolist(), local.tolist()))
             return lambda a, b: [rows[s][i] for s, i in pairs[a:b]]
         # gathers of at most torch's parallel grain (32768 elements): a larger one runs on
         # several threads, which costs more than the copy when the cores are busy
         piece = max(1, 32768 // self._row_elements)
-        first = readers[present[0]].rows()
+        first = self._rows(present[0])
         gathered = torch.empty((ids.numel(),) + first.shape[1:], dtype=first.dtype)
         parts = (ids_sorted - self._starts_at.index_select(0, shards_sorted)).split(counts.tolist())
         at = 0
         for s, part in zip(present, parts):
-            rows = readers[s].rows()
+            rows = self._rows(s)
             for p in range(0, part.numel(), piece):
                 index = part[p:p + piece]
                 torch.index_select(rows, 0, index, out=gathered[at:at + index.numel()])
@@ -227,6 +235,14 @@ class StreamingDataset(IterableDataset):
                 torch.index_select(gathered, 0, back[p:p + piece], out=ordered[p:p + piece])
             gathered = ordered
         return lambda a, b: gathered[a:b].unbind(0)
+
+    def _rows(self, shard: int) -> torch.Tensor:
+        """Shard ``shard``'s rows, through this process's cache (``_read`` resets it in a new
+        process)."""
+        rows = self._rows_cache.get(shard)
+        if rows is None:
+            rows = self._rows_cache[shard] = self.readers[shard].rows()
+        return rows
 
     def _batches(self, batches: list[tuple[int, int]], ramp: bool = False) -> Iterator[Any]:
         """The samples of ``batches`` (position ranges), batch by batch: a list per batch,
@@ -353,5 +369,6 @@ class StreamingDataset(IterableDataset):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_cache"] = None  # workers compute the order themselves
+        state["_rows_cache"], state["_rows_pid"] = {}, -1  # views of this process's maps
         state["_done"], state["_current"] = 0, None
         return state
