@@ -58,6 +58,7 @@ from ..agreement import agree
 from ..errors import CheckpointError
 from ..process_group import leave_at_exit
 from . import dcp_zero
+from .dcp_plan import Plans
 from .dcp_engine import BalancedSavePlanner, ChecksummingWriter, SafeReader, merge, split, stage
 from .dcp_layout import (
     MANIFEST,
@@ -68,7 +69,6 @@ from .dcp_layout import (
     checksum,
     clean_stale_dirs,
     commit,
-    fsync_files,
     prune_all,
     read_manifest,
     share,
@@ -130,6 +130,7 @@ class ShardedIO:
         self._warned_foreign = False
         self._manifest: dict | None = None  # of the checkpoint read last
         self._staged: Any = None  # the host-memory copy of the last background save
+        self._plans = Plans()  # DCP's save plans, reused while the state's layout lasts
 
     @property
     def owner(self) -> Checkpointer:
@@ -149,29 +150,48 @@ class ShardedIO:
         elif o.optimizer is not None:
             tree["optimizer"] = get_optimizer_state_dict(o.module, o.optimizer)
         tensors, rest = split(tree)
+        try:
+            return self._save(epoch, step, consumed, extra, blocking, tensors, rest, zero)
+        except BaseException:
+            self._plans.forget()  # (every rank raises: every rank plans anew next time)
+            raise
+
+    def _save(self, epoch: int, step: int, consumed: int | None, extra: Mapping | None, blocking: bool,
+              tensors: dict, rest: dict, zero: bool) -> Path:
+        o = self.owner
+        rank, _ = _rank_world(o.group)
+        planner = BalancedSavePlanner()
+        planner.set_up_planner(tensors, is_coordinator=rank == 0)
         local = None if o.comm_state is None else o.comm_state.state_dict()
         # (ZeRO: the non-tensor state of each rank's own parameters, if its optimizer has any)
         owned_rest = rest["optimizer"].get("state") if zero else None
-        gathered = gather_to_writer((epoch, step, capture_rng_state(), local, owned_rest), o.group)
+        # with this rank's save plan, if rank 0 does not hold it (dcp_plan)
+        gathered = gather_to_writer(((epoch, step, capture_rng_state(), local, owned_rest),
+                                     self._plans.offer(planner)), o.group)
         final = o.directory / sharded_name(step)
-        temp, state, error = None, None, None
+        temp, state, plans, error = None, None, None, None
         if gathered is not None:
             try:
-                state = self._state(gathered, consumed, dict(extra or {}), rest, tensors)
+                state = self._state([g for g, _ in gathered], consumed, dict(extra or {}), rest, tensors)
+                plans = self._plans.decide(planner, [offer for _, offer in gathered])
                 temp = TempDir(o.directory, step)
             except Exception as e:
                 error = as_shared(e, f"Saving checkpoint {final} failed on rank 0: ", SAVE_ERRORS)
         agree(f"Saving checkpoint {final}", o.group, problem=error, decided_by=0)
-        name = broadcast_from_writer(None if temp is None else temp.path.name, o.group)
-        job = (o.directory / name, final, temp, state)
+        # the temporary directory's name, and each rank's final plan (if it does not hold it)
+        name, plans = broadcast_from_writer(None if temp is None else (temp.path.name, plans), o.group)
+        plan = self._plans.accept(plans[rank])
+        job = (plan, o.directory / name, final, temp, state)
         if blocking:
-            return self._write(tensors, *job, o.group)
+            return self._write(planner, *job, o.group)
         group = self._group()  # (a collective: before the staging, which may fail on one rank)
         # this rank's part: one copy in host memory, into the previous save's buffers (kept
         # between saves, released by close()): a copy at memory speed, the least stall
         staged = self._staged = stage(tensors, self._staged)
+        planner = BalancedSavePlanner()  # (the same layout: the plan holds)
+        planner.set_up_planner(staged, is_coordinator=rank == 0)
         self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="phalanx-checkpoint")
-        self._pending = self._pool.submit(self._write, staged, *job, group)
+        self._pending = self._pool.submit(self._write, planner, *job, group)
         self._saving_for = o
         self._owed_by = (o.group or dist.group.WORLD) if dist.is_initialized() else None
         if self._owed_by is not None:
@@ -213,31 +233,41 @@ class ShardedIO:
             _log.info("removed %s, left by a writer that died", stale)
         return state
 
-    def _write(self, tensors: dict, temp_path: Path, final: Path, temp: TempDir | None,
-               state: dict | None, group: Any) -> Path:
+    def _write(self, planner: BalancedSavePlanner, plan: Any, temp_path: Path, final: Path,
+               temp: TempDir | None, state: dict | None, group: Any) -> Path:
         """Every rank (main thread or background): write, checksum, commit, agree."""
+        try:
+            return self._write_and_commit(planner, plan, temp_path, final, temp, state, group)
+        except BaseException:
+            self._plans.forget()  # (every rank raises: every rank plans anew next time)
+            raise
+
+    def _write_and_commit(self, planner: BalancedSavePlanner, plan: Any, temp_path: Path, final: Path,
+                          temp: TempDir | None, state: dict | None, group: Any) -> Path:
         rank, _ = _rank_world(group)
         writer = ChecksummingWriter(temp_path)
-        sums, error = {}, None
+        writer.set_up_storage_writer(rank == 0, rank=rank)
+        sums, placed, error = {}, [], None
         if state is not None:  # rank 0: the state file first, while the others write theirs
             try:
                 write_checkpoint(temp_path / STATE_FILE, state)
-            except Exception as e:  # (reported below: every rank still takes part in dcp.save)
+            except Exception as e:  # (reported below: every rank still writes its part)
                 error = f"rank {rank}: {type(e).__name__}: {e}"
         try:
-            dcp.save(tensors, storage_writer=writer, planner=BalancedSavePlanner(),
-                     process_group=group, no_dist=not dist.is_initialized())
-            sums = writer.checksums()  # taken as the file was written
+            writer.write_data(plan, planner)
+            sums, placed = writer.checksums(), writer.placed()  # taken as the file was written
         except Exception as e:
             error = error or f"rank {rank}: {type(e).__name__}: {e}"
-        reports = gather_to_writer((sums, error), group)
+        reports = gather_to_writer((sums, placed, error), group)
         outcome = None
         if reports is not None:
             try:
-                failed = [e for _, e in reports if e is not None]
+                failed = [e for *_, e in reports if e is not None]
                 if failed:
                     raise CheckpointError(f"Writing checkpoint {final} failed on " + "; ".join(failed))
-                files = {n: s for part, _ in reports for n, s in part.items()}
+                # .metadata, as DCP's finish writes it, from where every rank put its items
+                writer.finish(self._plans.metadata(), self._plans.results([p for _, p, _ in reports]))
+                files = {n: s for part, _, _ in reports for n, s in part.items()}
                 self._commit(temp_path, final, state, files)
             except Exception as e:
                 outcome = str(as_shared(e, f"Saving checkpoint {final} failed on rank 0: "))
@@ -251,8 +281,8 @@ class ShardedIO:
 
     def _commit(self, temp_path: Path, final: Path, state: dict, files: dict) -> None:
         """Rank 0, once every rank's files are durable (the state file too): manifest, rename."""
+        # (.metadata and the state file: each fsynced by its writer)
         others = [n for n in os.listdir(temp_path) if n not in files and n != MANIFEST]
-        fsync_files([temp_path / n for n in others])
         files.update({n: checksum(temp_path / n) for n in others})
         write_manifest(temp_path, {"step": state["step"], "epoch": state["epoch"],
                                    "world_size": state["world_size"], "layout": state["layout"],

@@ -24,6 +24,7 @@ directory under a final name, and the next save removes the temporary.
 
 from __future__ import annotations
 
+import array
 import fcntl
 import functools
 import json
@@ -185,7 +186,6 @@ for _ in range(31):
     _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
 
 
-@functools.lru_cache(maxsize=4096)
 def _shift(length: int) -> int:
     """x^(8 * length) modulo the polynomial (zlib's ``x2nmodp(length, 3)``)."""
     p, k = 1 << 31, 3
@@ -197,11 +197,29 @@ def _shift(length: int) -> int:
     return p
 
 
+@functools.lru_cache(maxsize=1024)
+def _shifter(length: int) -> tuple[array.array, ...]:
+    """Multiplication by x^(8 * length) as four tables, one per byte of the CRC (it is linear
+    over GF(2)): each entry the XOR of the products of its set bits. 32 products and 1024
+    XORs to make (~0.5 ms); 4 KiB each, so the cache holds at most 4 MiB."""
+    p = _shift(length)
+    tables = []
+    for byte in range(4):
+        bits = [_multmodp(p, 1 << (8 * byte + k)) for k in range(8)]
+        table = array.array("I", bytes(1024))
+        for v in range(1, 256):
+            low = v & -v
+            table[v] = table[v ^ low] ^ bits[low.bit_length() - 1]
+        tables.append(table)
+    return tuple(tables)
+
+
 def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
     """The CRC-32 of ``a + b`` from ``crc1 = crc32(a)``, ``crc2 = crc32(b)`` and ``len(b)``
-    (zlib's ``crc32_combine``, which Python's zlib does not expose): about 100 us, a few us
-    for a length seen before (a checkpoint's items come in few sizes)."""
-    return _multmodp(_shift(length2), crc1) ^ crc2
+    (zlib's ``crc32_combine``, which Python's zlib does not expose): about 1 us for a length
+    seen before (a checkpoint's items come in few sizes), 0.5 ms for a new one."""
+    t0, t1, t2, t3 = _shifter(length2)
+    return t0[crc1 & 0xFF] ^ t1[(crc1 >> 8) & 0xFF] ^ t2[(crc1 >> 16) & 0xFF] ^ t3[crc1 >> 24] ^ crc2
 
 
 class DamagedCheckpoint(CheckpointError):
