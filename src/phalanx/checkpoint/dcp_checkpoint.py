@@ -62,6 +62,7 @@ from .dcp_plan import Plans
 from .dcp_engine import BalancedSavePlanner, ChecksummingWriter, SafeReader, merge, split, stage
 from .dcp_layout import (
     MANIFEST,
+    METADATA,
     DamagedCheckpoint,
     STATE_FILE,
     TempDir,
@@ -69,11 +70,13 @@ from .dcp_layout import (
     checksum,
     clean_stale_dirs,
     commit,
+    fsync_files,
     prune_all,
     read_manifest,
     share,
     sharded_name,
     verify,
+    write_file,
     write_manifest,
 )
 from .file import fsync_path, read_checkpoint, write_checkpoint
@@ -265,9 +268,10 @@ class ShardedIO:
                 failed = [e for *_, e in reports if e is not None]
                 if failed:
                     raise CheckpointError(f"Writing checkpoint {final} failed on " + "; ".join(failed))
-                # .metadata, as DCP's finish writes it, from where every rank put its items
-                writer.finish(self._plans.metadata(), self._plans.results([p for _, p, _ in reports]))
                 files = {n: s for part, _, _ in reports for n, s in part.items()}
+                # .metadata, as DCP's finish writes it, from where every rank put its items
+                data = self._plans.metadata_file([p for _, p, _ in reports], writer.storage_meta())
+                files[METADATA] = write_file(temp_path / METADATA, data)
                 self._commit(temp_path, final, state, files)
             except Exception as e:
                 outcome = str(as_shared(e, f"Saving checkpoint {final} failed on rank 0: "))
@@ -280,13 +284,15 @@ class ShardedIO:
         return final
 
     def _commit(self, temp_path: Path, final: Path, state: dict, files: dict) -> None:
-        """Rank 0, once every rank's files are durable (the state file too): manifest, rename."""
-        # (.metadata and the state file: each fsynced by its writer)
+        """Rank 0, once every rank's files are durable: manifest, rename. (The state file was
+        fsynced by its writer; .metadata and the manifest are fsynced here, together: the
+        first fsync's journal commit takes the other's.)"""
         others = [n for n in os.listdir(temp_path) if n not in files and n != MANIFEST]
         files.update({n: checksum(temp_path / n) for n in others})
         write_manifest(temp_path, {"step": state["step"], "epoch": state["epoch"],
                                    "world_size": state["world_size"], "layout": state["layout"],
-                                   "files": files})
+                                   "files": files}, sync=False)
+        fsync_files([temp_path / METADATA, temp_path / MANIFEST])
         fsync_path(temp_path)
         commit(temp_path, final)
         o = self.owner

@@ -39,6 +39,7 @@ from ..errors import CheckpointError, RankMismatchError
 from .file import fsync_path, list_checkpoints, remove_unlocked
 
 MANIFEST = "phalanx-manifest.json"
+METADATA = ".metadata"  # DCP's
 STATE_FILE = "phalanx-state.ckpt"
 MANIFEST_FORMAT = "phalanx-dcp"
 MANIFEST_VERSION = 1
@@ -248,13 +249,25 @@ def _body_crc(body: dict) -> str:
     return f"{zlib.crc32(json.dumps(body, sort_keys=True).encode()):#010x}"
 
 
-def write_manifest(directory: Path, body: dict) -> None:
-    """Write ``body`` (with ``format``, ``version`` and its own CRC-32) as the manifest, durably."""
+def write_manifest(directory: Path, body: dict, sync: bool = True) -> None:
+    """Write ``body`` (with ``format``, ``version`` and its own CRC-32) as the manifest (compact
+    JSON: a 1024-rank manifest is megabytes), fsynced unless ``sync`` is false (the caller
+    fsyncs it with the others)."""
     body = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, **body}
+    text = json.dumps({**body, "crc32": _body_crc(body)}, sort_keys=True, separators=(",", ":"))
     with open(directory / MANIFEST, "x") as f:
-        json.dump({**body, "crc32": _body_crc(body)}, f, sort_keys=True, indent=1)
+        f.write(text)
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
+
+
+def write_file(path: Path, data: bytes) -> dict[str, Any]:
+    """Write the new file ``path`` (not fsynced: the caller fsyncs it with the others); what
+    the manifest records of it (as :func:`checksum` computes, without reading it back)."""
+    with open(path, "xb") as f:
+        f.write(data)
+    return {"bytes": len(data), "crc32": f"{zlib.crc32(data):#010x}"}
 
 
 def read_manifest(directory: Path) -> dict | None:

@@ -25,7 +25,9 @@ So :class:`Plans` (one per :class:`~phalanx.checkpoint.Checkpointer`, on every r
   state to rank 0, and rank 0's answer naming the temporary directory), so planning costs
   no collective of its own; after the writes each rank sends rank 0 only where each item
   went (offset and length, with the manifest's CRC-32s), from which rank 0 writes
-  ``.metadata`` (:meth:`Plans.results`); nothing is broadcast back but the outcome.
+  ``.metadata`` (:meth:`Plans.metadata_file`: DCP's metadata pickled as DCP's writer does,
+  its bytes reused while every item sits where it sat); nothing is broadcast back but the
+  outcome.
 
 A save that fails forgets all of it on every rank (:meth:`Plans.forget`): the next one plans
 anew. A rank's plan that rank 0 does not hold (a forgotten one) fails the save on every rank
@@ -35,15 +37,21 @@ with a :class:`~phalanx.errors.CheckpointError`, after which the next save plans
 from __future__ import annotations
 
 import dataclasses
+import os
+import pickle
 import uuid
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo, _StoragePrefix
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed.tensor import DTensor
 import torch
+from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
+    DEFAULT_SUFFIX,
+    _StorageInfo,
+    _StoragePrefix,
+)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError
 
@@ -83,6 +91,7 @@ class Plans:
         self._locals: dict[int, tuple[str, SavePlan]] = {}
         self._global: tuple[tuple, list[SavePlan], list[str], Metadata] | None = None
         self._given: dict[int, str] = {}
+        self._pickled: tuple | None = None  # (metadata, placed, .metadata's bytes, their strings)
 
     def offer(self, planner: Any) -> Offer:
         """This rank's local plan for ``planner``'s state (made if its layout changed): its
@@ -128,26 +137,65 @@ class Plans:
             raise CheckpointError(f"rank 0 chose the save plan {name}, which this rank does not hold")
         return self._final[1]
 
-    def metadata(self) -> Metadata:
-        """Rank 0: the metadata of the global plan of the last :meth:`decide`."""
-        assert self._global is not None, "Plans.metadata() before Plans.decide()"
-        return self._global[3]
+    def metadata_file(self, placed: list[list[tuple[int, int]]], storage_meta: StorageMeta) -> bytes:
+        """Rank 0: the bytes of ``.metadata``, as DCP's ``FileSystemWriter.finish`` pickles it:
+        the metadata of the last :meth:`decide`'s global plan, with where every rank put its
+        items (``placed[rank]``: each item's ``(offset, length)``, in its plan's order) and
+        ``storage_meta`` (the directory written and the save's id).
 
-    def results(self, placed: list[list[tuple[int, int]]]) -> list[list[WriteResult]]:
-        """Rank 0: every rank's ``WriteResult``s (what DCP's ``finish`` makes ``.metadata``
-        of), from where each rank put each item of its final plan: ``placed[rank]``, the
-        ``(offset, length)`` of each, in the plan's order."""
-        assert self._global is not None, "Plans.results() before Plans.decide()"
-        plans = self._global[1]
+        When every item sits where it sat in the previous save (items are written from
+        templates of fixed size: a training job's saves all do), the previous bytes are
+        reused: they differ only in the directory's name and the save id, strings of the same
+        lengths, replaced in place (each found exactly once, else it is pickled anew)."""
+        assert self._global is not None, "Plans.metadata_file() before Plans.decide()"
+        _, plans, _, metadata = self._global
+        strings = _meta_strings(storage_meta)
+        if self._pickled is not None and self._pickled[0] is metadata and self._pickled[1] == placed:
+            data = _replace(self._pickled[2], self._pickled[3], strings)
+            if data is not None:
+                self._pickled = (metadata, placed, data, strings)
+                return data
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = self._storage_data(plans, placed)
+        metadata.storage_meta = storage_meta
+        data = pickle.dumps(metadata)
+        self._pickled = (metadata, placed, data, strings)
+        return data
+
+    @staticmethod
+    def _storage_data(plans: list[SavePlan], placed: list[list[tuple[int, int]]]) -> dict:
+        """Where each item of every rank's plan went: ``{index: _StorageInfo}``, as DCP's
+        ``finish`` makes it of the ranks' ``WriteResult``s."""
         if len(placed) != len(plans):
             raise CheckpointError(f"{len(placed)} ranks reported their writes, the plan has {len(plans)}")
-        out = []
+        out = {}
         for rank, (plan, where) in enumerate(zip(plans, placed)):
             if len(where) != len(plan.items):
                 raise CheckpointError(f"rank {rank} reported {len(where)} items written, its plan has "
                                       f"{len(plan.items)}")
             name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-            out.append([WriteResult(index=item.index, size_in_bytes=length,
-                                    storage_data=_StorageInfo(name, offset, length))
-                        for item, (offset, length) in zip(plan.items, where)])
+            for item, (offset, length) in zip(plan.items, where):
+                out[item.index] = _StorageInfo(name, offset, length)
         return out
+
+
+def _meta_strings(meta: StorageMeta) -> tuple[str, ...]:
+    """The strings of ``meta`` that change from one save to the next: the directory's last
+    component (its parents are pickled as strings of their own) and the save id."""
+    checkpoint = os.fspath(meta.checkpoint_id) if meta.checkpoint_id is not None else ""
+    return os.path.dirname(checkpoint), os.path.basename(checkpoint), str(meta.save_id)
+
+
+def _replace(data: bytes, old: tuple[str, ...], new: tuple[str, ...]) -> bytes | None:
+    """``data`` (a pickle) with the strings ``old[1:]`` replaced by ``new[1:]`` (same parent
+    directory ``[0]``): ``None`` unless each is as long as what it replaces and found once."""
+    if old[0] != new[0]:
+        return None
+    out = bytearray(data)
+    for before, after in zip(old[1:], new[1:]):
+        b, a = before.encode(), after.encode()
+        at = out.find(b)
+        if len(a) != len(b) or not b or at < 0 or out.find(b, at + 1) >= 0:
+            return None
+        out[at:at + len(b)] = a
+    return bytes(out)
