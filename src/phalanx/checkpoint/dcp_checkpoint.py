@@ -252,8 +252,8 @@ class ShardedIO:
         writer.set_up_storage_writer(rank == 0, rank=rank)
         sums, placed, error = {}, [], None
         if state is not None:  # rank 0: the state file first, while the others write theirs
-            try:
-                write_checkpoint(temp_path / STATE_FILE, state)
+            try:  # (fsynced at the commit, with .metadata and the manifest)
+                write_checkpoint(temp_path / STATE_FILE, state, sync=False)
             except Exception as e:  # (reported below: every rank still writes its part)
                 error = f"rank {rank}: {type(e).__name__}: {e}"
         try:
@@ -284,15 +284,15 @@ class ShardedIO:
         return final
 
     def _commit(self, temp_path: Path, final: Path, state: dict, files: dict) -> None:
-        """Rank 0, once every rank's files are durable: manifest, rename. (The state file was
-        fsynced by its writer; .metadata and the manifest are fsynced here, together: the
-        first fsync's journal commit takes the other's.)"""
+        """Rank 0, once every rank's tensor file is durable: manifest, rename. (The state
+        file, .metadata and the manifest are fsynced here, together: the first fsync's
+        journal commit takes the others'.)"""
         others = [n for n in os.listdir(temp_path) if n not in files and n != MANIFEST]
         files.update({n: checksum(temp_path / n) for n in others})
         write_manifest(temp_path, {"step": state["step"], "epoch": state["epoch"],
                                    "world_size": state["world_size"], "layout": state["layout"],
                                    "files": files}, sync=False)
-        fsync_files([temp_path / METADATA, temp_path / MANIFEST])
+        fsync_files([temp_path / n for n in (STATE_FILE, METADATA, MANIFEST)])
         fsync_path(temp_path)
         commit(temp_path, final)
         o = self.owner
