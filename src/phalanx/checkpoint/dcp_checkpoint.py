@@ -1,17 +1,21 @@
 """The sharded format of :class:`~phalanx.checkpoint.Checkpointer` (``format="sharded"``):
 every rank writes its own part through torch's DCP, phalanx adds what DCP lacks.
 
-**Saving** (a collective). Rank 0 gathers every rank's RNG states (and comm state), builds the
-non-tensor state, removes temporaries of dead writers and makes a locked temporary directory
-``ckpt-<step>.dcp.tmp-...`` beside the final one; if that fails, every rank raises. Then rank
-0 writes ``phalanx-state.ckpt`` there, and every rank writes its tensors with ``dcp.save``
+**Saving** (a collective). Rank 0 gathers every rank's RNG states (and comm state), with its
+DCP save plan if rank 0 does not hold it (:mod:`~phalanx.checkpoint.dcp_plan`: planned once
+per layout), builds the non-tensor state and the global plan, removes temporaries of dead
+writers and makes a locked temporary directory ``ckpt-<step>.dcp.tmp-...`` beside the final
+one; if that fails, every rank raises. Rank 0's answer names the directory and carries the
+final plans the ranks lack. Then rank 0 writes ``phalanx-state.ckpt`` there, and every rank
+writes its tensors as DCP's plan says
 (:class:`~phalanx.checkpoint.dcp_engine.BalancedSavePlanner`: its shards, and its even share
 of the replicated tensors; with phalanx's ZeRO, the optimizer state it owns, see
 :mod:`~phalanx.checkpoint.dcp_zero`), checksumming its file as it writes it
-(:class:`~phalanx.checkpoint.dcp_engine.ChecksummingWriter`), fsyncs it, and sends rank 0 its
-CRC-32s or its error. Rank 0 writes the manifest, fsyncs the directory, renames it into place,
+(:class:`~phalanx.checkpoint.dcp_engine.ChecksummingWriter`), fsyncs it, and sends rank 0
+where each item went, its CRC-32s, or its error. Rank 0 writes ``.metadata`` and the
+manifest, fsyncs them with the state file, fsyncs the directory, renames it into place,
 fsyncs the parent, prunes to ``keep``, and broadcasts the outcome: every rank returns, or
-every rank raises the same error.
+every rank raises the same error (and forgets its plans).
 
 **Background saves** (``blocking=False``) stage this rank's tensors to host memory (into the
 previous background save's copy, kept until ``close()``, when the tensors fit it), then run
