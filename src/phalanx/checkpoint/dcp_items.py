@@ -19,9 +19,9 @@ for ``tensor.clone()``).
 
 :func:`template` gives ``None`` where the result would not be exactly ``torch.save``'s (the
 caller then uses ``torch.save``): a tensor that is not a plain, dense, contiguous CPU tensor
-with at least one element, or a torch whose ``torch.save`` does not lay out its archive as
-this module expects: the first template made in a process is checked against ``torch.save``
-byte for byte, and if they differ no template is used in that process.
+of 1 byte to 4 GiB, or a torch whose ``torch.save`` does not lay out its archive as this
+module expects: the first template made in a process is checked against ``torch.save`` byte
+for byte, and if they differ no template is used in that process.
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ _EOCD = b"PK\x05\x06"
 _SERIALIZATION_ID = ".data/serialization_id"
 _MASK = (1 << 64) - 1
 _MAX_TEMPLATES = 4096  # distinct (dtype, shape)s kept: a model has a few dozen
+# Storages from 4 GiB on make torch write zip64 records, which the checks below do not cover
+# (torch.save writes those, as DCP's writer would)
+_ZIP32 = 0xFFFF0000
 
 
 def _hash_combine(seed: int, value: int) -> int:
@@ -230,7 +233,8 @@ def template(tensor: torch.Tensor) -> Template | None:
     cannot write it exactly as ``torch.save`` would (see the module notes)."""
     global _checked
     if not (type(tensor) is torch.Tensor and tensor.device.type == "cpu" and tensor.layout == torch.strided
-            and tensor.numel() > 0 and not tensor.requires_grad and tensor.is_contiguous()
+            and 0 < tensor.numel() * tensor.element_size() < _ZIP32 and not tensor.requires_grad
+            and tensor.is_contiguous()
             and not tensor.is_quantized and not tensor.is_conj() and not tensor.is_neg()
             and not any(getattr(tensor, "names", None) or ()) and tensor.stride() == _contiguous(tensor.shape)):
         return None
