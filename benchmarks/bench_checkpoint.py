@@ -41,7 +41,8 @@ every save once, the order rotating; medians over ``--sharded-rounds``:
                         checksummed, committed atomically.
 ``sharded async``       ``save(blocking=False)``: returns once staged; ``wait()`` after a gap.
 ``dcp.save``            torch's ``dcp.save`` of the same state dicts (no checksums, no commit).
-``dcp.async_save``      torch's ``dcp.async_save`` (its own Gloo group), ``result()`` after a gap.
+``dcp.async_save``      torch's ``dcp.async_save`` (its own Gloo group, its default stager),
+                        ``result()`` after a gap.
 ``disk write+fsync``    each rank writes the bytes its ``sharded`` save wrote, from memory, to
                         one file, and fsyncs it: this disk's own time for those bytes, the floor.
 
@@ -313,42 +314,6 @@ def _all(value):
     return out
 
 
-def _copy(tree):
-    """A host-memory copy of a state dict's tensors (DTensors: their local shards)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tree, dict):
-        return {k: _copy(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_copy(v) for v in tree)
-    if isinstance(tree, DTensor):
-        return DTensor.from_local(tree.to_local().detach().to("cpu", copy=True), tree.device_mesh,
-                                  tree.placements, run_check=False, shape=tree.shape, stride=tree.stride())
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
-    return tree
-
-
-class _CopyStager:
-    """``dcp.async_save``'s staging as its own (a copy of every tensor in host memory, before
-    the call returns), by a copy of each local shard: torch's stagers deepcopy each DTensor,
-    which fails on phalanx's fully_shard (torch 2.13: ``Tensor.__deepcopy__`` and its
-    ``DefaultStager`` take a DTensor whose local shard starts inside its storage, as
-    fully_shard packs a unit's shards, for a plain tensor, and copy its empty storage)."""
-
-    _synchronize_after_execute = False
-    should_synchronize_after_execute = False
-
-    def stage(self, state_dict):
-        return _copy(state_dict)
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _save_rank(args) -> dict:
     """One world size's saves (every rank); rank 0's result: per variant, per round, per rank."""
     import torch.distributed as dist
@@ -395,7 +360,7 @@ def _save_rank(args) -> dict:
         "dcp.save": lambda n: dcp.save(dcp_state(), checkpoint_id=dirs["dcp.save"] / str(n)),
         "dcp.async_save": lambda n: run_async(
             lambda: dcp.async_save(dcp_state(), checkpoint_id=dirs["dcp.async_save"] / str(n),
-                                   async_stager=_CopyStager(), process_group=own_group),
+                                   process_group=own_group),  # (torch's default stager)
             lambda future: future.result()),
         "disk write+fsync": write_disk,
     }

@@ -17,9 +17,11 @@ The files, in the order data flows through them:
 ``sync.py``
     How the ranks of a save or load exchange data with the writer (rank 0); their verdicts
     travel through :func:`phalanx.agreement.agree`.
-``dcp_checkpoint.py``, ``dcp_engine.py``, ``dcp_layout.py``
-    ``format="sharded"``: torch's DCP writes every rank's part (replicated tensors balanced by
-    size, :mod:`dcp_engine`); phalanx adds the checksummed manifest, the atomic commit and
+``dcp_checkpoint.py``, ``dcp_engine.py``, ``dcp_layout.py``, ``dcp_plan.py``, ``dcp_items.py``
+    ``format="sharded"``: torch's DCP format and planner, every rank writing its part
+    (replicated tensors balanced by size, :mod:`dcp_engine`; DCP's plans made once per
+    layout, :mod:`dcp_plan`; each tensor's ``torch.save`` bytes written from its memory,
+    :mod:`dcp_items`); phalanx adds the checksummed manifest, the atomic commit and
     background saves (:mod:`dcp_checkpoint`), and the names, listing and pruning of both
     formats (:mod:`dcp_layout`).
 ``dcp_zero.py``

@@ -1,17 +1,21 @@
 """The sharded format of :class:`~phalanx.checkpoint.Checkpointer` (``format="sharded"``):
 every rank writes its own part through torch's DCP, phalanx adds what DCP lacks.
 
-**Saving** (a collective). Rank 0 gathers every rank's RNG states (and comm state), builds the
-non-tensor state, removes temporaries of dead writers and makes a locked temporary directory
-``ckpt-<step>.dcp.tmp-...`` beside the final one; if that fails, every rank raises. Then rank
-0 writes ``phalanx-state.ckpt`` there, and every rank writes its tensors with ``dcp.save``
+**Saving** (a collective). Rank 0 gathers every rank's RNG states (and comm state), with its
+DCP save plan if rank 0 does not hold it (:mod:`~phalanx.checkpoint.dcp_plan`: planned once
+per layout), builds the non-tensor state and the global plan, removes temporaries of dead
+writers and makes a locked temporary directory ``ckpt-<step>.dcp.tmp-...`` beside the final
+one; if that fails, every rank raises. Rank 0's answer names the directory and carries the
+final plans the ranks lack. Then rank 0 writes ``phalanx-state.ckpt`` there, and every rank
+writes its tensors as DCP's plan says
 (:class:`~phalanx.checkpoint.dcp_engine.BalancedSavePlanner`: its shards, and its even share
 of the replicated tensors; with phalanx's ZeRO, the optimizer state it owns, see
 :mod:`~phalanx.checkpoint.dcp_zero`), checksumming its file as it writes it
-(:class:`~phalanx.checkpoint.dcp_engine.ChecksummingWriter`), fsyncs it, and sends rank 0 its
-CRC-32s or its error. Rank 0 writes the manifest, fsyncs the directory, renames it into place,
+(:class:`~phalanx.checkpoint.dcp_engine.ChecksummingWriter`), fsyncs it, and sends rank 0
+where each item went, its CRC-32s, or its error. Rank 0 writes ``.metadata`` and the
+manifest, fsyncs them with the state file, fsyncs the directory, renames it into place,
 fsyncs the parent, prunes to ``keep``, and broadcasts the outcome: every rank returns, or
-every rank raises the same error.
+every rank raises the same error (and forgets its plans).
 
 **Background saves** (``blocking=False``) stage this rank's tensors to host memory (into the
 previous background save's copy, kept until ``close()``, when the tensors fit it), then run
@@ -58,9 +62,11 @@ from ..agreement import agree
 from ..errors import CheckpointError
 from ..process_group import leave_at_exit
 from . import dcp_zero
+from .dcp_plan import Plans
 from .dcp_engine import BalancedSavePlanner, ChecksummingWriter, SafeReader, merge, split, stage
 from .dcp_layout import (
     MANIFEST,
+    METADATA,
     DamagedCheckpoint,
     STATE_FILE,
     TempDir,
@@ -74,6 +80,7 @@ from .dcp_layout import (
     share,
     sharded_name,
     verify,
+    write_file,
     write_manifest,
 )
 from .file import fsync_path, read_checkpoint, write_checkpoint
@@ -130,6 +137,7 @@ class ShardedIO:
         self._warned_foreign = False
         self._manifest: dict | None = None  # of the checkpoint read last
         self._staged: Any = None  # the host-memory copy of the last background save
+        self._plans = Plans()  # DCP's save plans, reused while the state's layout lasts
 
     @property
     def owner(self) -> Checkpointer:
@@ -149,29 +157,48 @@ class ShardedIO:
         elif o.optimizer is not None:
             tree["optimizer"] = get_optimizer_state_dict(o.module, o.optimizer)
         tensors, rest = split(tree)
+        try:
+            return self._save(epoch, step, consumed, extra, blocking, tensors, rest, zero)
+        except BaseException:
+            self._plans.forget()  # (every rank raises: every rank plans anew next time)
+            raise
+
+    def _save(self, epoch: int, step: int, consumed: int | None, extra: Mapping | None, blocking: bool,
+              tensors: dict, rest: dict, zero: bool) -> Path:
+        o = self.owner
+        rank, _ = _rank_world(o.group)
+        planner = BalancedSavePlanner()
+        planner.set_up_planner(tensors, is_coordinator=rank == 0)
         local = None if o.comm_state is None else o.comm_state.state_dict()
         # (ZeRO: the non-tensor state of each rank's own parameters, if its optimizer has any)
         owned_rest = rest["optimizer"].get("state") if zero else None
-        gathered = gather_to_writer((epoch, step, capture_rng_state(), local, owned_rest), o.group)
+        # with this rank's save plan, if rank 0 does not hold it (dcp_plan)
+        gathered = gather_to_writer(((epoch, step, capture_rng_state(), local, owned_rest),
+                                     self._plans.offer(planner)), o.group)
         final = o.directory / sharded_name(step)
-        temp, state, error = None, None, None
+        temp, state, plans, error = None, None, None, None
         if gathered is not None:
             try:
-                state = self._state(gathered, consumed, dict(extra or {}), rest, tensors)
+                state = self._state([g for g, _ in gathered], consumed, dict(extra or {}), rest, tensors)
+                plans = self._plans.decide(planner, [offer for _, offer in gathered])
                 temp = TempDir(o.directory, step)
             except Exception as e:
                 error = as_shared(e, f"Saving checkpoint {final} failed on rank 0: ", SAVE_ERRORS)
         agree(f"Saving checkpoint {final}", o.group, problem=error, decided_by=0)
-        name = broadcast_from_writer(None if temp is None else temp.path.name, o.group)
-        job = (o.directory / name, final, temp, state)
+        # the temporary directory's name, and each rank's final plan (if it does not hold it)
+        name, plans = broadcast_from_writer(None if temp is None else (temp.path.name, plans), o.group)
+        plan = self._plans.accept(plans[rank])
+        job = (plan, o.directory / name, final, temp, state)
         if blocking:
-            return self._write(tensors, *job, o.group)
+            return self._write(planner, *job, o.group)
         group = self._group()  # (a collective: before the staging, which may fail on one rank)
         # this rank's part: one copy in host memory, into the previous save's buffers (kept
         # between saves, released by close()): a copy at memory speed, the least stall
         staged = self._staged = stage(tensors, self._staged)
+        planner = BalancedSavePlanner()  # (the same layout: the plan holds)
+        planner.set_up_planner(staged, is_coordinator=rank == 0)
         self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="phalanx-checkpoint")
-        self._pending = self._pool.submit(self._write, staged, *job, group)
+        self._pending = self._pool.submit(self._write, planner, *job, group)
         self._saving_for = o
         self._owed_by = (o.group or dist.group.WORLD) if dist.is_initialized() else None
         if self._owed_by is not None:
@@ -213,31 +240,42 @@ class ShardedIO:
             _log.info("removed %s, left by a writer that died", stale)
         return state
 
-    def _write(self, tensors: dict, temp_path: Path, final: Path, temp: TempDir | None,
-               state: dict | None, group: Any) -> Path:
+    def _write(self, planner: BalancedSavePlanner, plan: Any, temp_path: Path, final: Path,
+               temp: TempDir | None, state: dict | None, group: Any) -> Path:
         """Every rank (main thread or background): write, checksum, commit, agree."""
+        try:
+            return self._write_and_commit(planner, plan, temp_path, final, temp, state, group)
+        except BaseException:
+            self._plans.forget()  # (every rank raises: every rank plans anew next time)
+            raise
+
+    def _write_and_commit(self, planner: BalancedSavePlanner, plan: Any, temp_path: Path, final: Path,
+                          temp: TempDir | None, state: dict | None, group: Any) -> Path:
         rank, _ = _rank_world(group)
         writer = ChecksummingWriter(temp_path)
-        sums, error = {}, None
+        writer.set_up_storage_writer(rank == 0, rank=rank)
+        sums, placed, error = {}, [], None
         if state is not None:  # rank 0: the state file first, while the others write theirs
-            try:
-                write_checkpoint(temp_path / STATE_FILE, state)
-            except Exception as e:  # (reported below: every rank still takes part in dcp.save)
+            try:  # (fsynced at the commit, with .metadata and the manifest)
+                write_checkpoint(temp_path / STATE_FILE, state, sync=False)
+            except Exception as e:  # (reported below: every rank still writes its part)
                 error = f"rank {rank}: {type(e).__name__}: {e}"
         try:
-            dcp.save(tensors, storage_writer=writer, planner=BalancedSavePlanner(),
-                     process_group=group, no_dist=not dist.is_initialized())
-            sums = writer.checksums()  # taken as the file was written
+            writer.write_data(plan, planner)
+            sums, placed = writer.checksums(), writer.placed()  # taken as the file was written
         except Exception as e:
             error = error or f"rank {rank}: {type(e).__name__}: {e}"
-        reports = gather_to_writer((sums, error), group)
+        reports = gather_to_writer((sums, placed, error), group)
         outcome = None
         if reports is not None:
             try:
-                failed = [e for _, e in reports if e is not None]
+                failed = [e for *_, e in reports if e is not None]
                 if failed:
                     raise CheckpointError(f"Writing checkpoint {final} failed on " + "; ".join(failed))
-                files = {n: s for part, _ in reports for n, s in part.items()}
+                files = {n: s for part, _, _ in reports for n, s in part.items()}
+                # .metadata, as DCP's finish writes it, from where every rank put its items
+                data = self._plans.metadata_file([p for _, p, _ in reports], writer.storage_meta())
+                files[METADATA] = write_file(temp_path / METADATA, data)
                 self._commit(temp_path, final, state, files)
             except Exception as e:
                 outcome = str(as_shared(e, f"Saving checkpoint {final} failed on rank 0: "))
@@ -250,13 +288,15 @@ class ShardedIO:
         return final
 
     def _commit(self, temp_path: Path, final: Path, state: dict, files: dict) -> None:
-        """Rank 0, once every rank's files are durable (the state file too): manifest, rename."""
+        """Rank 0, once every rank's tensor file is durable: manifest, rename. (The state
+        file, .metadata and the manifest are fsynced here, together: the first fsync's
+        journal commit takes the others'.)"""
         others = [n for n in os.listdir(temp_path) if n not in files and n != MANIFEST]
-        fsync_files([temp_path / n for n in others])
         files.update({n: checksum(temp_path / n) for n in others})
         write_manifest(temp_path, {"step": state["step"], "epoch": state["epoch"],
                                    "world_size": state["world_size"], "layout": state["layout"],
-                                   "files": files})
+                                   "files": files}, sync=False)
+        fsync_files([temp_path / n for n in (STATE_FILE, METADATA, MANIFEST)])
         fsync_path(temp_path)
         commit(temp_path, final)
         o = self.owner

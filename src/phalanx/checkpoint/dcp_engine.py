@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import io
 import os
@@ -31,12 +32,14 @@ from typing import IO, Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.distributed.tensor import DTensor
 
+from .dcp_items import storage_bytes, template
 from .dcp_layout import check_item, crc32_combine
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -83,64 +86,182 @@ class BalancedSavePlanner(DefaultSavePlanner):
         return super().create_global_plan(balance(all_plans))
 
 
-class _Summing:
-    """The file being written, passing every byte through CRC-32 once: the CRC-32 of the
-    current item (:attr:`item`, reset by the writer between items); the file's is combined
-    from its items' (:func:`~phalanx.checkpoint.dcp_layout.crc32_combine`)."""
+# The file is written through its descriptor, in order, nothing copied: the pieces of small
+# items (a tensor's storage straight from its memory, the archive's head and tail around it)
+# are gathered, up to _GATHER bytes or _IOV pieces, into one writev; a storage of _GATHER
+# bytes or more is written alone, in pieces of _PIECE bytes, each CRC-32'd just before it is
+# written (while it is in the cache).
+_GATHER = 1 << 20
+_PIECE = 2 << 20
+_IOV = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 16
+# Every _WRITEBACK bytes the disk is told to start writing what came before (Linux's
+# sync_file_range, where there is one), so that the final fsync finds most of it written
+# while the CPU was busy with the rest (the kernel would otherwise wait for fsync or for its
+# dirty-page threshold, gigabytes on a large host).
+_WRITEBACK = 16 << 20
+_SYNC_FILE_RANGE_WRITE = 2
 
-    def __init__(self, file: IO[bytes]) -> None:
-        self.file = file
-        self.item = 0
 
-    def write(self, data: Any) -> int:
-        self.item = zlib.crc32(data, self.item)
-        return self.file.write(data)
+def _sync_file_range() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux (glibc)
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_start_writeback = _sync_file_range()
+
+
+class _File:
+    """A new file written in order (see the constants above); :meth:`write` makes it a
+    file-like for ``torch.save``, adding to :attr:`crc` (the CRC-32 of the current item)."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self.pos = 0  # bytes given, those waiting included
+        self.crc = 0
+        self._pieces: list[Any] = []  # waiting for the next writev
+        self._waiting = 0
+        self._owners: list[torch.Tensor] = []  # whose memory the waiting pieces are
+        self._started = 0  # writeback started up to here
+
+    def put(self, data: Any) -> None:
+        """Append ``data`` (bytes-like, left as it is until written)."""
+        self._pieces.append(data)
+        self._waiting += len(data)
+        self.pos += len(data)
+        if self._waiting >= _GATHER or len(self._pieces) >= _IOV:
+            self.flush()
+
+    def put_storage(self, tensor: torch.Tensor) -> int:
+        """Append a contiguous CPU tensor's bytes, from its memory; their CRC-32."""
+        view = storage_bytes(tensor)
+        if view.nbytes < _GATHER:
+            self._owners.append(tensor)
+            self.put(view)
+            return zlib.crc32(view)
+        self.flush()
+        crc = 0
+        for start in range(0, view.nbytes, _PIECE):
+            piece = view[start:start + _PIECE]
+            crc = zlib.crc32(piece, crc)
+            _write_all(self.fd, [piece])
+        self.pos += view.nbytes
+        self._writeback()
+        return crc
+
+    def write(self, data: Any) -> int:  # (torch.save's file-like: its buffers are its own)
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        if view.nbytes < _GATHER:
+            self.put(bytes(view))
+        else:
+            self.flush()
+            _write_all(self.fd, [view])
+            self.pos += view.nbytes
+        return view.nbytes
 
     def tell(self) -> int:
-        return self.file.tell()
+        return self.pos
 
-    def flush(self) -> None:
-        self.file.flush()
+    def flush(self) -> None:  # (no durability here: close() fsyncs)
+        if self._pieces:
+            _write_all(self.fd, self._pieces)
+            self._pieces, self._waiting, self._owners = [], 0, []
+            self._writeback()
+
+    def _writeback(self) -> None:
+        written = self.pos - self._waiting
+        if _start_writeback is not None and written - self._started >= _WRITEBACK:
+            _start_writeback(self.fd, self._started, written - self._started, _SYNC_FILE_RANGE_WRITE)
+            self._started = written
+
+    def close(self, sync: bool = True) -> None:
+        try:
+            if sync:
+                self.flush()
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+
+
+def _write_all(fd: int, pieces: list[Any]) -> None:
+    """``writev`` ``pieces`` whole (a write may stop short: it goes on from there)."""
+    while pieces:
+        done = os.writev(fd, pieces)
+        while pieces and done >= len(pieces[0]):
+            done -= len(pieces[0])
+            pieces = pieces[1:]
+        if done:
+            pieces = [memoryview(pieces[0])[done:], *pieces[1:]]
+
+
+def _local_shard(planner: Any, item: Any) -> torch.Tensor:
+    """What ``planner.resolve_data(item)`` gives for a tensor item, without DCP's lookup and
+    ``to_local()``'s autograd call for a DTensor with a plain local tensor."""
+    found = planner.state_dict.get(item.index.fqn)
+    if type(found) is DTensor and type(found._local_tensor) in (torch.Tensor, torch.nn.Parameter) and not any(
+            p.is_partial() for p in found.placements):
+        return found._local_tensor
+    if type(found) in (torch.Tensor, torch.nn.Parameter) and (
+            item.index.offset is None or not any(item.index.offset)):
+        return found
+    return planner.resolve_data(item)
 
 
 class ChecksummingWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter`` into ``path``: one file ``__<rank>_0.distcp`` per rank, each
-    item ``torch.save``'d into it by DCP's own ``_write_item``, fsynced, never overwriting;
-    unlike DCP's writer loop (torch 2.13), the CRC-32s of the file and of each item are taken
-    from the bytes as they are written (no second pass over the file), and each tensor that
-    must be copied (a view into a larger storage: ``torch.save`` writes whole storages) is
-    freed once written, where DCP's loop keeps every copy until the file is closed: at most
-    one tensor is copied at a time. :meth:`checksums` gives what the manifest records."""
+    tensor in it the bytes ``torch.save`` writes for it (DCP's format), fsynced, never
+    overwriting; unlike DCP's writer (torch 2.13):
+
+    * a contiguous CPU tensor's archive is written by :mod:`~phalanx.checkpoint.dcp_items`
+      (``torch.save``'s bytes, from its template and the tensor's memory: no copy of a view
+      into a larger storage, no Python per piece of the archive); any other through
+      ``torch.save``, copied first if it is such a view, and freed once written (DCP's loop
+      keeps every copy until the file is closed);
+    * each byte passes through CRC-32 once, as it is written: the item's CRC-32 is combined
+      from its parts', the file's from its items' (no second pass over the file);
+    * the disk starts writing as the file grows (``sync_file_range``), before the fsync.
+
+    :meth:`checksums` gives what the manifest records."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, overwrite=False)
         self._sums: dict[str, dict] = {}
+        self._placed: list[tuple[int, int]] = []
 
     def write_data(self, plan: SavePlan, planner: Any) -> Any:
+        """Write this rank's file; a future of its ``WriteResult``s, in ``plan.items``' order."""
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-        results, items, crc = [], [], 0
+        results: list[Any] = [None] * len(plan.items)
+        items, crc = [], 0
         # (as DCP's loop: byte items first, then tensors, in plan order)
-        ordered = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
-        with open(Path(self.path) / name, "wb") as f:
-            stream = _Summing(f)
-            for item in ordered:
-                data = planner.resolve_data(item)
-                if item.type != WriteItemType.BYTE_IO:
-                    data = data.detach().cpu()
-                    if data.untyped_storage().size() != data.nbytes:
-                        data = data.clone()  # its own storage, this tensor's bytes only
-                stream.item = 0
-                offset = f.tell()
-                result = _write_item(self.transforms, stream, data, item, name, self.serialization_format)
-                del data
-                length = f.tell() - offset  # (every byte of the file belongs to one item)
-                crc = crc32_combine(crc, stream.item, length)
-                items.append([result.storage_data.offset, result.storage_data.length, f"{stream.item:#010x}"])
-                results.append(result)
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
-        self._sums = {name: {"bytes": size, "crc32": f"{crc:#010x}", "items": sorted(items)}}
+        ordered = sorted(range(len(plan.items)), key=lambda i: plan.items[i].type != WriteItemType.BYTE_IO)
+        f = _File(Path(self.path) / name)
+        try:
+            for i in ordered:
+                item = plan.items[i]
+                offset = f.pos
+                if item.type == WriteItemType.BYTE_IO:
+                    data = planner.resolve_data(item).getbuffer()
+                    item_crc = zlib.crc32(data)
+                    f.put(data)
+                else:
+                    item_crc = _put_tensor(f, _local_shard(planner, item))
+                length = f.pos - offset
+                crc = crc32_combine(crc, item_crc, length)
+                items.append([offset, length, f"{item_crc:#010x}"])
+                results[i] = WriteResult(index=item.index, size_in_bytes=length,
+                                         storage_data=_StorageInfo(name, offset, length))
+        except BaseException:
+            f.close(sync=False)
+            raise
+        f.close()
+        self._sums = {name: {"bytes": f.pos, "crc32": f"{crc:#010x}", "items": sorted(items)}}
+        self._placed = [(r.storage_data.offset, r.storage_data.length) for r in results]
         future: Future = Future()
         future.set_result(results)
         return future
@@ -149,6 +270,30 @@ class ChecksummingWriter(FileSystemWriter):
         """``{file name: {"bytes", "crc32", "items": [[offset, length, crc32], ...]}}`` of the
         file this rank wrote (as :func:`~phalanx.checkpoint.dcp_layout.checksum` computes)."""
         return self._sums
+
+    def placed(self) -> list[tuple[int, int]]:
+        """``(offset, length)`` of each item of the plan last written, in the plan's order."""
+        return self._placed
+
+
+def _put_tensor(f: _File, tensor: torch.Tensor) -> int:
+    """Append ``torch.save(tensor)``'s bytes (a view into a larger storage: its own bytes
+    only, as ``torch.save(tensor.clone())``); their CRC-32."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    found = template(tensor)
+    if found is not None:
+        f.put(found.head)
+        storage_crc = f.put_storage(tensor)
+        tail = found.tail_for(storage_crc)
+        f.put(tail)
+        return crc32_combine(crc32_combine(found.head_crc, storage_crc, found.nbytes), zlib.crc32(tail), len(tail))
+    if tensor.untyped_storage().nbytes() != tensor.nbytes:
+        tensor = tensor.clone()  # its own storage, this tensor's bytes only
+    f.crc = 0
+    torch.save(tensor, f)
+    return f.crc
 
 
 class _MetadataUnpickler(pickle.Unpickler):

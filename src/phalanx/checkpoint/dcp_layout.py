@@ -24,6 +24,7 @@ directory under a final name, and the next save removes the temporary.
 
 from __future__ import annotations
 
+import array
 import fcntl
 import functools
 import json
@@ -38,6 +39,7 @@ from ..errors import CheckpointError, RankMismatchError
 from .file import fsync_path, list_checkpoints, remove_unlocked
 
 MANIFEST = "phalanx-manifest.json"
+METADATA = ".metadata"  # DCP's
 STATE_FILE = "phalanx-state.ckpt"
 MANIFEST_FORMAT = "phalanx-dcp"
 MANIFEST_VERSION = 1
@@ -185,7 +187,6 @@ for _ in range(31):
     _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
 
 
-@functools.lru_cache(maxsize=4096)
 def _shift(length: int) -> int:
     """x^(8 * length) modulo the polynomial (zlib's ``x2nmodp(length, 3)``)."""
     p, k = 1 << 31, 3
@@ -197,11 +198,29 @@ def _shift(length: int) -> int:
     return p
 
 
+@functools.lru_cache(maxsize=1024)
+def _shifter(length: int) -> tuple[array.array, ...]:
+    """Multiplication by x^(8 * length) as four tables, one per byte of the CRC (it is linear
+    over GF(2)): each entry the XOR of the products of its set bits. 32 products and 1024
+    XORs to make (~0.5 ms); 4 KiB each, so the cache holds at most 4 MiB."""
+    p = _shift(length)
+    tables = []
+    for byte in range(4):
+        bits = [_multmodp(p, 1 << (8 * byte + k)) for k in range(8)]
+        table = array.array("I", bytes(1024))
+        for v in range(1, 256):
+            low = v & -v
+            table[v] = table[v ^ low] ^ bits[low.bit_length() - 1]
+        tables.append(table)
+    return tuple(tables)
+
+
 def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
     """The CRC-32 of ``a + b`` from ``crc1 = crc32(a)``, ``crc2 = crc32(b)`` and ``len(b)``
-    (zlib's ``crc32_combine``, which Python's zlib does not expose): about 100 us, a few us
-    for a length seen before (a checkpoint's items come in few sizes)."""
-    return _multmodp(_shift(length2), crc1) ^ crc2
+    (zlib's ``crc32_combine``, which Python's zlib does not expose): about 1 us for a length
+    seen before (a checkpoint's items come in few sizes), 0.5 ms for a new one."""
+    t0, t1, t2, t3 = _shifter(length2)
+    return t0[crc1 & 0xFF] ^ t1[(crc1 >> 8) & 0xFF] ^ t2[(crc1 >> 16) & 0xFF] ^ t3[crc1 >> 24] ^ crc2
 
 
 class DamagedCheckpoint(CheckpointError):
@@ -230,13 +249,25 @@ def _body_crc(body: dict) -> str:
     return f"{zlib.crc32(json.dumps(body, sort_keys=True).encode()):#010x}"
 
 
-def write_manifest(directory: Path, body: dict) -> None:
-    """Write ``body`` (with ``format``, ``version`` and its own CRC-32) as the manifest, durably."""
+def write_manifest(directory: Path, body: dict, sync: bool = True) -> None:
+    """Write ``body`` (with ``format``, ``version`` and its own CRC-32) as the manifest (compact
+    JSON: a 1024-rank manifest is megabytes), fsynced unless ``sync`` is false (the caller
+    fsyncs it with the others)."""
     body = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, **body}
+    text = json.dumps({**body, "crc32": _body_crc(body)}, sort_keys=True, separators=(",", ":"))
     with open(directory / MANIFEST, "x") as f:
-        json.dump({**body, "crc32": _body_crc(body)}, f, sort_keys=True, indent=1)
+        f.write(text)
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
+
+
+def write_file(path: Path, data: bytes) -> dict[str, Any]:
+    """Write the new file ``path`` (not fsynced: the caller fsyncs it with the others); what
+    the manifest records of it (as :func:`checksum` computes, without reading it back)."""
+    with open(path, "xb") as f:
+        f.write(data)
+    return {"bytes": len(data), "crc32": f"{zlib.crc32(data):#010x}"}
 
 
 def read_manifest(directory: Path) -> dict | None:

@@ -142,13 +142,14 @@ def _header(payload_size: int, payload_crc: int, version: int = FORMAT_VERSION) 
 
 
 def write_checkpoint(path: str | os.PathLike, state: Any,
-                     frames: Iterable[torch.Tensor] | None = None) -> int:
+                     frames: Iterable[torch.Tensor] | None = None, sync: bool = True) -> int:
     """Write ``state`` to ``path`` atomically (see the module notes); return the file's size.
 
     The directory is created if needed. ``state`` must be made of what
     ``torch.load(weights_only=True)`` accepts; the caller checks that. With ``frames``
     (format 2), each tensor it yields is written after ``state`` and released before the
-    next is asked for.
+    next is asked for. ``sync=False``: neither the file nor the directory is fsynced (a file
+    inside a directory the caller makes durable before anything names it).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -167,7 +168,8 @@ def write_checkpoint(path: str | os.PathLike, state: Any,
             f.seek(0)
             f.write(_header(writer.size, writer.crc, FORMAT_VERSION if frames is None else FRAMED_FORMAT))
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
             os.replace(tmp, path)  # still open and locked: no cleaner can take it meanwhile
     except BaseException as e:
         _remove(tmp)
@@ -179,7 +181,8 @@ def write_checkpoint(path: str | os.PathLike, state: Any,
             f"Cannot write checkpoint {path}: {disk.strerror.lower()} (errno {disk.errno}) after "
             f"{written} bytes; {_free(path.parent)}. The checkpoints already there are untouched"
         ) from e
-    fsync_path(path.parent)
+    if sync:
+        fsync_path(path.parent)
     return HEADER_SIZE + writer.size
 
 

@@ -110,7 +110,7 @@ class Params:
         start = min(self.rank * k, p.shape[0])
         rows = min(start + k, p.shape[0]) - start
         width = p.shape[1:].numel()
-        local = self.flat[offset:offset + k * width].view(k, *p.shape[1:])[:rows]
+        local = _alias(self.flat, offset, torch.Size((rows, *p.shape[1:])))
         if not p.is_meta:
             with torch.no_grad():
                 local.copy_(p.detach()[start:start + rows])
@@ -178,3 +178,19 @@ class Params:
         if sharded and self.unsharded:
             self._free_unsharded()
         self.unsharded = not sharded
+
+
+def _alias(flat: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
+    """``flat``'s elements from ``offset`` on, shaped ``shape`` (contiguous): the same memory
+    as the view ``flat[offset:].view(shape)``, but on a storage of its own that starts there
+    (a slice of ``flat``'s storage, which it holds), at storage offset 0.
+
+    Why not the view: torch's DTensor wrapper takes its local tensor's storage offset as its
+    own, which makes its ``data_ptr()`` nonzero on a storage that has no memory; torch's
+    ``Tensor.__deepcopy__`` and DCP's stagers (``dcp.async_save``'s default) then copy that
+    storage and fail ("invalid python storage", torch 2.13). torch's fully_shard gives every
+    parameter its own storage, so its shards start at offset 0 too."""
+    size = flat.element_size()
+    start = (flat.storage_offset() + offset) * size
+    storage = flat.untyped_storage()[start:start + shape.numel() * size]
+    return torch.empty(0, dtype=flat.dtype, device=flat.device).set_(storage, 0, shape)
