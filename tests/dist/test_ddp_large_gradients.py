@@ -8,7 +8,6 @@ buckets differ from phalanx's: the last bits may differ there, and do on this mo
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

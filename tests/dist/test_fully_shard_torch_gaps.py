@@ -29,7 +29,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from phalanx.bench.engine import GPT
 from phalanx.diagnostics import ledger
 from phalanx.fsdp import fully_shard
 from tests.dist.test_fully_shard import _batch, _max_diff, _mine, _model, _shard, _step

@@ -109,7 +109,6 @@ class Params:
         k = padded_rows(p.shape[0], self.world)
         start = min(self.rank * k, p.shape[0])
         rows = min(start + k, p.shape[0]) - start
-        width = p.shape[1:].numel()
         local = _alias(self.flat, offset, torch.Size((rows, *p.shape[1:])))
         if not p.is_meta:
             with torch.no_grad():
