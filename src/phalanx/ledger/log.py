@@ -157,6 +157,8 @@ class CollectiveLog:
         self.next_seq = 0
         self.fingerprint = 0  # CRC-32 of the signatures since the last sync point
         self.since_check: list[str] = []  # those signatures, described (for a mismatch report)
+        # (op, dtype, shape, group, site) -> the signature's bytes and its description
+        self._signed: dict[tuple[Any, ...], tuple[bytes, str]] = {}
 
     def begin(self, op: str, dtype: str, shape: tuple[int, ...], group: str, site: str,
               counted: bool = True) -> Record:
@@ -166,9 +168,15 @@ class CollectiveLog:
         self.next_seq += 1
         self.records.append(record)
         if counted:
-            signature = record.signature()
-            self.fingerprint = zlib.crc32(signature.encode(), self.fingerprint)
-            self.since_check.append(f"{signature} ({site})")
+            key = (op, dtype, shape, group, site)
+            known = self._signed.get(key)
+            if known is None:  # a loop issues the same few collectives from the same lines
+                if len(self._signed) >= 256:
+                    self._signed.clear()
+                signature = record.signature()
+                known = self._signed[key] = (signature.encode(), f"{signature} ({site})")
+            self.fingerprint = zlib.crc32(known[0], self.fingerprint)
+            self.since_check.append(known[1])
         return record
 
     @staticmethod
