@@ -38,6 +38,9 @@ The files, in the order data flows through them:
     During backward: grad-ready hooks copy each gradient into its bucket; a full bucket is
     launched, in bucket order; the end of backward waits, writes ``.grad`` back and raises
     every rank's unused-parameter report on every rank (worded by ``problems.py``).
+``riding.py``
+    A step whose gradients fit one small float32 CPU bucket: the forward's sync point rides
+    that bucket's all-reduce, its head copied in with the gradients, its verdict read first.
 ``unusual.py``
     The reducer's slow path: gradients with a graph (``create_graph=True``) and sparse
     gradients of parameters bucketed as dense.

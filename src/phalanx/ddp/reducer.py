@@ -79,8 +79,9 @@ from .. import comm
 from ..diagnostics import ledger
 from ..errors import UnusedParametersError, UsageError
 from ..ledger import Collective, Ledger, syncpoint
+from . import riding
 from ..ledger.log import call_site
-from .bucket_comm import AllReduceMean, BucketComm
+from .bucket_comm import BucketComm
 from .bucketing import Bucket, BucketSpec
 from .checkin import DDPAction
 from .compiled_autograd import EAGER_REDUCER_TRACED, CompiledAutogradReduction, compiled_autograd_tracing
@@ -135,13 +136,10 @@ class Reducer:
         tail = 1 + (len(slots) + len(sparse_params) if self.allow_unused else 0)
         self._ledger: Ledger = ledger()
         # A model with one small bucket carries its forward's sync point in that bucket's
-        # all-reduce (see the module notes)
-        envelope = _envelope(plan, tail, bucket_comm, bool(sparse_params), self._ledger)
-        self.rides = envelope is not None
-        # what a riding check names (and fingerprints): ranks that would sum different buckets disagree
-        self.ride = f"DDP bucket 0 {str(plan[0].dtype).removeprefix('torch.')}[{plan[0].numel + tail}]" \
-            if self.rides else ""
-        self._ride: Any = None  # the sync point riding this backward's bucket
+        # all-reduce (phalanx.ddp.riding); ride: what that check names ("": none rides)
+        envelope = riding.envelope(plan, tail, bucket_comm, bool(sparse_params), self._ledger)
+        self._riding = None if envelope is None else riding.BucketRide(bucket_comm.group)
+        self.ride = "" if envelope is None else riding.signature(plan, tail)
         self._buckets: list[Bucket] = []
         self._bucket_of: list[int] = []
         for b, spec in enumerate(plan):
@@ -150,6 +148,11 @@ class Reducer:
                                         envelope))
             self._bucket_of += [b] * len(spec.slots)
         self._index = {id(p): k for k, p in enumerate(self.params)}
+        self._no_problem = torch.zeros(1, dtype=plan[-1].dtype, device=plan[-1].device)  # a tail's 0
+        # each bucket's name and (dtype, shape) in the collective log: the same every backward
+        self._ops = [f"DDP bucket {b}{bucket_comm.label}" for b in range(len(plan))]
+        self._described = [(str(spec.dtype).removeprefix("torch."), (spec.numel + (tail if b == len(plan) - 1 else 0),))
+                           for b, spec in enumerate(plan)]
         # Whether parameter k's slot can be its .grad: a view (gradient_as_bucket_view) into a
         # bucket this rank keeps, of the dtype .grad must have (mixed precision: the bucket's
         # reduce_dtype may differ from it; phalanx.ddp.mixed_precision).
@@ -174,6 +177,7 @@ class Reducer:
         self._works: list[dist.Work] = []
         self._sparse_works: list[dist.Work] = []
         self._records: list[Collective] = []  # the buckets' in the collective log
+        self._settled = True  # every collective of the last backward waited for and ended
         self._site = ""
         # Called at the end of each synchronising backward that succeeded (DDP's step clock).
         self.on_backward_done: Any = None
@@ -190,26 +194,31 @@ class Reducer:
 
     def _reset(self) -> None:
         """Ready for the next backward, once the last one's collectives are done."""
-        for work in self._works + self._sparse_works:
-            # Normally all done already; after a failed backward some may still be writing
-            # into bucket buffers the next backward reuses. That backward raised already:
-            # an error of its collectives (e.g. a peer that never joined) changes nothing.
-            try:
-                work.wait()
-            except Exception:
-                pass
-        for record in self._records:
-            record.end()  # a failed backward's buckets: no longer under way
+        if not self._settled:
+            for work in self._works + self._sparse_works:
+                # After a failed backward some may still be writing into bucket buffers the next
+                # backward reuses. That backward raised already: an error of its collectives
+                # (e.g. a peer that never joined) changes nothing.
+                try:
+                    work.wait()
+                except Exception:
+                    pass
+            for record in self._records:
+                record.end()  # a failed backward's buckets: no longer under way
+        self._settled = True  # nothing in flight (a backward that ends well says so itself)
         self._last.hold(*self._works, *self._sparse_works)
         self._started = False
-        self._ride = None
+        if self._riding is not None:
+            self._riding.ride = None
         self._ready = [False] * len(self.params)
         self._assumed_unused: list[int] = []
         self._late: list[int] = []
         self._had_grad = [True] * len(self.params)  # a contribution that was a gradient
-        self._fires = [0] * len(self.params)  # gradients accumulated this backward (static_graph)
+        if self.static_graph:
+            self._fires = [0] * len(self.params)  # gradients accumulated this backward
         self._graphs: dict[int, torch.Tensor] = {}  # create_graph: gradients with a graph
-        self._sparse.reset()
+        if self._sparse.params:
+            self._sparse.reset()
         self._next = 0
         self._works = []
         self._records: list[Collective] = []  # the buckets' in the collective log
@@ -302,18 +311,20 @@ class Reducer:
             bucket = self._buckets[self._next]
             if self._next == last and not final:
                 return
-            fill(bucket, self.params, self._seats, self.bucket_comm.divisor, self._had_grad, self._graphs)
-            if self._next == last:
-                self._write_tail(bucket.tail)
-            op = f"DDP bucket {self._next}{self.bucket_comm.label}"
-            flat = bucket.buffer
-            if self.rides and self.join_index is None:
-                self._ride = self._ledger.take_ride(self.bucket_comm.group)
-                if self._ride is not None:  # the forward's sync point goes with the gradients
-                    bucket.head.copy_(self._ride.head)
-                    flat = bucket.envelope
-            record = self._record(op, bucket.buffer, DDPAction.BUCKET, self._next)
+            if bucket.buffer is None:  # a bucket this rank does not keep: from now to the end
+                bucket.allocate()
+            flat, extra = bucket.buffer, []
+            if self._riding is not None and self.join_index is None:  # the forward's sync point
+                flat = self._riding.take(self._ledger, bucket, extra)  # goes with the gradients
+            if self._next == last and not self.allow_unused:  # the problem count alone
+                self._write_tail(bucket.tail, extra)
+            fill(bucket, self.params, self._seats, self.bucket_comm.divisor, self._had_grad, self._graphs, extra)
+            if self._next == last and self.allow_unused:  # after fill: which parameters had a gradient
+                self._write_tail(bucket.tail, extra)
+            record = self._record(self._ops[self._next], None, DDPAction.BUCKET, self._next,
+                                  described=self._described[self._next])
             self._records.append(record)
+            self._settled = False
             self._works.append(self._launch(self._next, flat, record))
             self._next += 1
 
@@ -321,21 +332,28 @@ class Reducer:
         """Launch bucket ``b``. A communication hook's launch may wait for earlier buckets'
         collectives (:mod:`phalanx.ddp.hook_comm`): a failure there is reported as this
         bucket's (the hang report, :mod:`phalanx.diagnostics`)."""
-        with record.guard():
+        try:  # record.guard(), inline: every step launches here
             work = self.bucket_comm.launch(b, flat)
             if self.bucket_comm.runs_to_end_in_join and self.join_index is not None:
                 # phalanx.join: a rank that has joined runs each bucket's hook to its end before
                 # the next announcement (ddp/joining.py); so does this rank, or their hooks'
                 # collectives would come in different orders
                 work.wait()
+        except RuntimeError as e:
+            better = record.failure(e)
+            if better is e:
+                raise
+            raise better from e
         return work
 
-    def _record(self, op: str, tensor: torch.Tensor | None, *shadow: int) -> Collective:
+    def _record(self, op: str, tensor: torch.Tensor | None, *shadow: int,
+                described: tuple[str, tuple[int, ...]] | None = None) -> Collective:
         """Record a collective (:mod:`phalanx.ledger`); ``shadow``: the action and
-        arguments a joined rank shadows it with (:mod:`phalanx.uneven`)."""
+        arguments a joined rank shadows it with (:mod:`phalanx.uneven`); ``described``: what
+        it moves, as the log describes it (instead of ``tensor``)."""
         announce = None if self.join_index is None else (syncpoint.JOINABLE, self.join_index, *shadow)
         return self._ledger.collective(op, () if tensor is None else (tensor,), self.bucket_comm.group,
-                                       site=self._site, shadow=announce)
+                                       site=self._site, shadow=announce, described=described)
 
     def set_divisor(self, divisor: int) -> None:
         """Average over ``divisor`` ranks from the next gradient on (a join: the active ones).
@@ -350,12 +368,18 @@ class Reducer:
         record.wait(work)
         record.end()
 
-    def _write_tail(self, tail: torch.Tensor) -> None:
+    def _write_tail(self, tail: torch.Tensor, extra: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The control tail (see the module notes). Without unused parameters allowed it is the
+        problem count, written before :func:`~phalanx.ddp.slots.fill` (no problem: a zero copied
+        with the gradients, ``extra``); with them, after it (whether each parameter had one)."""
         sparse = self._sparse
         problems = len(self._late) + len(sparse.late)
         if not self.allow_unused:
-            problems += len(self._assumed_unused) + len(sparse.missing())
-            tail.fill_(problems)  # the tail is this one number (one call, not an indexing)
+            problems += len(self._assumed_unused) + (len(sparse.missing()) if sparse.params else 0)
+            if problems == 0:
+                extra.append((tail, self._no_problem))
+            else:
+                tail.fill_(problems)  # the tail is this one number (one call, not an indexing)
             return
         tail[0] = float(problems)
         tail[1:].copy_(torch.tensor(self._had_grad + sparse.had_grad, dtype=tail.dtype))
@@ -371,28 +395,33 @@ class Reducer:
             left = [k for k, ready in enumerate(self._ready) if not ready]
             for k in left:
                 self._assume_unused(k)
-            self._launch_ready()  # every bucket but the last, before the sparse all-reduces
-            sparse = self._record("DDP sparse gradients", None, DDPAction.SPARSE) if self._sparse.params else None
-            self._sparse_works = self._sparse.launch()
-            self._launch_ready(final=True)
             last = len(self._buckets) - 1
+            sparse = None
+            if self._sparse.params:
+                self._launch_ready()  # every bucket but the last, before the sparse all-reduces
+                sparse = self._record("DDP sparse gradients", None, DDPAction.SPARSE)
+                self._sparse_works = self._sparse.launch()
+            self._launch_ready(final=True)
             for b, (work, record) in enumerate(zip(self._works, self._records)):
                 self._wait(work, record)
-                if self._ride is not None:
-                    self._arrived()
+                if self._riding is not None and self._riding.ride is not None:
+                    self._riding.arrived(self._ledger, self._buckets[0])
                 if b < last and not self.allow_unused:
                     self._write_back(b, None)
-            for work in self._sparse_works:
-                sparse.wait(work)
             if sparse is not None:
+                for work in self._sparse_works:
+                    sparse.wait(work)
                 sparse.end()
+            self._settled = True
             tail = self._buckets[last].tail
-            if tail[0].item() > 0:
+            # without unused parameters allowed the tail is the problem count alone
+            if (tail[0] if self.allow_unused else tail).item() > 0:
                 self._raise_problems()  # every rank sees the sum: all raise, none hangs
             used = (tail[1:] > 0).tolist() if self.allow_unused else None
             for b in range(len(self._buckets)) if self.allow_unused else [last]:
                 self._write_back(b, used)
-            self._sparse.write_back(None if used is None else used[len(self.params):])
+            if self._sparse.params:
+                self._sparse.write_back(None if used is None else used[len(self.params):])
             if self._graphs:
                 self._attach_graphs(used)
             if self.static_graph and self._known_unused is None:
@@ -402,18 +431,6 @@ class Reducer:
         finally:
             self.awaiting_backward = False
             self._reset()
-
-    def _arrived(self) -> None:
-        """The bucket that carried the forward's sync point is summed: its verdict first (a
-        mismatch raises on every rank before any gradient is used)."""
-        ride, self._ride = self._ride, None
-        bucket = self._buckets[0]
-        try:
-            self._ledger.arrived(ride, bucket.head)
-        except BaseException:
-            # another rank's payload of another layout met this one: clear the padding
-            bucket.envelope[bucket.head.numel():].zero_()
-            raise
 
     def _write_back(self, b: int, used: list[bool] | None) -> None:
         write_back(self._buckets[b], self.params, self._seats, used)
@@ -483,23 +500,6 @@ class Reducer:
         else:
             unused = (self._known_unused or set()) if self.static_graph else set()
         return [self.params[k] for k in sorted(unused)]
-
-
-def _envelope(plan: Sequence[BucketSpec], tail: int, bucket_comm: BucketComm, sparse: bool,
-              book: Ledger) -> tuple[int, int] | None:
-    """Where a sync point's head goes in the only bucket, and the envelope's size
-    (:mod:`phalanx.ledger.syncpoint`), when that bucket can carry the forward's sync point:
-    diagnostics on, one bucket of the sync point's dtype on the CPU that fits after the head,
-    all-reduced as it is (no comm hook, no ZeRO owner), no sparse gradients (their
-    collectives come before it). ``None`` otherwise: the sync point goes alone."""
-    if not book.enabled or len(plan) != 1 or sparse or not isinstance(bucket_comm, AllReduceMean):
-        return None
-    spec, world = plan[0], dist.get_world_size(bucket_comm.group)
-    start, size = syncpoint.head_size(world), syncpoint.envelope_size(world)
-    if (spec.dtype != syncpoint.envelope_dtype(world) or spec.device.type != "cpu"
-            or start + spec.numel + tail > size or not book.rides_on(bucket_comm.group)):
-        return None
-    return start, size
 
 
 def _hook(reducer: weakref.ref, k: int, param: torch.Tensor) -> None:

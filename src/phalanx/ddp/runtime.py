@@ -170,12 +170,12 @@ class Runtime:
         tensors = [p.grad for p in self.module.parameters() if p.grad is not None]
         return tensor_bytes(tensors + (self.reducer.buffers() if self.reducer is not None else []))
 
-    @torch.compiler.disable
-    def before_forward(self, inputs: Any, kwargs: Any, require_sync: bool,
-                       sync_buffers: bool, rides: bool = True) -> tuple[Any, Any, bool]:
+    def before_forward_eager(self, inputs: Any, kwargs: Any, require_sync: bool,
+                             sync_buffers: bool, rides: bool = True) -> tuple[Any, Any, bool]:
         """Inputs to the device; with a reducer: the step's sync point (riding the bucket where
         ``rides`` and the reducer can carry it), the buffer broadcast; returns whether this
-        forward's backward averages."""
+        forward's backward averages. Eager: called where Dynamo does not trace (see
+        :meth:`before_forward`)."""
         if self.device is not None:
             inputs, kwargs = to_device(inputs, self.device), to_device(kwargs, self.device)
         inputs, kwargs = self.precision.before_forward(inputs, kwargs)
@@ -193,8 +193,10 @@ class Runtime:
                                   shadow=self.join.buffers_shadow(src))
         return inputs, kwargs, sync
 
-    @torch.compiler.disable
-    def after_forward(self, output: Any, sync: bool) -> Any:
+    before_forward = torch.compiler.disable(before_forward_eager)
+
+    def after_forward_eager(self, output: Any, sync: bool) -> Any:
+        """Arm the reducer after a forward (eager, as :meth:`before_forward_eager`)."""
         self.sync_buffers_next = sync
         self.reducer.traced.armed = False  # this backward is the reducer's
         self.reducer.prepare(sync, output)

@@ -34,13 +34,16 @@ def grad_dtype(param: torch.Tensor) -> torch.dtype:
 
 
 def fill(bucket: Bucket, params: Sequence[torch.Tensor], seats: Sequence[bool], divisor: int,
-         had_grad: list[bool], graphs: dict[int, torch.Tensor]) -> None:
+         had_grad: list[bool], graphs: dict[int, torch.Tensor],
+         extra: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
     """Put the bucket's contributions, divided by ``divisor``, into its buffer.
 
     A parameter without a gradient contributes zeros (``had_grad[k]`` set ``False``); a
     gradient with a graph (``create_graph=True``) is copied on its own and kept in
     ``graphs[k]``, out of ``.grad``; where ``seats[k]``, ``.grad`` becomes the slot; in a bucket
-    this rank does not keep, the gradients are released once copied.
+    this rank does not keep, the gradients are released once copied. ``extra``: ``(destination,
+    source)`` pairs outside the gradients (the control tail, a sync point's head), copied in
+    the same batched call, not divided (an eager call costs more than a small copy).
     """
     if bucket.buffer is None:
         bucket.allocate()
@@ -78,6 +81,9 @@ def fill(bucket: Bucket, params: Sequence[torch.Tensor], seats: Sequence[bool], 
             undivided.append(view)
         if seats[k]:
             param.grad = view
+    for destination, source in extra:
+        slots.append(destination)
+        sources.append(source)
     if sources:
         try:
             torch._foreach_copy_(slots, sources)
@@ -85,12 +91,31 @@ def fill(bucket: Bucket, params: Sequence[torch.Tensor], seats: Sequence[bool], 
             for slot, grad in zip(slots, sources):
                 slot.copy_(grad.to_dense() if grad.layout != torch.strided else grad)
     if divisor != 1 and not divided:
-        bucket.grads.div_(divisor)  # the whole buffer at once
+        bucket.grads.div_(_divisor(divisor, bucket.grads))  # the whole buffer at once
     elif divisor != 1 and undivided:
         torch._foreach_div_(undivided, divisor)
     if not bucket.keep:
         for k in bucket.positions:
             params[k].grad = None
+
+
+# (divisor, dtype, device) -> the divisor as a tensor of one value (a scalar argument costs a
+# tensor made per call)
+_DIVISORS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _divisor(divisor: int, like: torch.Tensor) -> int | torch.Tensor:
+    """``divisor`` for dividing ``like``: a 0-dimensional tensor of its dtype (the same bits as
+    the number itself: the operand of a division by a scalar, in ``like``'s dtype), where that
+    dtype holds it exactly (float32, float64), on the CPU (CUDA multiplies by the reciprocal of
+    a scalar: other bits than a tensor's division), else the number."""
+    if like.dtype not in (torch.float32, torch.float64) or like.device.type != "cpu" or divisor >= 1 << 24:
+        return divisor
+    key = (divisor, like.dtype, like.device)
+    found = _DIVISORS.get(key)
+    if found is None:
+        found = _DIVISORS[key] = torch.tensor(float(divisor), dtype=like.dtype, device=like.device)
+    return found
 
 
 def write_back(bucket: Bucket, params: Sequence[torch.Tensor], seats: Sequence[bool],

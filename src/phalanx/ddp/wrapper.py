@@ -268,16 +268,17 @@ class DistributedDataParallel(nn.Module, Joinable):
     @torch.compiler.disable(recursive=False)
     def _eager_forward(self, *inputs: Any, **kwargs: Any) -> Any:
         runtime = self._runtime
-        inputs, kwargs, sync = runtime.before_forward(inputs, kwargs, self.require_backward_grad_sync,
-                                                      self.forward_sync_buffers)
         if runtime.reducer is None:
+            inputs, kwargs, _ = runtime.before_forward(inputs, kwargs, self.require_backward_grad_sync,
+                                                       self.forward_sync_buffers)
             return runtime.precision.after_forward(self.module(*inputs, **kwargs))
-        previous = _activate_for_dynamo(self)
+        inputs, kwargs, sync, previous = _enter(self, runtime, inputs, kwargs)
         try:
             output = self.module(*inputs, **kwargs)
-        finally:
+        except BaseException:
             _activate_for_dynamo(previous)
-        return runtime.after_forward(output, sync)
+            raise
+        return _leave(runtime, output, sync, previous)
 
     def _compiled_autograd_forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """The forward under compiled autograd: :meth:`Runtime.compiled_autograd_forward`."""
@@ -512,6 +513,25 @@ def _activate_for_dynamo(ddp: Any) -> Any:
     it replaces."""
     previous, TorchDDP._active_ddp_module = TorchDDP._active_ddp_module, ddp
     return previous
+
+
+# The eager work before and after the module, each one call Dynamo skips (a skipped call
+# costs more than what a tiny model's step does in it)
+@torch.compiler.disable
+def _enter(ddp: Any, runtime: Runtime, inputs: Any, kwargs: Any) -> tuple[Any, Any, bool, Any]:
+    """:meth:`Runtime.before_forward_eager`, then ``ddp`` made the active DDP (as
+    :func:`_activate_for_dynamo`, which returns the one it replaces, last)."""
+    inputs, kwargs, sync = runtime.before_forward_eager(inputs, kwargs, ddp.require_backward_grad_sync,
+                                                        ddp.forward_sync_buffers)
+    previous, TorchDDP._active_ddp_module = TorchDDP._active_ddp_module, ddp
+    return inputs, kwargs, sync, previous
+
+
+@torch.compiler.disable
+def _leave(runtime: Runtime, output: Any, sync: bool, previous: Any) -> Any:
+    """The DDP active before the forward back, then :meth:`Runtime.after_forward_eager`."""
+    TorchDDP._active_ddp_module = previous
+    return runtime.after_forward_eager(output, sync)
 
 
 # torch's helpers that unwrap a DDP (torch.distributed.checkpoint.state_dict's keys without

@@ -42,6 +42,10 @@ _log = get_logger("phalanx.diagnostics")
 # What a process with no group of several ranks is given: records nothing, only waits.
 _OFF = Ledger(0.0, enabled=False)
 
+# The default group ledger() found last (held weakly, as _ATTACHED holds it) and its ledger:
+# every DDP step asks; a weak reference's call is cheaper than the weak dictionary's lookup
+_last: tuple[Any, Ledger] = (lambda: None, _OFF)
+
 
 class _Attached:
     """A group's ledger and its observer, closed once (by destroy, the group's end or exit)."""
@@ -94,14 +98,19 @@ def no_error_under_way() -> bool:
 def ledger() -> Ledger:
     """The ledger of this process's default group (attached on first use); a disabled one
     when there is no group of several ranks."""
-    if not dist.is_initialized():
+    global _last
+    world = dist.group.WORLD  # None before init_process_group
+    if world is None:
         return _OFF
-    found = _ATTACHED.get(dist.group.WORLD)
-    if found is not None and found.several:  # every DDP step asks, three times: the short way
+    if _last[0]() is world:
+        return _last[1]
+    found = _ATTACHED.get(world)
+    if found is not None and found.several:
+        _last = (weakref.ref(world), found.ledger)
         return found.ledger
     if dist.get_world_size() == 1:
         return _OFF
-    return (found or attach(dist.group.WORLD)).ledger
+    return (found or attach(world)).ledger
 
 
 def diagnostics() -> Diagnostics | None:
@@ -123,6 +132,7 @@ def attach(group: Any, enabled: bool = True, straggler_every: int = DEFAULT_EVER
         timeout_s: the watchdog limit; default: the group's timeout.
     """
     detach(group)
+    _forget()
     interrupt.install()
     if not enabled:
         found = _Attached(Ledger(0.0, enabled=False), None)
@@ -156,9 +166,16 @@ def detach(group: Any = None) -> None:
     if group is None and dist.is_initialized():
         group = dist.group.WORLD
     found = None if group is None else _ATTACHED.pop(group, None)
+    _forget()
     problem = None if found is None else found.close()
     if problem is not None:
         raise UsageError(f"destroy_process_group(): {problem}")
+
+
+def _forget() -> None:
+    """The next ledger() looks the default group's ledger up afresh."""
+    global _last
+    _last = (lambda: None, _OFF)
 
 
 def _timeout_s(group: Any) -> float:

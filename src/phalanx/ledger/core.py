@@ -76,14 +76,14 @@ class JoinView(Protocol):
         """The rank whose state counts while ranks have joined."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Check:
     """A sync point in flight, or, ``riding``, one that waits to ride the next bucket."""
 
     what: str
     site: str
     since: list[str]  # the collectives before it, since the previous point
-    payload: Any  # riding: (key, head, unanimous sums, verdict) of the ride; else the envelope
+    payload: Any  # riding: (fingerprint, head, unanimous sums, verdict) of the ride; else the envelope
     work: Any
     collective: Collective
     group: Any
@@ -94,7 +94,7 @@ class _Check:
     then: str = ""  # what it went out with: a bucket it rode, or the collective it came before
 
 
-@dataclass
+@dataclass(slots=True)
 class Ride:
     """A sync point riding a bucket's all-reduce (:meth:`Ledger.take_ride`): its head (a tensor
     of the envelope's dtype) goes in front of the bucket's gradients, the summed head comes back
@@ -109,6 +109,8 @@ class Ride:
 
 class Collective:
     """One recorded collective (or a few, recorded as one): see :meth:`Ledger.collective`."""
+
+    __slots__ = ("_ledger", "record", "_observed")
 
     def __init__(self, ledger: Ledger | None, record: Record | None, observed: bool = True) -> None:
         self._ledger, self.record, self._observed = ledger, record, observed
@@ -138,12 +140,17 @@ class Collective:
         try:
             yield
         except RuntimeError as e:
-            if self.record is None:
-                raise
-            better = self._ledger.failure(self.record, e, self._observed)
+            better = self.failure(e)
             if better is e:
                 raise  # the error itself, its traceback and cause intact
             raise better from e
+
+    def failure(self, error: RuntimeError) -> RuntimeError:
+        """What to raise for ``error``, raised by code that waited for this collective (as
+        :meth:`guard` raises it; ``error`` itself, or the observers' word raised from it)."""
+        if self.record is None:
+            return error
+        return self._ledger.failure(self.record, error, self._observed)
 
     def end(self) -> None:
         if self.record is not None and self.record.end is None:
@@ -186,10 +193,13 @@ class Ledger:
         self.waited_s = 0.0  # seconds this process has spent waiting for collectives to end
         self._check_group = check_group
         self._names: dict[int, str] = {}
+        # per group (by id, as _names): its name and log, its (rank, size); a DDP step asks each twice
+        self._logs_of: dict[int, tuple[str, CollectiveLog]] = {}
+        self._sizes: dict[int, tuple[int, int]] = {}
+        # (what, announce, ride, since, group's id) -> a riding check, worked out once
+        # (_prepare_ride): a training loop's steps ask the same, step after step
+        self._rides: dict[tuple[Any, ...], tuple[int, int, tuple[Any, ...]]] = {}
         self._pending: _Check | None = None  # a sync point started, not yet waited for
-        # the last riding check's (key, head, unanimous sums, verdict): a training loop's
-        # steps have the same fingerprint, step after step
-        self._ride_memo: tuple[Any, ...] = ((), None, None, None)
         self._last_work: Any = None
 
     # ---- the log --------------------------------------------------------------------------
@@ -203,11 +213,25 @@ class Ledger:
         return name
 
     def log(self, group: Any) -> CollectiveLog:
-        name = self.group_name(group)
-        log = self.logs.get(name)
-        if log is None:
-            log = self.logs[name] = CollectiveLog()
-        return log
+        return self._named_log(group)[1]
+
+    def _named_log(self, group: Any) -> tuple[str, CollectiveLog]:
+        """``group``'s name and log."""
+        found = self._logs_of.get(id(group))
+        if found is None:
+            name = self.group_name(group)
+            log = self.logs.get(name)
+            if log is None:
+                log = self.logs[name] = CollectiveLog()
+            found = self._logs_of[id(group)] = (name, log)
+        return found
+
+    def _rank_size(self, group: Any) -> tuple[int, int]:
+        """This process's rank in ``group`` and the group's size."""
+        found = self._sizes.get(id(group))
+        if found is None:
+            found = self._sizes[id(group)] = (dist.get_rank(group), dist.get_world_size(group))
+        return found
 
     def in_flight(self) -> bool:
         return any(log.in_flight() is not None for log in self.logs.values())
@@ -245,7 +269,7 @@ class Ledger:
             announced = True
         if self._pending is not None:
             self.settle(then=op)  # nothing goes out before the ranks are known to agree
-        dtype, shape = described or describe_tensors(tensors)
+        dtype, shape = described or (("-", ()) if tensors == () else describe_tensors(tensors))
         if self.join is not None and not announced:
             if self.group_name(group) != "world":
                 raise UsageError(f"{op} on {self.group_name(group)} inside phalanx.join: a join "
@@ -254,8 +278,17 @@ class Ledger:
                                       announce=shadow or (syncpoint.UNSHADOWABLE,))
             if shadow is None and verdict is not None and verdict.count < dist.get_world_size(group):
                 raise _unshadowable(op, verdict, dist.get_world_size(group))
-        record = self.log(group).begin(op, dtype, shape, self.group_name(group), site)
-        return Collective(self, record, observed=not diagnosed)
+        name, log = self._named_log(group)
+        return Collective(self, log.begin(op, dtype, shape, name, site), observed=not diagnosed)
+
+    def _check_record(self, what: str, group: Any, site: str) -> tuple[Collective, CollectiveLog]:
+        """The record of a sync point's own collective, and ``group``'s log. The sync point
+        restarts the log's fingerprint: the record is not counted in it."""
+        if self._pending is not None:
+            self.settle(then=f"check before {what}")
+        name, log = self._named_log(group)
+        record = log.begin(f"check before {what}", "-", (), name, site or call_site(2), counted=False)
+        return Collective(self, record), log
 
     def failure(self, record: Record, error: RuntimeError, observed: bool = True) -> RuntimeError:
         """What to raise for ``record``'s failed wait: the first observer's word (when
@@ -301,36 +334,45 @@ class Ledger:
             return None
         site = site or call_site(2)
         since = self.log(group).fingerprint
-        h = syncpoint.fingerprint(f"{what} {announce}", since)
         wait = wait or self.join is not None
         if ride and not wait and not flags and self.rides_on(group):
             # A check that rides is told apart from one that went alone: a rank whose bucket
             # carries it never agrees with a rank that sent it alone (its gradients would be
             # summed with the other's zeros)
-            self._defer(syncpoint.fingerprint(f"{what} {announce} riding {ride}", since), h, what,
-                        site, group, announce, ride)
+            key = (what, announce, ride, since, id(group))
+            prepared = self._rides.get(key)
+            if prepared is None:
+                if len(self._rides) >= 64:  # a loop's few kinds of step; never grows without end
+                    self._rides.clear()
+                prepared = self._rides[key] = self._prepare_ride(what, announce, ride, since, group)
+            self._defer(prepared, what, site, group, announce, ride)
             return None
-        return self._meet(h, what, site, group, flags, announce, wait)
+        return self._meet(syncpoint.fingerprint(f"{what} {announce}", since), what, site, group, flags,
+                          announce, wait)
 
     def rides_on(self, group: Any) -> bool:
         """Whether a check of ``group`` may ride its collectives: it is its own check group."""
         return self._check_group is None or group is not None
 
-    def _defer(self, h: int, plain: int, what: str, site: str, group: Any,
+    def _prepare_ride(self, what: str, announce: tuple[int, ...], ride: str, since: int,
+                      group: Any) -> tuple[int, int, tuple[Any, ...]]:
+        """A riding check's fingerprint alone (if it goes alone after all), the group's size,
+        and its payload: (fingerprint riding, this rank's head, the unanimous sums, their verdict)."""
+        h = syncpoint.fingerprint(f"{what} {announce} riding {ride}", since)
+        rank, world = self._rank_size(group)
+        mine = syncpoint.head(h, announce, (), rank, world)
+        everyone = torch.tensor(syncpoint.unanimous(h, announce, world), dtype=syncpoint.envelope_dtype(world))
+        payload = (h, torch.tensor(mine, dtype=everyone.dtype), everyone, syncpoint.read(everyone, world))
+        return syncpoint.fingerprint(f"{what} {announce}", since), world, payload
+
+    def _defer(self, prepared: tuple[int, int, tuple[Any, ...]], what: str, site: str, group: Any,
                announce: tuple[int, ...], ride: str) -> None:
         """Begin a sync point that waits to ride the next collective (:meth:`take_ride`)."""
-        log = self.log(group)
-        world = dist.get_world_size(group)
-        key = (h, announce, dist.get_rank(group), world)
-        if self._ride_memo[0] != key:
-            mine = syncpoint.head(h, announce, (), key[2], world)
-            everyone = torch.tensor(syncpoint.unanimous(h, announce, world), dtype=syncpoint.envelope_dtype(world))
-            self._ride_memo = (key, torch.tensor(mine, dtype=everyone.dtype), everyone,
-                               syncpoint.read(everyone, world))
-        check = self.collective(f"check before {what}", (), group, site=site, announced=True)
-        self._pending = _Check(what, site, log.since_check[:-1], self._ride_memo, None, check, group,
+        plain, world, payload = prepared
+        check, log = self._check_record(what, group, site)
+        self._pending = _Check(what, site, log.since_check, payload, None, check, group,
                                world, riding=True, plain=plain, announce=announce, then=ride)
-        log.checked()  # the next fingerprint starts here, whatever the verdict
+        log.checked()  # the next fingerprint starts here, whatever the verdict (a new list)
 
     def take_ride(self, group: Any) -> Ride | None:
         """The pending check, if it waits to ride a collective of ``group``: the caller puts
@@ -367,16 +409,15 @@ class Ledger:
 
     def _meet(self, h: int | None, what: str, site: str, group: Any, flags: Sequence[int],
               announce: tuple[int, ...], wait: bool) -> syncpoint.Verdict | None:
-        log = self.log(group)
         on = self._check_group if self._check_group is not None and group is None else group
-        world = dist.get_world_size(on)
-        payload = syncpoint.payload(h, announce, tuple(flags), dist.get_rank(on), world)
-        check = self.collective(f"check before {what}", (), group, site=site, announced=True)
+        rank, world = self._rank_size(on)
+        payload = syncpoint.payload(h, announce, tuple(flags), rank, world)
+        check, log = self._check_record(what, group, site)
         with check.guard():
             work = dist.all_reduce(payload, group=on, async_op=True)
         self._last_work = work  # see phalanx.comm.LastWorks: dropped by the main thread
-        self._pending = _Check(what, site, log.since_check[:-1], payload, work, check, on, world)
-        log.checked()  # the next fingerprint starts here, whatever the verdict
+        self._pending = _Check(what, site, log.since_check, payload, work, check, on, world)
+        log.checked()  # the next fingerprint starts here, whatever the verdict (a new list)
         return self.settle() if wait else None
 
     def settle(self, then: str = "") -> syncpoint.Verdict | None:

@@ -46,8 +46,8 @@ def _inductor_dir(cache: str | None) -> str | None:
     return None if cache is None else os.path.join(os.path.abspath(cache), "")
 
 
-# A memo of a pure function of the path: every DDP step walks the same few frames' files, twice
-# (its forward's check, its buckets' records); bounded by the number of source files
+# A memo of a pure function of the path (a hang report walks every thread's stack); bounded by
+# the number of source files
 @functools.lru_cache(maxsize=4096)
 def _fixed_plumbing(path: str, torch_dir: str | None) -> bool:
     return (path.startswith(_PHALANX) or path.startswith("<")
@@ -58,13 +58,45 @@ def _fixed_plumbing(path: str, torch_dir: str | None) -> bool:
 def call_site(depth: int = 2) -> str:
     """``"train.py:41"``: the first frame, from ``depth`` frames up, outside phalanx, torch and
     the standard library; ``"?"`` if there is none."""
-    torch_dir = _torch_dir(getattr(sys.modules.get("torch"), "__file__", None))
+    # Every DDP step asks twice (its forward's check, its bucket's record): each file's verdict
+    # (None: plumbing, else its base name) is memoised, per inductor cache (read from the
+    # environment only once inductor is imported: no code of its before) and torch directory;
+    # and so is each site found, by its code and instruction
+    key = (os.environ.get("TORCHINDUCTOR_CACHE_DIR") if "torch._inductor" in sys.modules else None,
+           getattr(sys.modules.get("torch"), "__file__", None))
+    names = _SITE_NAMES.get(key)
+    if names is None:
+        names = _SITE_NAMES[key] = {}
     frame = sys._getframe(depth)
     while frame is not None:
-        if not _is_plumbing(frame.f_code.co_filename, torch_dir):
-            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+        code = frame.f_code
+        try:
+            name = names[code.co_filename]
+        except KeyError:
+            name = names[code.co_filename] = _site_name(code.co_filename, key)
+        if name is not None:
+            at = (code, frame.f_lasti)
+            site = _SITES.get(at)
+            if site is None:
+                if len(_SITES) >= 4096:  # a script's few lines that issue collectives
+                    _SITES.clear()
+                site = _SITES[at] = f"{name}:{frame.f_lineno}"
+            return site
         frame = frame.f_back
     return "?"
+
+
+# (inductor's cache, torch's __file__) -> {source file: its base name, or None for plumbing}
+_SITE_NAMES: dict[tuple[str | None, str | None], dict[str, str | None]] = {}
+# (code, instruction) -> "file.py:line"
+_SITES: dict[tuple[Any, int], str] = {}
+
+
+def _site_name(path: str, key: tuple[str | None, str | None]) -> str | None:
+    cache = _inductor_dir(key[0])
+    if _fixed_plumbing(path, _torch_dir(key[1])) or (cache is not None and path.startswith(cache)):
+        return None
+    return os.path.basename(path)
 
 
 @functools.lru_cache(maxsize=2)
@@ -84,7 +116,7 @@ def describe_tensors(tensors: Iterable[Any]) -> tuple[str, tuple[int, ...]]:
     return dtype, (len(tensors), sum(t.numel() for t in tensors))
 
 
-@dataclass
+@dataclass(slots=True)
 class Record:
     """One collective as this rank issued it. ``end`` is ``None`` while it is in flight."""
 
@@ -125,14 +157,26 @@ class CollectiveLog:
         self.next_seq = 0
         self.fingerprint = 0  # CRC-32 of the signatures since the last sync point
         self.since_check: list[str] = []  # those signatures, described (for a mismatch report)
+        # (op, dtype, shape, group, site) -> the signature's bytes and its description
+        self._signed: dict[tuple[Any, ...], tuple[bytes, str]] = {}
 
-    def begin(self, op: str, dtype: str, shape: tuple[int, ...], group: str, site: str) -> Record:
+    def begin(self, op: str, dtype: str, shape: tuple[int, ...], group: str, site: str,
+              counted: bool = True) -> Record:
+        """Record a collective issued now; ``counted``: in the fingerprint (a sync point's own
+        collective is not: the fingerprint restarts at it)."""
         record = Record(self.next_seq, op, dtype, shape, group, site, time.monotonic())
         self.next_seq += 1
         self.records.append(record)
-        signature = record.signature()
-        self.fingerprint = zlib.crc32(signature.encode(), self.fingerprint)
-        self.since_check.append(f"{signature} ({site})")
+        if counted:
+            key = (op, dtype, shape, group, site)
+            known = self._signed.get(key)
+            if known is None:  # a loop issues the same few collectives from the same lines
+                if len(self._signed) >= 256:
+                    self._signed.clear()
+                signature = record.signature()
+                known = self._signed[key] = (signature.encode(), f"{signature} ({site})")
+            self.fingerprint = zlib.crc32(known[0], self.fingerprint)
+            self.since_check.append(known[1])
         return record
 
     @staticmethod
