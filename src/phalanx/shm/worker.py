@@ -27,6 +27,19 @@ from .channel import BrokenGroupError
 # asking for the Future (each must see the other's step, never both set it).
 _FUTURE_LOCK = threading.Lock()
 
+# Works kept alive for C++. A work handed to C++ (torch's DDP reducer, its join, functional
+# collectives) is held there only as the C++ object: once Python drops the last reference to
+# it, pybind11 forgets the Python methods, and C++'s later getFuture() (or wait()) reaches
+# c10d's base Work: "Work::getFuture not implemented" (or a wait that never ends). So a work
+# is kept here until it is claimed: until get_future() (the last call anyone makes on a work),
+# or, after wait() (which torch's reducer may follow with getFuture()), among the last
+# WAITED_KEPT waited works. Both bounded, so that works nobody waits for (an async_op=True
+# collective whose work the caller dropped) are let go eventually.
+_UNCLAIMED: dict[int, "ShmWork"] = {}
+UNCLAIMED_KEPT = 1024
+WAITED_KEPT = 16
+_WAITED: deque["ShmWork"] = deque(maxlen=WAITED_KEPT)
+
 
 class ShmWork(dist._Work):
     """The handle of one collective: ``wait()`` returns once it is done (raising its error),
@@ -44,6 +57,12 @@ class ShmWork(dist._Work):
         if not done:
             self._pending = threading.Lock()
             self._pending.acquire()
+        _UNCLAIMED[id(self)] = self
+        if len(_UNCLAIMED) > UNCLAIMED_KEPT:
+            try:
+                del _UNCLAIMED[next(iter(_UNCLAIMED))]
+            except (KeyError, RuntimeError, StopIteration):
+                pass  # another thread took it (or changed the dict) meanwhile: none is lost
 
     def finish(self, error: BaseException | None) -> None:
         """Complete the work (the worker thread's call, once)."""
@@ -55,10 +74,22 @@ class ShmWork(dist._Work):
             _complete(future, self._result, error)
         self._pending.release()
 
-    def wait(self, timeout: timedelta | None = None) -> bool:
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        """Until the collective is done; its error, if any, is raised. ``timeout`` (a
+        ``timedelta`` or seconds; ``None`` or zero: none, as torch's ``kNoTimeout``) bounds
+        this wait only: past it, a ``RuntimeError`` as torch's ``Work.wait`` raises, and the
+        collective goes on (the group's own timeout still bounds it)."""
         if not self._done:
-            self._pending.acquire()
+            seconds = (timeout.total_seconds() if isinstance(timeout, timedelta)
+                       else float(timeout or 0))
+            if not self._pending.acquire(timeout=seconds if seconds > 0 else -1):
+                raise RuntimeError(
+                    f"phalanx_shm: Operation timed out! The collective was still running "
+                    f"after wait(timeout={seconds:g} s); it goes on, bounded by the group's "
+                    "own timeout: wait() again for it")
             self._pending.release()
+        if _UNCLAIMED.pop(id(self), None) is not None:
+            _WAITED.append(self)
         if self._error is not None:
             raise self._error
         return True
@@ -77,6 +108,7 @@ class ShmWork(dist._Work):
         return self._result
 
     def get_future(self) -> Future:
+        _UNCLAIMED.pop(id(self), None)
         with _FUTURE_LOCK:
             future = self._future
             if future is not None:
