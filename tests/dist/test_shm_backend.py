@@ -463,3 +463,30 @@ def test_torchs_join_after_phalanxs_join_over_shared_memory():
             assert res["vs_torch"] <= triangle_bound(res["vs_single"], res["torch_vs_single"],
                                                      res["magnitude"]), res
     assert results[0]["after"] == results[2]["after"]
+
+
+def _functional(rank, world):
+    """torch's functional all_gather and reduce_scatter (DTensor's full_tensor(), fully_shard's
+    state dicts) reach c10d's coalesced forms: served over shared memory, equal to Gloo's."""
+    import phalanx.shm
+    import torch.distributed._functional_collectives as funcol
+    g, gloo = dist.new_group(backend="phalanx_shm"), dist.new_group(backend="gloo")
+    bad = [] if phalanx.shm.uses_shared_memory(g) else ["not on shared memory"]
+    for n, dtype in ((5, torch.float32), (3 << 20, torch.float32), (7, torch.int64)):
+        x = _input(rank, torch.float32, n).to(dtype)
+        steps = g._channel.seq
+        got = [funcol.all_gather_tensor(x, 0, g).wait(),
+               funcol.reduce_scatter_tensor(torch.cat([x] * world), "sum", 0, g).wait()]
+        shm_steps = g._channel.seq - steps
+        want = [funcol.all_gather_tensor(x, 0, gloo).wait(),
+                funcol.reduce_scatter_tensor(torch.cat([x] * world), "sum", 0, gloo).wait()]
+        if not all(map(torch.equal, got, want)):
+            bad.append(f"functional collectives of {n} {dtype} differ from Gloo's")
+        if shm_steps < 2:
+            bad.append(f"{n} {dtype}: {shm_steps} shared-memory steps")
+    return bad
+
+
+def test_torchs_functional_collectives_run_over_shared_memory():
+    for rank, bad in enumerate(run_ranks(_functional, 2)):
+        assert bad == [], (rank, bad)
