@@ -490,3 +490,23 @@ def _functional(rank, world):
 def test_torchs_functional_collectives_run_over_shared_memory():
     for rank, bad in enumerate(run_ranks(_functional, 2)):
         assert bad == [], (rank, bad)
+
+
+def _collective_in_a_callback(rank, world):
+    import phalanx.shm  # noqa: F401
+    g = dist.new_group(backend="phalanx_shm")
+    if rank == 1:
+        time.sleep(0.5)  # rank 0's future is asked for, and given a callback, before it is done
+
+    def then(fut):  # as torch's PowerSGD hook: another collective of the group, waited for
+        y = torch.full((2,), float(rank + 1))
+        return fut.value()[0].tolist(), dist.all_reduce(y, group=g, async_op=True).get_future().wait()[0].tolist()
+    chained = dist.all_reduce(torch.ones(3), group=g, async_op=True).get_future().then(then)
+    return chained.wait()
+
+
+def test_a_future_callback_may_run_a_collective_of_the_same_group():
+    """A callback runs where the future completes; completing it on the group's worker thread
+    left the callback's own collective queued behind it: a deadlock."""
+    for got in run_ranks(_collective_in_a_callback, 2, timeout=30):
+        assert got == ([2.0] * 3, [3.0] * 2), got

@@ -13,6 +13,7 @@ when someone asks for it (``get_future``), so a blocking call builds neither.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from datetime import timedelta
@@ -71,7 +72,7 @@ class ShmWork(dist._Work):
             self._done = True
             future = self._future
         if future is not None:
-            _complete(future, self._result, error)
+            _COMPLETER.complete(future, self._result, error)
         self._pending.release()
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
@@ -125,6 +126,42 @@ def _complete(future: Future, result: list[Any], error: BaseException | None) ->
         future.set_result(result)
     else:
         future.set_exception(error)
+
+
+class _Completer:
+    """Completes the futures of works done on a worker thread, off that thread: completing a
+    future runs its callbacks, and a callback may issue a collective of the same group and wait
+    for it (torch's PowerSGD hook does), which only the worker can run. A job never waits for a
+    busy completer: with none idle, a new thread is started (as many as callbacks block at once)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self._jobs: deque[tuple[Future, list[Any], BaseException | None]] = deque()
+        self._idle = 0
+
+    def complete(self, future: Future, result: list[Any], error: BaseException | None) -> None:
+        with self._cv:
+            self._jobs.append((future, result, error))
+            if len(self._jobs) > self._idle:
+                threading.Thread(target=self._loop, name="phalanx_shm-futures",
+                                 daemon=True).start()
+            else:
+                self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._idle += 1
+                while not self._jobs:
+                    self._cv.wait()
+                self._idle -= 1
+                future, result, error = self._jobs.popleft()
+            _complete(future, result, error)
+
+
+_COMPLETER = _Completer()
+# A forked child has none of the parent's threads: it starts with no completer thread either.
+os.register_at_fork(after_in_child=_COMPLETER.__init__)
 
 
 class Worker:
