@@ -510,3 +510,21 @@ def test_a_future_callback_may_run_a_collective_of_the_same_group():
     left the callback's own collective queued behind it: a deadlock."""
     for got in run_ranks(_collective_in_a_callback, 2, timeout=30):
         assert got == ([2.0] * 3, [3.0] * 2), got
+
+
+def _no_grad_view(rank, world):
+    import phalanx.shm  # noqa: F401
+    g = dist.new_group(backend="phalanx_shm")
+    p = torch.full((4,), float(rank + 1), requires_grad=True)
+    with torch.no_grad():
+        v = p.view(-1)  # as a bucket's view of a parameter, made without autograd
+    dist.all_reduce(v, group=g, async_op=True).wait()  # on the group's worker thread
+    dist.all_reduce(v, group=g)  # on this thread, grad mode on
+    return p.detach().tolist()
+
+
+def test_a_view_made_in_no_grad_mode_is_written_as_gloo_writes_it():
+    """Collectives write outside autograd, as Gloo's C++ does: an in-place write into a view made
+    in no_grad mode is refused by autograd where grad mode is on (the worker thread's default)."""
+    for got in run_ranks(_no_grad_view, 2):
+        assert got == [6.0] * 4, got

@@ -19,6 +19,7 @@ from collections import deque
 from datetime import timedelta
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 from torch.futures import Future
 
@@ -194,7 +195,11 @@ class Worker:
         error = self._broken
         if error is None:
             try:
-                run()
+                if torch.is_grad_enabled():  # the caller's thread: writes outside autograd,
+                    with torch.no_grad():    # as Gloo's (a no_grad view of a parameter...)
+                        run()
+                else:
+                    run()
             except BrokenGroupError as e:
                 error = self._broken = e.args[0]
             except Exception as e:  # noqa: BLE001 - handed to whoever waits on the work
@@ -206,6 +211,7 @@ class Worker:
         return error
 
     def _loop(self) -> None:
+        torch.set_grad_enabled(False)  # this thread's own mode: collectives write outside autograd
         while True:
             with self._cv:
                 while self._busy or not self._queue:
