@@ -70,11 +70,17 @@ class CollectiveTimeoutError(PhalanxError, RuntimeError):
 
     The message is the hang report: the ranks that never arrived (``culprits``) and where every
     rank is. Raised on every rank: a late rank outside any collective is interrupted.
+
+    ``transport`` marks the transport's own error (the shared-memory backend's: it names the
+    late or dead ranks, but is not yet the hang report); the diagnostics turn it into the
+    report, as they do Gloo's timeouts and closed connections.
     """
 
-    def __init__(self, message: str, culprits: list[int] | None = None) -> None:
+    def __init__(self, message: str, culprits: list[int] | None = None, *,
+                 transport: bool = False) -> None:
         super().__init__(message)
         self.culprits = list(culprits or [])
+        self.transport = transport
 
 
 class RankExitedError(CollectiveTimeoutError):

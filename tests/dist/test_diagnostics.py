@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import phalanx
+import phalanx.shm
 from phalanx.diagnostics.monitor import END_WAIT_S
 from tests.harness import error_of, marked_line, run_ranks
 
@@ -106,8 +107,12 @@ def test_a_rank_that_never_arrives_is_named_on_every_rank_within_the_limit():
     assert results[1][1].startswith("Rank 1 was stopped: another rank gave up waiting for it.")
 
 
-def _early_exit(rank, world_size):
-    phalanx.init_process_group(backend="gloo", timeout=timedelta(seconds=WATCHDOG_S))
+def _early_exit(rank, world_size, shared_memory):
+    phalanx.init_process_group(backend="gloo", timeout=timedelta(seconds=WATCHDOG_S),
+                               shared_memory=shared_memory)
+    if phalanx.shm.uses_shared_memory() != shared_memory:
+        return ("transport", f"shared memory used: {not shared_memory}, asked: {shared_memory}",
+                [], 0.0)
     phalanx.all_reduce(torch.ones(1))
     if rank == world_size - 1:
         import os
@@ -122,8 +127,12 @@ def _early_exit(rank, world_size):
         phalanx.destroy_process_group()
 
 
-def test_a_rank_that_exits_mid_training_is_named():
-    results = run_ranks(_early_exit, 3, init=False, timeout=60, return_exceptions=True)
+# Both transports: Gloo's closed connection and the shared-memory backend's own error (a
+# peer's exit seen through its pidfd) reach the ledger, whose report names the rank.
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["gloo", "shm"])
+def test_a_rank_that_exits_mid_training_is_named(shared_memory):
+    results = run_ranks(_early_exit, 3, shared_memory, init=False, timeout=60,
+                        return_exceptions=True)
     for rank in (0, 1):
         kind, message, culprits, took = results[rank]
         assert kind == "RankExitedError" and culprits == [2], message

@@ -25,6 +25,11 @@ from tests.dist.test_fully_shard import _batch, _mine, _model, _shard, _step
 from tests.dist.test_reduce_scatter import _written
 from tests.harness import error_of, run_ranks
 
+# test_bytes_per_step counts what this process writes to Gloo's sockets (/proc/self/io's
+# wchar): these ranks run on Gloo, whatever phalanx's default transport (shared memory
+# writes no socket bytes; tests/dist/test_shm_backend.py covers it).
+ON_GLOO = {"PHALANX_SHARED_MEMORY": "0"}
+
 
 def _by_hand(rank, world_size):
     """unshard() puts whole plain parameters on the module, reshard() the shards back; an
@@ -142,7 +147,7 @@ def _all_checks(rank, world_size):
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
 def ranks(request):
     """(world size, every rank's results) of one group of ranks running all checks."""
-    return request.param, run_ranks(_all_checks, request.param, timeout=300)
+    return request.param, run_ranks(_all_checks, request.param, timeout=300, env=ON_GLOO)
 
 
 def test_unshard_and_reshard_by_hand(ranks):

@@ -34,6 +34,11 @@ from tests.dist.test_fully_shard_units import _ends
 from tests.dist.test_reduce_scatter import _written
 from tests.harness import error_of, run_ranks
 
+# test_bytes_per_step counts what this process writes to Gloo's sockets (/proc/self/io's
+# wchar): these ranks run on Gloo, whatever phalanx's default transport (shared memory
+# writes no socket bytes; tests/dist/test_shm_backend.py covers it).
+ON_GLOO = {"PHALANX_SHARED_MEMORY": "0"}
+
 pytestmark = pytest.mark.slow
 
 WORLD = 4  # 2 replicas of 2 shards
@@ -208,7 +213,7 @@ def _load_at_2(rank, world_size, directory):
 def ranks(tmp_path_factory):
     """Every rank's results at world 4 (HSDP), and at world 2 loading its checkpoint."""
     directory = str(tmp_path_factory.mktemp("hsdp"))
-    at4 = run_ranks(_all_checks, WORLD, directory, timeout=600)
+    at4 = run_ranks(_all_checks, WORLD, directory, timeout=600, env=ON_GLOO)
     return at4, run_ranks(_load_at_2, 2, directory, timeout=120)
 
 

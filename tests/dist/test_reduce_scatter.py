@@ -25,6 +25,11 @@ from phalanx.fsdp import collectives
 from tests.dist.test_fully_shard_checkpoint import _M_MMAP_THRESHOLD, _status_kib
 from tests.harness import error_of, run_ranks
 
+# The byte-count tests count what this process writes to Gloo's sockets (/proc/self/io's
+# wchar): these ranks run on Gloo, whatever phalanx's default transport (shared memory
+# writes no socket bytes; tests/dist/test_shm_backend.py covers it).
+ON_GLOO = {"PHALANX_SHARED_MEMORY": "0"}
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 SIZES = (1, 7, 1000)  # elements per rank
@@ -178,7 +183,7 @@ def _all_checks(rank, world_size):
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
 def ranks(request):
-    return request.param, run_ranks(_all_checks, request.param, timeout=180)
+    return request.param, run_ranks(_all_checks, request.param, timeout=180, env=ON_GLOO)
 
 
 def test_equal_to_torchs_reduce_scatter(ranks):

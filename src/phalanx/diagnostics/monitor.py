@@ -49,6 +49,13 @@ _LOST_WORDS = ("Connection closed", "Connection reset", "Broken pipe", "Read err
 
 
 def _kind(error: BaseException) -> str | None:
+    """``"lost"`` (a peer left), ``"timeout"``, or ``None`` (another error: left as it is) for
+    a transport's error: Gloo's, read from its words, or the shared-memory backend's, marked
+    ``transport``. The hang report itself (a :class:`PhalanxError`) is never reported again."""
+    if isinstance(error, PhalanxError):
+        if not getattr(error, "transport", False):
+            return None
+        return "lost" if isinstance(error, RankExitedError) else "timeout"
     text = str(error)
     if any(w in text for w in _LOST_WORDS):
         return "lost"
@@ -94,7 +101,7 @@ class Diagnostics:
     # ---- hang reports -----------------------------------------------------------------------
     def failed(self, record: Record, error: RuntimeError) -> RuntimeError | None:
         """The hang report, when ``record``'s collective timed out or a peer left."""
-        kind = None if isinstance(error, PhalanxError) else _kind(error)  # Gloo's, not ours
+        kind = _kind(error)  # the transport's, not ours
         if kind is None:
             return None
         self.failing = True

@@ -232,14 +232,14 @@ class Channel:
                     raise BrokenGroupError(CollectiveTimeoutError(
                         f"phalanx_shm: rank {self.rank} waited {self.timeout_s:g} s (the group's "
                         f"timeout) in collective #{seq} for {ranks_text(late)}, which never "
-                        "arrived", late))
+                        "arrived", late, transport=True))
 
     def _check_alive(self) -> None:
         dead = sorted(self._pidfds[fd] for fd, _ in self._poll.poll(0))
         if dead:
             raise BrokenGroupError(RankExitedError(
                 f"phalanx_shm: {ranks_text(dead)} exited (killed or crashed) while rank "
-                f"{self.rank} waited for it in a collective", dead))
+                f"{self.rank} waited for it in a collective", dead, transport=True))
 
     def _mismatch(self, at: int) -> str:
         words = self._words

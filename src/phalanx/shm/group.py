@@ -35,6 +35,14 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
 
 
+def _in_turn(runs: list[Callable[[], None]]) -> Callable[[], None]:
+    """One run of several collectives, one after the other (a coalesced call's)."""
+    def run() -> None:
+        for one in runs:
+            one()
+    return run
+
+
 def _write_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for t, flat in pairs:
         if flat.data_ptr() != t.data_ptr() or not t.is_contiguous():
@@ -149,27 +157,62 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         opts = opts if opts is not None else AllgatherOptions()
-        if (not self._served([output, input]) or output.dtype != input.dtype
-                or output.numel() != input.numel() * self.size() or not output.is_contiguous()):
+        if not self._gathers(output, input):
             return self._gloo._allgather_base(output, input, opts)
-        if input.numel() and self._one(input):
-            channel = self._channel
-            return self._worker.submit(lambda: ops.all_gather_one(channel, output, input),
-                                       [output], opts.asyncOp)
-        return self._gather(list(output.view(-1).chunk(self.size())) if input.numel()
-                            else [output.view(-1)] * self.size(), input, [output], opts)
+        return self._worker.submit(self._gather_run(output, input), [output], opts.asyncOp)
 
     all_gather_single = _allgather_base
 
-    def _gather(self, outs: list[torch.Tensor], t: torch.Tensor, result: list[Any],
-                opts: Any) -> ShmWork:
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        """Several :meth:`_allgather_base` in one work (torch's functional all_gather, as
+        DTensor's ``full_tensor()`` uses, comes here): on Gloo, the gather would be freed on
+        Gloo's thread under its queue lock, and a tensor whose Python object C++ keeps needs
+        the GIL to go, which the caller holds while it waits for that lock: a deadlock."""
+        opts = opts if opts is not None else AllgatherOptions()
+        if len(outputs) != len(inputs) or not all(map(self._gathers, outputs, inputs)):
+            return self._on_gloo([self._gloo._allgather_base(o, i, opts)
+                                  for o, i in zip(outputs, inputs)], outputs, opts)
+        return self._submit(_in_turn(list(map(self._gather_run, outputs, inputs))),
+                            list(outputs), opts)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def _on_gloo(self, works: list[Any], outputs: list[torch.Tensor], opts: Any) -> ShmWork:
+        """One work for a coalesced call served by Gloo one collective at a time (Gloo's
+        backend has no coalesced all_gather_into_tensor or reduce_scatter_tensor of its own
+        in Python)."""
+        def run() -> None:
+            for work in works:
+                work.wait()
+        return self._submit(run, list(outputs), opts)
+
+    def _gathers(self, output: torch.Tensor, input: torch.Tensor) -> bool:
+        """Whether shared memory serves the all-gather of ``input`` into ``output``."""
+        return (self._served([output, input]) and output.dtype == input.dtype
+                and output.numel() == input.numel() * self.size() and output.is_contiguous())
+
+    def _gather_run(self, output: torch.Tensor, input: torch.Tensor) -> Callable[[], None]:
+        """The all-gather of ``input`` into the contiguous ``output`` (:meth:`_gathers`)."""
+        channel = self._channel
+        if input.numel() and self._one(input):
+            return lambda: ops.all_gather_one(channel, output, input)
+        outs = (list(output.view(-1).chunk(self.size())) if input.numel()
+                else [output.view(-1)] * self.size())
+        return self._gather_steps(outs, input)
+
+    def _gather_steps(self, outs: list[torch.Tensor], t: torch.Tensor) -> Callable[[], None]:
         flat = _flat(t)
         flats = [_flat(o) for o in outs]
 
         def run() -> None:
             ops.all_gather(self._channel, flats, flat)
             _write_back(list(zip(outs, flats)))
-        return self._submit(run, result, opts)
+        return run
+
+    def _gather(self, outs: list[torch.Tensor], t: torch.Tensor, result: list[Any],
+                opts: Any) -> ShmWork:
+        return self._submit(self._gather_steps(outs, t), result, opts)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                        opts: Any = None) -> Any:
@@ -186,29 +229,55 @@ class ShmProcessGroup(dist.ProcessGroup):
                              opts: Any = None) -> Any:
         opts = opts if opts is not None else ReduceScatterOptions()
         code = ops.reduce_code(opts.reduceOp)
-        if (code is None or not self._served([output, input]) or output.dtype != input.dtype
-                or input.numel() != output.numel() * self.size()):
+        if code is None or not self._scatters(output, input):
             return self._gloo._reduce_scatter_base(output, input, opts)
-        if (output.numel() and input.is_contiguous() and output.is_contiguous()
-                and output.numel() <= self._one_step // (input.element_size() * self.size())):
-            channel = self._channel
-            return self._worker.submit(
-                lambda: ops.reduce_scatter_one(channel, output, input, code), [output],
-                opts.asyncOp)
-        flat = _flat(input)
-        ins = list(flat.chunk(self.size())) if flat.numel() else [flat] * self.size()
-        return self._scatter(output, ins, code, [output], opts)
+        return self._worker.submit(self._scatter_run(output, input, code), [output], opts.asyncOp)
 
     reduce_scatter_single = _reduce_scatter_base
 
-    def _scatter(self, out: torch.Tensor, ins: list[torch.Tensor], code: int,
-                 result: list[Any], opts: Any) -> ShmWork:
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        """Several :meth:`_reduce_scatter_base` in one work (torch's functional
+        reduce_scatter; see :meth:`allgather_into_tensor_coalesced`)."""
+        opts = opts if opts is not None else ReduceScatterOptions()
+        code = ops.reduce_code(opts.reduceOp)
+        if (code is None or len(outputs) != len(inputs)
+                or not all(map(self._scatters, outputs, inputs))):
+            return self._on_gloo([self._gloo._reduce_scatter_base(o, i, opts)
+                                  for o, i in zip(outputs, inputs)], outputs, opts)
+        runs = [self._scatter_run(o, i, code) for o, i in zip(outputs, inputs)]
+        return self._submit(_in_turn(runs), list(outputs), opts)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def _scatters(self, output: torch.Tensor, input: torch.Tensor) -> bool:
+        """Whether shared memory serves the reduce-scatter of ``input`` into ``output``."""
+        return (self._served([output, input]) and output.dtype == input.dtype
+                and input.numel() == output.numel() * self.size())
+
+    def _scatter_run(self, output: torch.Tensor, input: torch.Tensor,
+                     code: int) -> Callable[[], None]:
+        """The reduce-scatter of ``input`` into ``output`` (:meth:`_scatters`)."""
+        if (output.numel() and input.is_contiguous() and output.is_contiguous()
+                and output.numel() <= self._one_step // (input.element_size() * self.size())):
+            channel = self._channel
+            return lambda: ops.reduce_scatter_one(channel, output, input, code)
+        flat = _flat(input)
+        ins = list(flat.chunk(self.size())) if flat.numel() else [flat] * self.size()
+        return self._scatter_steps(output, ins, code)
+
+    def _scatter_steps(self, out: torch.Tensor, ins: list[torch.Tensor],
+                       code: int) -> Callable[[], None]:
         flat = _flat(out)
 
         def run() -> None:
             ops.reduce_scatter(self._channel, flat, ins, code)
             _write_back([(out, flat)])
-        return self._submit(run, result, opts)
+        return run
+
+    def _scatter(self, out: torch.Tensor, ins: list[torch.Tensor], code: int,
+                 result: list[Any], opts: Any) -> ShmWork:
+        return self._submit(self._scatter_steps(out, ins, code), result, opts)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: list[int], input_split_sizes: list[int],

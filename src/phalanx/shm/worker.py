@@ -13,11 +13,13 @@ when someone asks for it (``get_future``), so a blocking call builds neither.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from datetime import timedelta
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 from torch.futures import Future
 
@@ -26,6 +28,19 @@ from .channel import BrokenGroupError
 # Guards the hand-over of a work's Future between the thread that completes the work and one
 # asking for the Future (each must see the other's step, never both set it).
 _FUTURE_LOCK = threading.Lock()
+
+# Works kept alive for C++. A work handed to C++ (torch's DDP reducer, its join, functional
+# collectives) is held there only as the C++ object: once Python drops the last reference to
+# it, pybind11 forgets the Python methods, and C++'s later getFuture() (or wait()) reaches
+# c10d's base Work: "Work::getFuture not implemented" (or a wait that never ends). So a work
+# is kept here until it is claimed: until get_future() (the last call anyone makes on a work),
+# or, after wait() (which torch's reducer may follow with getFuture()), among the last
+# WAITED_KEPT waited works. Both bounded, so that works nobody waits for (an async_op=True
+# collective whose work the caller dropped) are let go eventually.
+_UNCLAIMED: dict[int, "ShmWork"] = {}
+UNCLAIMED_KEPT = 1024
+WAITED_KEPT = 16
+_WAITED: deque["ShmWork"] = deque(maxlen=WAITED_KEPT)
 
 
 class ShmWork(dist._Work):
@@ -44,6 +59,12 @@ class ShmWork(dist._Work):
         if not done:
             self._pending = threading.Lock()
             self._pending.acquire()
+        _UNCLAIMED[id(self)] = self
+        if len(_UNCLAIMED) > UNCLAIMED_KEPT:
+            try:
+                del _UNCLAIMED[next(iter(_UNCLAIMED))]
+            except (KeyError, RuntimeError, StopIteration):
+                pass  # another thread took it (or changed the dict) meanwhile: none is lost
 
     def finish(self, error: BaseException | None) -> None:
         """Complete the work (the worker thread's call, once)."""
@@ -52,13 +73,25 @@ class ShmWork(dist._Work):
             self._done = True
             future = self._future
         if future is not None:
-            _complete(future, self._result, error)
+            _COMPLETER.complete(future, self._result, error)
         self._pending.release()
 
-    def wait(self, timeout: timedelta | None = None) -> bool:
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        """Until the collective is done; its error, if any, is raised. ``timeout`` (a
+        ``timedelta`` or seconds; ``None`` or zero: none, as torch's ``kNoTimeout``) bounds
+        this wait only: past it, a ``RuntimeError`` as torch's ``Work.wait`` raises, and the
+        collective goes on (the group's own timeout still bounds it)."""
         if not self._done:
-            self._pending.acquire()
+            seconds = (timeout.total_seconds() if isinstance(timeout, timedelta)
+                       else float(timeout or 0))
+            if not self._pending.acquire(timeout=seconds if seconds > 0 else -1):
+                raise RuntimeError(
+                    f"phalanx_shm: Operation timed out! The collective was still running "
+                    f"after wait(timeout={seconds:g} s); it goes on, bounded by the group's "
+                    "own timeout: wait() again for it")
             self._pending.release()
+        if _UNCLAIMED.pop(id(self), None) is not None:
+            _WAITED.append(self)
         if self._error is not None:
             raise self._error
         return True
@@ -77,6 +110,7 @@ class ShmWork(dist._Work):
         return self._result
 
     def get_future(self) -> Future:
+        _UNCLAIMED.pop(id(self), None)
         with _FUTURE_LOCK:
             future = self._future
             if future is not None:
@@ -93,6 +127,42 @@ def _complete(future: Future, result: list[Any], error: BaseException | None) ->
         future.set_result(result)
     else:
         future.set_exception(error)
+
+
+class _Completer:
+    """Completes the futures of works done on a worker thread, off that thread: completing a
+    future runs its callbacks, and a callback may issue a collective of the same group and wait
+    for it (torch's PowerSGD hook does), which only the worker can run. A job never waits for a
+    busy completer: with none idle, a new thread is started (as many as callbacks block at once)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self._jobs: deque[tuple[Future, list[Any], BaseException | None]] = deque()
+        self._idle = 0
+
+    def complete(self, future: Future, result: list[Any], error: BaseException | None) -> None:
+        with self._cv:
+            self._jobs.append((future, result, error))
+            if len(self._jobs) > self._idle:
+                threading.Thread(target=self._loop, name="phalanx_shm-futures",
+                                 daemon=True).start()
+            else:
+                self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._idle += 1
+                while not self._jobs:
+                    self._cv.wait()
+                self._idle -= 1
+                future, result, error = self._jobs.popleft()
+            _complete(future, result, error)
+
+
+_COMPLETER = _Completer()
+# A forked child has none of the parent's threads: it starts with no completer thread either.
+os.register_at_fork(after_in_child=_COMPLETER.__init__)
 
 
 class Worker:
@@ -125,7 +195,11 @@ class Worker:
         error = self._broken
         if error is None:
             try:
-                run()
+                if torch.is_grad_enabled():  # the caller's thread: writes outside autograd,
+                    with torch.no_grad():    # as Gloo's (a no_grad view of a parameter...)
+                        run()
+                else:
+                    run()
             except BrokenGroupError as e:
                 error = self._broken = e.args[0]
             except Exception as e:  # noqa: BLE001 - handed to whoever waits on the work
@@ -137,6 +211,7 @@ class Worker:
         return error
 
     def _loop(self) -> None:
+        torch.set_grad_enabled(False)  # this thread's own mode: collectives write outside autograd
         while True:
             with self._cv:
                 while self._busy or not self._queue:
