@@ -124,9 +124,7 @@ class Collective:
         try:
             return work.wait()
         except RuntimeError as e:  # as guard() does (inline: a DDP step waits here every step)
-            if self.record is None:
-                raise
-            better = self._ledger.failure(self.record, e, self._observed)
+            better = self.failure(e)
             if better is e:
                 raise
             raise better from e
