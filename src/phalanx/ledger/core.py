@@ -191,9 +191,10 @@ class Ledger:
         self.waited_s = 0.0  # seconds this process has spent waiting for collectives to end
         self._check_group = check_group
         self._names: dict[int, str] = {}
-        # per group (by id, as _names): its name and log, its (rank, size); a DDP step asks each twice
-        self._logs_of: dict[int, tuple[str, CollectiveLog]] = {}
-        self._sizes: dict[int, tuple[int, int]] = {}
+        # per group (by id, as _names): its name and log, its (rank, size); a DDP step asks each
+        # twice. Each entry holds the group too: its id is not reused while the entry exists
+        self._logs_of: dict[int, tuple[Any, str, CollectiveLog]] = {}
+        self._sizes: dict[int, tuple[Any, int, int]] = {}
         # (what, announce, ride, since, group's id) -> a riding check, worked out once
         # (_prepare_ride): a training loop's steps ask the same, step after step
         self._rides: dict[tuple[Any, ...], tuple[int, int, tuple[Any, ...]]] = {}
@@ -221,15 +222,15 @@ class Ledger:
             log = self.logs.get(name)
             if log is None:
                 log = self.logs[name] = CollectiveLog()
-            found = self._logs_of[id(group)] = (name, log)
-        return found
+            found = self._logs_of[id(group)] = (group, name, log)
+        return found[1], found[2]
 
     def _rank_size(self, group: Any) -> tuple[int, int]:
         """This process's rank in ``group`` and the group's size."""
         found = self._sizes.get(id(group))
         if found is None:
-            found = self._sizes[id(group)] = (dist.get_rank(group), dist.get_world_size(group))
-        return found
+            found = self._sizes[id(group)] = (group, dist.get_rank(group), dist.get_world_size(group))
+        return found[1], found[2]
 
     def in_flight(self) -> bool:
         return any(log.in_flight() is not None for log in self.logs.values())
