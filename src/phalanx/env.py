@@ -363,6 +363,24 @@ def watchdog_seconds(environ: Mapping[str, str] | None = None) -> float | None:
     return seconds
 
 
+# The variable that turns the shared-memory backend on ("1") or off ("0") where
+# init_process_group's shared_memory is left at None.
+SHARED_MEMORY_ENV = "PHALANX_SHARED_MEMORY"
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def shared_memory_choice(environ: Mapping[str, str] | None = None) -> bool | None:
+    """What :data:`SHARED_MEMORY_ENV` asks for: ``True`` (on), ``False`` (off), ``None`` (unset)."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(SHARED_MEMORY_ENV, "")
+    text = raw.strip().lower()
+    if not text:
+        return None
+    if text not in _ON + _OFF:
+        raise EnvironmentConfigError(f"{SHARED_MEMORY_ENV} must be 1 (on) or 0 (off), got {raw!r}")
+    return text in _ON
+
+
 # torchrun takes each option its command line does not give from PET_<DEST>: "PET_" and the
 # option's argparse dest upper-cased, PET_NPROC_PER_NODE for --nproc-per-node
 # (torch/distributed/argparse_util.py, its `env` and `check_env` actions). Kubernetes'

@@ -19,7 +19,6 @@ Every collective is torch.distributed's (c10d); the rendezvous store is its ``TC
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import time
 from datetime import timedelta
@@ -99,25 +98,18 @@ def _resolve_backend(backend: str | None, env: _env.DistEnv,
     return name
 
 
-# The variable that turns the shared-memory backend on ("1") or off ("0") where
-# init_process_group's shared_memory is left at None.
-SHARED_MEMORY_ENV = "PHALANX_SHARED_MEMORY"
-# What shared_memory=None means without the variable.
+# What shared_memory=None means without the variable (env.SHARED_MEMORY_ENV).
 SHARED_MEMORY_DEFAULT = False
-_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def _shared_memory_wanted(shared_memory: bool | None, backend: str, world_size: int) -> bool:
     """``init_process_group``'s choice: ``shared_memory`` when given (True needs Gloo: see
-    :func:`_shared_memory_backend`); for ``None``, :data:`SHARED_MEMORY_ENV` or else
+    :func:`_shared_memory_backend`); for ``None``, :data:`~phalanx.env.SHARED_MEMORY_ENV` or else
     :data:`SHARED_MEMORY_DEFAULT`, and only where it applies: Gloo, more than one rank."""
     if shared_memory is not None:
         return shared_memory
-    text = os.environ.get(SHARED_MEMORY_ENV, "").strip().lower()
-    if text and text not in _ON + _OFF:
-        raise ValueError(f"{SHARED_MEMORY_ENV} must be 1 (on) or 0 (off), got "
-                         f"{os.environ[SHARED_MEMORY_ENV]!r}")
-    wanted = text in _ON if text else SHARED_MEMORY_DEFAULT
+    chosen = _env.shared_memory_choice()
+    wanted = SHARED_MEMORY_DEFAULT if chosen is None else chosen
     return wanted and backend == "gloo" and world_size > 1
 
 

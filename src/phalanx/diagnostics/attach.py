@@ -132,7 +132,6 @@ def attach(group: Any, enabled: bool = True, straggler_every: int = DEFAULT_EVER
         timeout_s: the watchdog limit; default: the group's timeout.
     """
     detach(group)
-    _forget()
     interrupt.install()
     if not enabled:
         found = _Attached(Ledger(0.0, enabled=False), None)

@@ -72,7 +72,6 @@ class ShmProcessGroup(dist.ProcessGroup):
                                 ops.describe)
         self._worker = Worker(f"phalanx_shm-r{rank}")
         self._channel.worker_ident = self._worker.ident
-        self._rank = rank
         # Bytes a tensor may have to take the one-step path (ops.all_reduce_one...).
         self._one_step = capacity
 
