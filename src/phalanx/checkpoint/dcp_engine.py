@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import io
 import os
@@ -41,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from .dcp_items import storage_bytes, template
 from .dcp_layout import check_item, crc32_combine
+from .file import start_writeback
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 # What a DCP ``.metadata`` pickle is made of (torch 2.13: found by unpickling torch's own).
@@ -99,20 +99,6 @@ _IOV = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 16
 # while the CPU was busy with the rest (the kernel would otherwise wait for fsync or for its
 # dirty-page threshold, gigabytes on a large host).
 _WRITEBACK = 16 << 20
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _sync_file_range() -> Any:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):  # not Linux (glibc)
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_start_writeback = _sync_file_range()
 
 
 class _File:
@@ -175,8 +161,8 @@ class _File:
 
     def _writeback(self) -> None:
         written = self.pos - self._waiting
-        if _start_writeback is not None and written - self._started >= _WRITEBACK:
-            _start_writeback(self.fd, self._started, written - self._started, _SYNC_FILE_RANGE_WRITE)
+        if written - self._started >= _WRITEBACK:
+            start_writeback(self.fd, self._started, written - self._started)
             self._started = written
 
     def close(self, sync: bool = True) -> None:

@@ -97,12 +97,24 @@ _WRITEBACK_BYTES = 8 << 20
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-def _start_writeback(fd: int, offset: int, length: int) -> None:
+def _sync_file_range() -> Any:
     try:
-        sync_file_range = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):  # not Linux: the final fsync does all the work
-        return
-    sync_file_range(fd, ctypes.c_int64(offset), ctypes.c_int64(length), _SYNC_FILE_RANGE_WRITE)
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux (glibc): the final fsync does all the work
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start the kernel's writeback of ``length`` bytes of ``fd`` from ``offset`` (no wait);
+    nothing where there is no ``sync_file_range``."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 class _ChecksumWriter:
@@ -127,7 +139,7 @@ class _ChecksumWriter:
         self.size += written
         if self.size - self._synced >= _WRITEBACK_BYTES:
             self._file.flush()
-            _start_writeback(self._file.fileno(), HEADER_SIZE + self._synced, self.size - self._synced)
+            start_writeback(self._file.fileno(), HEADER_SIZE + self._synced, self.size - self._synced)
             self._synced = self.size
         return written
 
