@@ -54,7 +54,6 @@ IMPLS = ("torch", "phalanx", "phalanx-nodiag", "phalanx-shm")
 NETNS_IMPLS = ("torch", "phalanx", "phalanx-nodiag")
 # The namespaces' names and /24 (phalanx.bench.netns), apart from the other benchmarks'
 PREFIX, SUBNET = "phxtut", "10.216.0"
-MASTER_PORT = 29500  # in node 0's namespace: a fresh network stack
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
@@ -131,25 +130,12 @@ def _launcher(impl: str) -> list[str]:
 
 def _on_nodes(impl: str, nodes: list, worker: list[str], env: dict) -> None:
     """Node 0 and node 1 of a two-node job, one rank each, one per namespace (as on two hosts)."""
-    from phalanx.bench.nodes import RDZV_TIMEOUT_S, stop, wait_nodes
-    from phalanx.gate.secret import new_secret
+    from phalanx.bench.nodes import run_nodes
 
-    env = {**env, "PHALANX_JOB_SECRET": os.environ.get("PHALANX_JOB_SECRET") or new_secret()}
-    procs = []
-    try:
-        for rank, (ns, dev, _) in enumerate(nodes):
-            extra = [] if impl == "torch" else ["--rdzv-timeout", str(RDZV_TIMEOUT_S)]
-            command = ["ip", "netns", "exec", ns, *_launcher(impl), "--nnodes", "2", "--node-rank",
-                       str(rank), "--master-addr", nodes[0][2], "--master-port", str(MASTER_PORT),
-                       "--nproc-per-node", "1", *extra, *worker]
-            procs.append(subprocess.Popen(command, env={**env, "GLOO_SOCKET_IFNAME": dev},
-                                          stdout=subprocess.DEVNULL))
-        codes = wait_nodes(procs)
-        if any(codes):
-            raise RuntimeError(f"{impl} across the namespaces failed: exit statuses {codes} "
-                               "(the launchers' output is above)")
-    finally:
-        stop(procs)
+    codes = run_nodes(nodes, _launcher(impl), worker, stdout=subprocess.DEVNULL, environ=env)
+    if any(codes):
+        raise RuntimeError(f"{impl} across the namespaces failed: exit statuses {codes} "
+                           "(the launchers' output is above)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..gate.secret import new_secret
 from .netns import NamespaceError, veth_namespaces
@@ -82,7 +82,8 @@ def launch_on_namespaces(entrypoint: str, argv: Sequence[str], rate: str | None,
     try:
         with veth_namespaces(prefix, subnet, rate) as nodes, tempfile.TemporaryDirectory() as scratch:
             result = Path(scratch) / "result.json"
-            codes = _run_nodes(nodes, entrypoint, [*argv, RESULT_FLAG, str(result)])
+            codes = run_nodes(nodes, [sys.executable, "-m", "phalanx", "run"],
+                              [entrypoint, *argv, RESULT_FLAG, str(result)])
             if any(codes):
                 raise NodesFailed(f"the nodes failed (exit {codes}); their output is above", codes)
             return json.loads(result.read_text())
@@ -90,20 +91,26 @@ def launch_on_namespaces(entrypoint: str, argv: Sequence[str], rate: str | None,
         raise NodesFailed(str(e)) from None
 
 
-def _run_nodes(nodes: list[tuple[str, str, str]], entrypoint: str, argv: list[str]) -> list[int]:
-    master = nodes[0][2]
+def run_nodes(nodes: Sequence[tuple[str, str, str]], launcher: Sequence[str], worker: Sequence[str],
+              stdout: Any = None, environ: Mapping[str, str] | None = None) -> list[int]:
+    """``launcher`` (``phalanx run``'s or torchrun's command) as node 0 and node 1 of a two-node
+    job, one rank each running ``worker``, one node per namespace of ``nodes``; their exit
+    statuses (:func:`wait_nodes`). ``stdout``: the launchers' (``Popen``'s; default: ours);
+    ``environ``: their environment (default: ours), to which each node's variables are added."""
+    environ = os.environ if environ is None else environ
     # launchers of several nodes share a job secret (the gate keeps the store to the job)
-    secret = os.environ.get("PHALANX_JOB_SECRET") or new_secret()
-    pythonpath = os.pathsep.join(filter(None, [_SRC, os.environ.get("PYTHONPATH")]))
+    secret = environ.get("PHALANX_JOB_SECRET") or new_secret()
+    pythonpath = os.pathsep.join(filter(None, [_SRC, environ.get("PYTHONPATH")]))
+    phalanx_run = list(launcher[-2:]) == ["phalanx", "run"]
     procs: list[subprocess.Popen] = []
     try:
         for node, (ns, dev, _) in enumerate(nodes):
-            cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "phalanx", "run", "--nnodes", "2",
-                   "--node-rank", str(node), "--master-addr", master, "--master-port", str(MASTER_PORT),
-                   "--nproc-per-node", "1", "--rdzv-timeout", str(RDZV_TIMEOUT_S), entrypoint, *argv]
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": dev, "PYTHONPATH": pythonpath,
+            cmd = ["ip", "netns", "exec", ns, *launcher, "--nnodes", "2", "--node-rank", str(node),
+                   "--master-addr", nodes[0][2], "--master-port", str(MASTER_PORT), "--nproc-per-node", "1",
+                   *(["--rdzv-timeout", str(RDZV_TIMEOUT_S)] if phalanx_run else []), *worker]
+            env = {**environ, "GLOO_SOCKET_IFNAME": dev, "PYTHONPATH": pythonpath,
                    "PHALANX_JOB_SECRET": secret}
-            procs.append(subprocess.Popen(cmd, env=env))
+            procs.append(subprocess.Popen(cmd, env=env, stdout=stdout))
         return wait_nodes(procs)
     finally:
         stop(procs)
