@@ -106,6 +106,7 @@ def _child(fn, rank, world_size, port, env, init, timeout, stack_path, conn, arg
             os.environ[key] = value
     with open(stack_path, "w") as stack_file:
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+        faulthandler.enable(file=stack_file, all_threads=True)  # a crash leaves its stack
         try:
             import torch
 
@@ -190,8 +191,14 @@ def _collect(procs, readers, timeout, workdir) -> list[Any]:
                 status, value = reader.recv()
             except EOFError:
                 procs[rank].join(5)
+                try:
+                    with open(os.path.join(workdir, f"rank{rank}.stack")) as f:
+                        stack = f.read()
+                except FileNotFoundError:  # died before it started
+                    stack = ""
                 status, value = "error", RankError(
-                    rank, "ProcessDied", f"exit code {procs[rank].exitcode}, no report", ""
+                    rank, "ProcessDied", f"exit code {procs[rank].exitcode}, no report",
+                    f"died with exit code {procs[rank].exitcode}, no report\n{stack}",
                 )
             results[rank] = value
             if status == "error" and pending:

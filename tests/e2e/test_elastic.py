@@ -52,7 +52,7 @@ def _resumes(directory: Path) -> dict[int, int]:
     return {int(r): int(step) for kind, r, step, *_ in _log(directory) if kind == "R"}
 
 
-def _assert_every_sample_once(directory: Path) -> None:
+def _assert_every_sample_once(directory: Path, epochs: int = EPOCHS) -> None:
     resumes = _resumes(directory)
 
     def cut(round_: int) -> float:  # the step the next round went back to
@@ -61,7 +61,7 @@ def _assert_every_sample_once(directory: Path) -> None:
 
     kept = [(int(e), int(i)) for kind, r, e, s, i in
             (f for f in _log(directory) if f[0] == "S") if int(s) <= cut(int(r))]
-    for epoch in range(EPOCHS):
+    for epoch in range(epochs):
         assert sorted(i for e, i in kept if e == epoch) == list(range(SAMPLES)), epoch
 
 

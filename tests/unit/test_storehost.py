@@ -56,3 +56,29 @@ def test_a_close_overtaking_the_open_is_answered_at_once_and_the_late_store_neve
     rounds.open_soon()  # the next round gets a store of its own
     _wait_for(lambda: len(made) == 2 and rounds.current is made[1])
     rounds.close()
+
+
+def test_the_store_lingers_until_each_launcher_named_checked_out_or_is_gone():
+    """Node 0's store at the end of the job: a launcher that checked out and then left (its
+    gone mark too) must not stand in for one that has not read the job's end yet (a count of
+    check-outs against the launchers not gone let the store go early)."""
+    import torch.distributed as dist
+
+    from phalanx.launcher.membership import checked_out_key, gone_key
+
+    class Rdzv:
+        store = dist.HashStore()
+
+    rdzv = Rdzv()
+    rdzv.store.set(checked_out_key("left"), "1")  # checked out, then exited: both marks
+    rdzv.store.set(gone_key("left"), "exited")
+    rdzv.store.set(gone_key("died"), "exited")  # never checked out: nobody to wait for
+    late = threading.Timer(0.5, lambda: rdzv.store.set(checked_out_key("slow"), "1"))
+    began = time.monotonic()
+    late.start()
+    storehost._linger(rdzv, ["left", "died", "slow"])
+    waited = time.monotonic() - began
+    assert 0.5 <= waited < storehost.LINGER_S, waited
+    began = time.monotonic()
+    storehost._linger(rdzv, [])  # nobody else: at once
+    assert time.monotonic() - began < 0.5

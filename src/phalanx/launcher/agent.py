@@ -426,6 +426,6 @@ def _leave(board, store) -> None:
         board = board.current
     if isinstance(board, LeaderBoard):
         try:
-            store.linger(board.expected_check_outs())
+            store.linger(board.awaited_check_outs())
         except RendezvousError:  # its own store helper is gone: nobody to wait for
             pass

@@ -16,7 +16,6 @@ from ..errors import RendezvousError
 from .config import LaunchConfig
 from .membership import (
     ACK_WAIT_S,
-    CHECKED_OUT,
     EXITED,
     GONE_COUNT,
     POLL_S,
@@ -26,6 +25,7 @@ from .membership import (
     Store,
     StoreLost,
     _key,
+    checked_out_key,
     gone_key,
     layout_for,
     majority,
@@ -188,7 +188,7 @@ class NodeBoard:
             return
         self._checked_out = True
         try:
-            self._s.add(CHECKED_OUT, 1)
+            self._s.set(checked_out_key(self.me.id), "1")
         except RendezvousError:
             pass
 
@@ -374,7 +374,8 @@ class LeaderBoard(NodeBoard):
     def finish(self, record: RoundEnd) -> None:
         self._s.set("final", record.to_json())
 
-    def expected_check_outs(self) -> int:
-        """The launchers still there to learn the job's end (node 0 included)."""
-        gone = self._gone_ids()
-        return sum(1 for n in self._known.values() if n.id not in gone)
+    def awaited_check_outs(self) -> list[str]:
+        """The other launchers admitted: the store lingers until each has checked out or
+        is gone. By id, not by count: one that checked out and then left is gone too, and
+        must not stand in for one that has not checked out yet."""
+        return [i for i in self._known if i != self.me.id]

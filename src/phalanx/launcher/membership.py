@@ -19,7 +19,8 @@ node the store moved to, :mod:`phalanx.launcher.relocate`) decides; the others
 ``roundR/end``             how round R ended; the first record published wins.
 ``roundR/ack/ID``, ``roundR/lost``   after a failure: who is still there (see below).
 ``roundR/done``, ``roundR/done/ID``   how many nodes' workers all exited 0; node ID's did.
-``final``, ``checked_out`` the job's end, for nodes waiting outside a round; launchers done.
+``final``                 the job's end, for nodes waiting outside a round.
+``checked_out/ID``        launcher ID needs the store no more (it knows the job's end).
 
 **Rounds.** The leader opens round R once every node of round R-1 that is still there is
 ready, and at least ``--nnodes`` MIN nodes are (the first round also waits up to
@@ -48,7 +49,6 @@ from .config import LaunchConfig
 
 # Keys written by node 0's gate (phalanx.launcher.storehost) and read here.
 GONE_COUNT = "gone"
-CHECKED_OUT = "checked_out"
 EXITED, UNREACHABLE = "exited", "unreachable"  # the values of gone/ID
 # How often a waiting launcher looks at the store again: short next to a human's patience and
 # to torch's own start-up, long enough that the polling costs nothing.
@@ -61,6 +61,10 @@ ACK_WAIT_S = 15.0
 
 def gone_key(node_id: str) -> str:
     return f"gone/{node_id}"
+
+
+def checked_out_key(node_id: str) -> str:
+    return f"checked_out/{node_id}"
 
 
 def _key(round_: int, what: str) -> str:

@@ -143,10 +143,10 @@ class StoreHost:
             raise RendezvousError(f"The launcher's store helper did not close the round's "
                                   f"store within {_CLOSE_WAIT_S:g} s")
 
-    def linger(self, check_outs: int) -> None:
-        """Node 0: keep the launchers' store up after this launcher exits, until
-        ``check_outs`` launchers have checked out (bounded)."""
-        self._send(f"linger {check_outs}")
+    def linger(self, nodes: list[str]) -> None:
+        """Node 0: keep the launchers' store up after this launcher exits, until each of
+        ``nodes`` (launcher ids) has checked out or is gone (bounded)."""
+        self._send(" ".join(["linger", *nodes]))
 
     def kill(self) -> None:
         """Stop the helper at once (nothing was served yet)."""

@@ -14,9 +14,9 @@ stdin (JSON, with the job secret: never on a command line):
 
 The workers' store is made anew for every round: ``open`` (from the launcher, on stdin)
 makes a fresh one, ``close`` ends it and answers ``closed``. End of file on stdin means the
-launcher is gone: this process exits, unless ``linger N`` came first (node 0, at the end of
-the job): then it keeps the launchers' store up until N launchers have checked out, at most
-:data:`LINGER_S` seconds, so that every node learns how the job ended.
+launcher is gone: this process exits, unless ``linger ID...`` came first (node 0, at the end
+of the job): then it keeps the launchers' store up until each launcher named has checked out
+or is gone, at most :data:`LINGER_S` seconds, so that every node learns how the job ended.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ import time
 from ..gate import peers
 from ..gate.inner import InnerStore
 from ..gate.relay import Door, Gate, dial_gate
-from .membership import CHECKED_OUT, EXITED, GONE_COUNT, UNREACHABLE, gone_key
+from .membership import EXITED, GONE_COUNT, UNREACHABLE, checked_out_key, gone_key
 
 # How long node 0's store stays up after its launcher has gone, for the other launchers to
 # read the job's end and check out; a launcher looks at the store every --monitor-interval.
 LINGER_S = 30.0
-_POLL_S = 0.05  # between looks at the check-out count while lingering
+_POLL_S = 0.05  # between looks at the check-outs while lingering
 
 
 def _report(message: str) -> None:
@@ -130,10 +130,12 @@ def _serve(config: dict, rounds: Rounds) -> InnerStore | None:
     return rdzv.current
 
 
-def _linger(rdzv: InnerStore | None, expected: int) -> None:
+def _linger(rdzv: InnerStore | None, nodes: list[str]) -> None:
     deadline = time.monotonic() + LINGER_S
     while rdzv is not None and time.monotonic() < deadline:
-        if rdzv.store.add(CHECKED_OUT, 0) >= expected:
+        nodes = [n for n in nodes if not any(rdzv.store.check([key(n)])
+                                             for key in (checked_out_key, gone_key))]
+        if not nodes:
             return
         time.sleep(_POLL_S)
 
@@ -151,7 +153,7 @@ def main() -> None:
             rounds.close()
             print("closed", flush=True)
         elif order == "linger":
-            linger = int(args[0])
+            linger = args
     if linger is not None:
         # Whoever reads the launcher's output (a terminal, a pipe, a test) must not wait for
         # this process: it lets go of the launcher's stderr before it lingers.
