@@ -166,7 +166,9 @@ class Checkpointer(Joinable):
             ZeRO), or ``"auto"``: sharded for a ``fully_shard`` model (DTensor parameters),
             for phalanx's ``ZeroRedundancyOptimizer`` or for a group of 9 ranks or more (past
             one 8-GPU node), else consolidated; :attr:`format` says which. :meth:`load` reads
-            both. Default ``"consolidated"``.
+            both. Default ``"auto"``. While ranks have joined (:class:`phalanx.join`), a
+            save writes the single file whatever the format (a rank that has joined takes
+            part in it as in any save).
 
     .. warning::
         ``save`` and ``load`` are collectives. If loading fails part-way (e.g. the optimizer
@@ -203,7 +205,7 @@ class Checkpointer(Joinable):
         keep: int | None = 3,
         group: dist.ProcessGroup | None = None,
         map_location: Any = None,
-        format: str = "consolidated",
+        format: str = "auto",
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -295,7 +297,7 @@ class Checkpointer(Joinable):
         book = ledger()
         with book.collective("Checkpointer.save", group=self.group, check=True,
                              shadow=book.shadow(self, CheckpointAction.SAVE, epoch, step)):
-            if self.format == "sharded":
+            if self.format == "sharded" and not _ranks_joined(book):
                 return self._sharded.save(epoch, step, consumed, extra, blocking)
             return self._save(epoch, step, consumed, extra)
 
@@ -482,6 +484,13 @@ class Checkpointer(Joinable):
         else:
             _log.info("checkpoint %s was saved by %d ranks: rank %d keeps its own RNG state",
                       path, len(saved), rank)
+
+
+def _ranks_joined(book: Any) -> bool:
+    """Whether, at the sync point just settled, some rank of a running ``phalanx.join`` had
+    joined: it takes part in a save through :meth:`Checkpointer.join_shadow`, which writes
+    the single file; the active ranks then write it too."""
+    return book.join is not None and len(book.join.active) < book.join.world
 
 
 def _writer() -> int:

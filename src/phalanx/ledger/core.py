@@ -65,6 +65,7 @@ class JoinView(Protocol):
     """A running join, as the ledger sees it (:mod:`phalanx.uneven`)."""
 
     active: tuple[int, ...]  # the ranks still active at the last sync point
+    world: int  # the join's ranks, active or not
 
     def index(self, obj: Any) -> int | None:
         """``obj``'s place among the joinables, or ``None``."""
