@@ -54,6 +54,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.tensor import DTensor
 
 from .. import unfinished
@@ -63,7 +64,8 @@ from ..errors import CheckpointError
 from ..process_group import leave_at_exit
 from . import dcp_zero
 from .dcp_plan import Plans
-from .dcp_engine import BalancedSavePlanner, ChecksummingWriter, SafeReader, merge, split, stage
+from .dcp_engine import (BalancedSavePlanner, ChecksummingWriter, DeferredStaging, SafeReader, _own,
+                         merge, split)
 from .dcp_layout import (
     MANIFEST,
     METADATA,
@@ -92,6 +94,7 @@ if TYPE_CHECKING:
 
 _log = get_logger(__package__)
 STATE_VERSION = 1
+_SHARED_ERRORS = {cls.__name__: cls for cls in SAVE_ERRORS}
 
 
 # format="auto": sharded from this world size up. Up to one node's worth of ranks (8 GPUs, the
@@ -138,6 +141,8 @@ class ShardedIO:
         self._manifest: dict | None = None  # of the checkpoint read last
         self._staged: Any = None  # the host-memory copy of the last background save
         self._plans = Plans()  # DCP's save plans, reused while the state's layout lasts
+        self._staging: DeferredStaging | None = None  # of the background save in flight
+        self._step_hook: Any = None  # makes every optimizer's step() wait for that staging
 
     @property
     def owner(self) -> Checkpointer:
@@ -167,44 +172,108 @@ class ShardedIO:
               tensors: dict, rest: dict, zero: bool) -> Path:
         o = self.owner
         rank, _ = _rank_world(o.group)
-        planner = BalancedSavePlanner()
-        planner.set_up_planner(tensors, is_coordinator=rank == 0)
         local = None if o.comm_state is None else o.comm_state.state_dict()
         # (ZeRO: the non-tensor state of each rank's own parameters, if its optimizer has any)
         owned_rest = rest["optimizer"].get("state") if zero else None
-        # with this rank's save plan, if rank 0 does not hold it (dcp_plan)
-        gathered = gather_to_writer(((epoch, step, capture_rng_state(), local, owned_rest),
-                                     self._plans.offer(planner)), o.group)
-        final = o.directory / sharded_name(step)
-        temp, state, plans, error = None, None, None, None
-        if gathered is not None:
-            try:
-                state = self._state([g for g, _ in gathered], consumed, dict(extra or {}), rest, tensors)
-                plans = self._plans.decide(planner, [offer for _, offer in gathered])
-                temp = TempDir(o.directory, step)
-            except Exception as e:
-                error = as_shared(e, f"Saving checkpoint {final} failed on rank 0: ", SAVE_ERRORS)
-        agree(f"Saving checkpoint {final}", o.group, problem=error, decided_by=0)
-        # the temporary directory's name, and each rank's final plan (if it does not hold it)
-        name, plans = broadcast_from_writer(None if temp is None else (temp.path.name, plans), o.group)
-        plan = self._plans.accept(plans[rank])
-        job = (plan, o.directory / name, final, temp, state)
+        # what changes as training goes on, taken now: this rank's RNG states, rank 0's objects
+        mine = (epoch, step, capture_rng_state(), local, owned_rest)
+        objects = self._objects(consumed) if rank == 0 else None
+        saved = (mine, objects, dict(extra or {}), rest)
         if blocking:
+            planner = BalancedSavePlanner()
+            planner.set_up_planner(tensors, is_coordinator=rank == 0)
+            job = self._prepare(planner, *saved, o.group, None)
             return self._write(planner, *job, o.group)
-        group = self._group()  # (a collective: before the staging, which may fail on one rank)
-        # this rank's part: one copy in host memory, into the previous save's buffers (kept
-        # between saves, released by close()): a copy at memory speed, the least stall
-        staged = self._staged = stage(tensors, self._staged)
-        planner = BalancedSavePlanner()  # (the same layout: the plan holds)
-        planner.set_up_planner(staged, is_coordinator=rank == 0)
+        group = self._group()  # (a collective: made on the first background save)
+        # this rank's part, copied to host memory into the previous save's buffers (kept
+        # between saves, released by close()): the model's buffers now (a forward pass may
+        # change them), the parameters and optimizer state on the writer's thread, which every
+        # optimizer's step() waits for (the only thing that changes them)
+        params = {_own(p).data_ptr() for p in o.module.parameters() if p.numel()}
+        staging = DeferredStaging(
+            tensors, self._staged,
+            lambda path, t: path[0] == "model" and (not t.numel() or _own(t).data_ptr() not in params))
+        self._staging = staging
+        self._watch_steps()
         self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="phalanx-checkpoint")
-        self._pending = self._pool.submit(self._write, planner, *job, group)
+        self._pending = self._pool.submit(self._background, staging, tensors, saved, group)
         self._saving_for = o
         self._owed_by = (o.group or dist.group.WORLD) if dist.is_initialized() else None
         if self._owed_by is not None:
             unfinished.owe(self._owed_by, self.wait)  # destroy_process_group finishes it first
         atexit.register(self._wait_at_exit)
-        return final
+        return o.directory / sharded_name(step)
+
+    def _background(self, staging: DeferredStaging, tensors: dict, saved: tuple, group: Any) -> Path:
+        """The writer's thread: the staging's rest, then the save's exchanges and writes,
+        over the background group (an error of any rank's is raised on every rank)."""
+        try:
+            problem = None
+            try:
+                self._staged = staging.finish()
+            except Exception as e:
+                problem = f"rank {_rank_world(group)[0]}: {e}"
+            # (failed: planned on the live tensors, whose layout is the copy's, to report it)
+            staged = staging.tree if problem is None else tensors
+            planner = BalancedSavePlanner()
+            planner.set_up_planner(staged, is_coordinator=_rank_world(group)[0] == 0)
+            job = self._prepare(planner, *saved, group, problem)
+        except BaseException:
+            self._plans.forget()
+            raise
+        return self._write(planner, *job, group)
+
+    def _prepare(self, planner: BalancedSavePlanner, mine: tuple, objects: dict | None, extra: dict,
+                 rest: dict, group: Any, problem: str | None) -> tuple:
+        """Every rank: the exchanges before the writes. Rank 0 gathers every rank's RNG states
+        (and save plan, if it lacks it: dcp_plan), builds the state file's content and the
+        global plan, and makes the temporary directory; its answer names the directory and
+        carries the final plans the ranks lack, or the error every rank raises (a blocking
+        save agrees through :func:`agree`, on the training's group; a background one has its
+        answer carry the error, on the background group, off the training's ledger)."""
+        o = self.owner
+        rank, _ = _rank_world(group)
+        step = mine[1]
+        final = o.directory / sharded_name(step)
+        gathered = gather_to_writer((mine, self._plans.offer(planner), problem), group)
+        temp, state, plans, error = None, None, None, None
+        if gathered is not None:
+            try:
+                failed = [p for *_, p in gathered if p is not None]
+                if failed:
+                    raise CheckpointError(f"Saving checkpoint {final} failed on " + "; ".join(failed))
+                state = self._state([g for g, *_ in gathered], objects, extra, rest, planner.state_dict)
+                plans = self._plans.decide(planner, [offer for _, offer, _ in gathered])
+                temp = TempDir(o.directory, step)
+            except Exception as e:
+                error = as_shared(e, f"Saving checkpoint {final} failed on rank 0: ", SAVE_ERRORS)
+        if group is o.group:
+            agree(f"Saving checkpoint {final}", group, problem=error, decided_by=0)
+            answer = None if temp is None else (temp.path.name, plans)
+        else:
+            answer = (temp.path.name, plans) if error is None else (type(error).__name__, str(error))
+        # the temporary directory's name, and each rank's final plan (if it does not hold it)
+        answer = broadcast_from_writer(answer, group)
+        if error is not None:
+            raise error
+        name, plans = answer
+        if isinstance(plans, str):  # rank 0's error, as its type
+            raise _SHARED_ERRORS.get(name, CheckpointError)(plans)
+        plan = self._plans.accept(plans[rank])
+        return plan, o.directory / name, final, temp, state
+
+    def _watch_steps(self) -> None:
+        """Every optimizer's ``step()`` waits for the staging in flight (a hook registered
+        once, removed by close(); it holds this object weakly)."""
+        if self._step_hook is None:
+            me = weakref.ref(self)
+
+            def wait_for_staging(*_args: Any) -> None:
+                io = me()
+                staging = None if io is None else io._staging
+                if staging is not None:
+                    staging.done.wait()
+            self._step_hook = register_optimizer_step_pre_hook(wait_for_staging)
 
     def _group(self) -> Any:
         """The Gloo group of the background saves (made on the first; every rank calls)."""
@@ -214,8 +283,18 @@ class ShardedIO:
             self._background_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         return self._background_group
 
-    def _state(self, gathered: list, consumed: int | None, extra: dict, rest: dict,
-               tensors: dict) -> dict:
+    def _objects(self, consumed: int | None) -> dict:
+        """Rank 0, at save time: the scheduler's, scaler's and sampler's state dicts."""
+        o = self.owner
+        out = {}
+        for name in ("scheduler", "scaler", "sampler"):
+            obj = getattr(o, name)
+            if obj is not None:
+                out[name] = obj.state_dict(consumed=consumed) if (
+                    name == "sampler" and consumed is not None) else obj.state_dict()
+        return out
+
+    def _state(self, gathered: list, objects: dict, extra: dict, rest: dict, tensors: dict) -> dict:
         """Rank 0: the non-tensor state, checked; the directory checked and tidied."""
         o = self.owner
         epoch, step = check_save_step(gathered, o.directory)
@@ -229,11 +308,7 @@ class ShardedIO:
                  "rng": [rng for _, _, rng, *_ in gathered], "extra": extra}
         if o.comm_state is not None:
             state["comm_state"] = [local for _, _, _, local, _ in gathered]
-        for name in ("scheduler", "scaler", "sampler"):
-            obj = getattr(o, name)
-            if obj is not None:
-                state[name] = obj.state_dict(consumed=consumed) if (
-                    name == "sampler" and consumed is not None) else obj.state_dict()
+        state.update(objects)
         for key, value in state.items():
             check_loadable(value, key)
         for stale in clean_stale_dirs(o.directory):
@@ -333,6 +408,10 @@ class ShardedIO:
             self.wait()
         finally:
             self._staged = None
+            self._staging = None
+            if self._step_hook is not None:
+                self._step_hook.remove()
+                self._step_hook = None
             if self._pool is not None:
                 self._pool.shutdown()
                 self._pool = None

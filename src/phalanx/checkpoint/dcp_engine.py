@@ -14,7 +14,9 @@
   to phalanx's state file (loaded ``weights_only``). phalanx never asks DCP for a non-tensor
   item, which torch's planner would unpickle with ``weights_only=False``.
 * :func:`stage`: a host-memory copy of a tensor tree, for a save written in the background
-  (into the buffers of the previous copy when they fit).
+  (into the buffers of the previous copy when they fit); :class:`DeferredStaging`: the same
+  copy, made at save time only for what may change before the next optimizer step, the rest
+  on the writer's thread while training goes on.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import dataclasses
 import io
 import os
 import pickle
+import threading
 import zlib
 from collections import defaultdict
 from pathlib import Path
@@ -38,6 +41,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.distributed.tensor import DTensor
 
+from ..errors import CheckpointError
 from .dcp_items import storage_bytes, template
 from .dcp_layout import check_item, crc32_combine
 from .file import start_writeback
@@ -371,6 +375,10 @@ def stage(tree: Any, previous: Any = None) -> Any:
     if isinstance(tree, dict):
         before = previous if isinstance(previous, dict) else {}
         return {k: stage(v, before.get(k)) for k, v in tree.items()}
+    return _stage_tensor(tree, previous)
+
+
+def _stage_tensor(tree: torch.Tensor, previous: Any) -> torch.Tensor:
     if isinstance(tree, DTensor):
         local = tree.to_local().detach()
         if (isinstance(previous, DTensor) and previous.shape == tree.shape
@@ -389,3 +397,78 @@ def stage(tree: Any, previous: Any = None) -> Any:
 def _fits(buffer: Any, tensor: torch.Tensor) -> bool:
     return (isinstance(buffer, torch.Tensor) and buffer.device.type == "cpu" and buffer.dtype == tensor.dtype
             and buffer.shape == tensor.shape and buffer.stride() == tensor.stride())
+
+
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory and version counter ``tensor`` uses (a DTensor's local one)."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+class StaleStaging(CheckpointError):
+    """A tensor whose staging was deferred changed before it was copied."""
+
+
+class DeferredStaging:
+    """:func:`stage` split in two, so that a background save stalls training for the copies
+    only of what may change before the next optimizer step.
+
+    ``DeferredStaging(tree, previous, now)`` (the caller's thread, at save time) copies the
+    tensors ``now(path, tensor)`` picks (a model's buffers, which a forward pass may change)
+    and notes the version counter of every other one; :meth:`finish` (the writer's thread)
+    copies those, then checks that none of their version counters moved: an in-place change
+    (an optimizer step, ``copy_``, ``load_state_dict``) bumps it, so the copy is the state at
+    save time, bit for bit, or :meth:`finish` raises :class:`StaleStaging` naming the first
+    tensor that changed. :attr:`done` is set once :meth:`finish` has returned or raised;
+    every optimizer's ``step()`` waits for it (see ``dcp_checkpoint``), which is what keeps
+    the state still in between. With CUDA, the copies are made on the stream that was
+    current at save time, after what it had queued (the updates being copied)."""
+
+    def __init__(self, tree: dict, previous: Any, now: Any) -> None:
+        self.done = threading.Event()
+        self._later: list[tuple[tuple, torch.Tensor, Any, int]] = []
+        self._stream = torch.cuda.current_stream() if (
+            torch.cuda.is_available() and torch.cuda.is_initialized()) else None
+        self.tree = self._walk(tree, previous if isinstance(previous, dict) else {}, (), now)
+
+    @torch.no_grad()
+    def _walk(self, tree: dict, previous: dict, path: tuple, now: Any) -> dict:
+        out: dict = {}
+        for key, value in tree.items():
+            before = previous.get(key)
+            if isinstance(value, dict):
+                out[key] = self._walk(value, before if isinstance(before, dict) else {}, (*path, key), now)
+            elif now((*path, key), value):
+                out[key] = _stage_tensor(value, before)
+            else:
+                out[key] = None
+                self._later.append(((*path, key), value, before, _own(value)._version))
+        return out
+
+    @torch.no_grad()
+    def finish(self) -> dict:
+        """The staged tree (every tensor copied); raises :class:`StaleStaging`."""
+        try:
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    self._copy()
+            else:
+                self._copy()
+            changed = next((path for path, value, _, version in self._later
+                            if _own(value)._version != version), None)
+            if changed is not None:
+                raise StaleStaging(
+                    f"{'.'.join(map(str, changed))} changed between save(blocking=False) and its copy "
+                    "to host memory, by something other than an optimizer's step() (which waits "
+                    "for the copy): the checkpoint would not hold the state at save time; call "
+                    "Checkpointer.wait() before changing the state that way")
+            return self.tree
+        finally:
+            self._later = []  # (the live tensors are not held past the staging)
+            self.done.set()
+
+    def _copy(self) -> None:
+        for path, value, before, _ in self._later:
+            node = self.tree
+            for key in path[:-1]:
+                node = node[key]
+            node[path[-1]] = _stage_tensor(value, before)
