@@ -249,9 +249,8 @@ class ShardedIO:
                 error = as_shared(e, f"Saving checkpoint {final} failed on rank 0: ", SAVE_ERRORS)
         if group is o.group:
             agree(f"Saving checkpoint {final}", group, problem=error, decided_by=0)
-            answer = None if temp is None else (temp.path.name, plans)
-        else:
-            answer = (temp.path.name, plans) if error is None else (type(error).__name__, str(error))
+        answer = None if gathered is None else (temp.path.name, plans) if error is None else (
+            type(error).__name__, str(error))
         # the temporary directory's name, and each rank's final plan (if it does not hold it)
         answer = broadcast_from_writer(answer, group)
         if error is not None:
