@@ -17,10 +17,18 @@ manifest, fsyncs them with the state file, fsyncs the directory, renames it into
 fsyncs the parent, prunes to ``keep``, and broadcasts the outcome: every rank returns, or
 every rank raises the same error (and forgets its plans).
 
-**Background saves** (``blocking=False``) stage this rank's tensors to host memory (into the
-previous background save's copy, kept until ``close()``, when the tensors fit it), then run
-the write and the commit above on a thread, over a Gloo group of their own (so that their
-collectives never interleave with training's). At most one is in flight: the next save,
+**Background saves** (``blocking=False``) take on the caller's thread only what changes as
+training goes on and is not held back: the state dicts (references), this rank's RNG states,
+rank 0's scheduler, scaler and sampler state, and a copy of the model's buffers (a forward
+pass may change them); then they return. On a thread of their own they copy the parameters
+and the optimizer state to host memory (:class:`~phalanx.checkpoint.dcp_engine.DeferredStaging`:
+into the previous background save's copy, kept until ``close()``, when the tensors fit it)
+while every optimizer's ``step()`` waits for that copy (a step pre-hook: the one thing that
+changes them), and a change made otherwise (an in-place write, caught by the tensors'
+version counters) fails the save on every rank; then they run every exchange above (RNG
+states to rank 0, plans, rank 0's verdict and directory, whose error travels in its answer),
+the write and the commit, over a Gloo group of their own (so that their collectives never
+interleave with training's, and off the training group's ledger). At most one is in flight: the next save,
 :meth:`~phalanx.checkpoint.Checkpointer.load`, ``wait()`` and ``close()`` wait for it and raise
 its error, if any (on every rank). So does the end of the job: the save is registered with
 its process group (:mod:`phalanx.unfinished`), which ``phalanx.destroy_process_group``
@@ -33,7 +41,8 @@ model's and optimizer's own state dicts, so each rank reads only what its layout
 rows of each tensor (``fully_shard``) or every tensor whole (DDP, one process), at any world
 size. :class:`~phalanx.checkpoint.dcp_engine.SafeReader` checks each stored item's bytes
 against the manifest's CRC-32 as it reads them, before they are decoded, so no byte is read
-twice; DCP gathers every rank's failures, so every rank raises the same
+twice (the next item is read on a thread while one is checked; an item that is the archive
+phalanx writes for a contiguous tensor is decoded where it lies, without ``torch.load``); DCP gathers every rank's failures, so every rank raises the same
 :class:`~phalanx.checkpoint.dcp_layout.DamagedCheckpoint` naming the file, and
 ``resume="auto"`` sets the checkpoint aside as ``.damaged`` and tries the previous one. A directory without a manifest (written by torch's ``dcp.save``) is loaded
 without checksums, after a warning: its ``"model"`` (or, if its keys have no ``model.``
@@ -50,8 +59,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict as _torch_state_dict
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -143,6 +154,7 @@ class ShardedIO:
         self._plans = Plans()  # DCP's save plans, reused while the state's layout lasts
         self._staging: DeferredStaging | None = None  # of the background save in flight
         self._step_hook: Any = None  # makes every optimizer's step() wait for that staging
+        self._optimizer_info: Any = None  # (the parameters, weakly; torch's _StateDictInfo; their names)
 
     @property
     def owner(self) -> Checkpointer:
@@ -160,13 +172,61 @@ class ShardedIO:
         if zero:  # this rank's owned entries, named as a plain optimizer's
             tree["optimizer"] = dcp_zero.optimizer_tree(o.module, o.optimizer)
         elif o.optimizer is not None:
-            tree["optimizer"] = get_optimizer_state_dict(o.module, o.optimizer)
+            tree["optimizer"] = self._optimizer_state(o.module, o.optimizer)
         tensors, rest = split(tree)
         try:
             return self._save(epoch, step, consumed, extra, blocking, tensors, rest, zero)
         except BaseException:
             self._plans.forget()  # (every rank raises: every rank plans anew next time)
             raise
+
+    def _optimizer_state(self, module: Any, optimizer: Any) -> dict:
+        """``get_optimizer_state_dict(module, optimizer)``. Most of its time is spent finding
+        each parameter's name (torch's ``_get_fqns``, a walk of the module per parameter),
+        the same for every save: so the names are found once, by torch's own code, while the
+        model's and the optimizer's parameters are the same objects, and checked once against
+        ``get_optimizer_state_dict``'s result (which is used whenever they differ, and for
+        torch's FSDP1, whose optimizer state torch converts)."""
+        sd = _torch_state_dict
+        if not all(hasattr(sd, n) for n in ("_verify_options", "_init_optim_state", "_get_fqns",
+                                            "_maybe_full_or_cpu_state_dict", "_gc_context")):
+            return get_optimizer_state_dict(module, optimizer)  # (another torch)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        model_params = list(module.parameters())
+        known = self._optimizer_info
+        if known is None or len(known[0]) != len(params) + len(model_params) or any(
+                r() is not p for r, p in zip(known[0], [*params, *model_params])):
+            expected = get_optimizer_state_dict(module, optimizer)
+            info = sd._verify_options(module, (optimizer,), optim_only=True)
+            names = None
+            if not info.fsdp_modules and not info.flatten_optimizer_state_dict:
+                pid = {p: i for i, p in enumerate(params)}
+                names = [None] * len(params)
+                for key, param in module.named_parameters():
+                    fqns = sd._get_fqns(module, key)
+                    if len(fqns) == 1 and param in pid:
+                        names[pid[param]] = next(iter(fqns))
+            known = self._optimizer_info = ([weakref.ref(p) for p in (*params, *model_params)], info, names)
+            if names is None or None in names or not _same_tree(self._named_state(optimizer, known), expected):
+                self._optimizer_info = (known[0], info, None)
+            return expected
+        if known[2] is None:
+            return get_optimizer_state_dict(module, optimizer)
+        with sd._gc_context():
+            return self._named_state(optimizer, known)
+
+    @staticmethod
+    def _named_state(optimizer: Any, known: tuple) -> dict:
+        """What torch's ``_get_optim_state_dict`` gives for one optimizer of a model that is
+        not FSDP1's, with the parameters' names ``known[2]`` (by their index)."""
+        _, info, names = known
+        _torch_state_dict._init_optim_state(optimizer)
+        osd = optimizer.state_dict()
+        state = {names[pid]: value for pid, value in osd["state"].items()}
+        groups = osd["param_groups"]
+        for group in groups:
+            group["params"] = [names[pid] for pid in group["params"]]
+        return _torch_state_dict._maybe_full_or_cpu_state_dict({"state": state, "param_groups": groups}, info)
 
     def _save(self, epoch: int, step: int, consumed: int | None, extra: Mapping | None, blocking: bool,
               tensors: dict, rest: dict, zero: bool) -> Path:
@@ -494,6 +554,17 @@ class ShardedIO:
             dcp_zero.load(o.module, o.optimizer, loaded["optimizer"], path)
         elif o.optimizer is not None:
             set_optimizer_state_dict(o.module, o.optimizer, loaded["optimizer"])
+
+
+def _same_tree(a: Any, b: Any) -> bool:
+    """Whether two nests of dicts and lists are equal, their tensors the same objects."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_tree(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    return type(a) is type(b) and a == b
 
 
 def _leaves(tree: dict) -> Any:
