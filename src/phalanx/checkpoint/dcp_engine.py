@@ -9,7 +9,9 @@
   tensor at a time.
 * :class:`SafeReader`: DCP's ``FileSystemReader`` whose ``.metadata`` is unpickled with an
   allow-list of DCP's metadata classes (torch's reader runs ``pickle.load`` on it), and which
-  checks each item's bytes against the manifest's CRC-32 as it reads them, before decoding.
+  checks each item's bytes against the manifest's CRC-32 as it reads them, before decoding
+  (the next item read on a thread meanwhile; phalanx's own items decoded where they lie,
+  without ``torch.load``).
 * :func:`split` / :func:`merge`: only tensors go to DCP; every other leaf of a state dict goes
   to phalanx's state file (loaded ``weights_only``). phalanx never asks DCP for a non-tensor
   item, which torch's planner would unpickle with ``weights_only=False``.
