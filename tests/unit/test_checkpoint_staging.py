@@ -167,3 +167,30 @@ def test_the_optimizer_state_is_torch_s_with_the_names_found_once(tmp_path):
     opt.state[model[2].weight] = opt.state.pop(next(p for p in list(opt.state) if p.shape == (2, 4)))
     assert _same_tree(io._optimizer_state(model, opt), get_optimizer_state_dict(model, opt))
     assert io._optimizer_info[2] is not names
+
+
+class _Feedback:
+    """A comm_state whose tensor a backward changes in place (as PowerSGD's error feedback)."""
+
+    def __init__(self):
+        self.error = torch.zeros(4)
+
+    def state_dict(self):
+        return {"error": self.error}
+
+    def load_state_dict(self, state):
+        self.error = state["error"].clone()
+
+
+def test_the_comm_state_is_taken_at_the_call(tmp_path, held):
+    model = _Net()
+    feedback = _Feedback()
+    ckpt = Checkpointer(tmp_path, model, format="sharded", comm_state=feedback)
+    feedback.error.fill_(1.0)
+    ckpt.save(0, 1, blocking=False)
+    feedback.error.add_(5.0)  # the next backward, before the writer's thread gathers it
+    held.set()
+    ckpt.close()
+    again = _Feedback()
+    Checkpointer(tmp_path, _Net(), format="sharded", comm_state=again).load()
+    assert again.error.tolist() == [1.0] * 4

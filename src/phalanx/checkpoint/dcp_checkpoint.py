@@ -52,6 +52,7 @@ prefix, the whole of it) into the model, and its ``"optimizer"`` tensors, if giv
 from __future__ import annotations
 
 import atexit
+import copy
 import os
 import shutil
 import weakref
@@ -235,6 +236,9 @@ class ShardedIO:
         local = None if o.comm_state is None else o.comm_state.state_dict()
         # (ZeRO: the non-tensor state of each rank's own parameters, if its optimizer has any)
         owned_rest = rest["optimizer"].get("state") if zero else None
+        if not blocking:  # gathered on the writer's thread, later: copied now (the comm state's
+            # tensors, PowerSGD's error feedback, change in the next backward, before any step)
+            local, owned_rest = copy.deepcopy(local), copy.deepcopy(owned_rest)
         # what changes as training goes on, taken now: this rank's RNG states, rank 0's objects
         mine = (epoch, step, capture_rng_state(), local, owned_rest)
         objects = self._objects(consumed) if rank == 0 else None
