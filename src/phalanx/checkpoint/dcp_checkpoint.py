@@ -257,10 +257,14 @@ class ShardedIO:
         staging = DeferredStaging(
             tensors, self._staged,
             lambda path, t: path[0] == "model" and (not t.numel() or _own(t).data_ptr() not in params))
-        self._staging = staging
         self._watch_steps()
         self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="phalanx-checkpoint")
-        self._pending = self._pool.submit(self._background, staging, tensors, saved, group)
+        self._staging = staging
+        try:
+            self._pending = self._pool.submit(self._background, staging, tensors, saved, group)
+        except BaseException:
+            staging.done.set()  # (no step may wait for a copy nobody will make)
+            raise
         self._saving_for = o
         self._owed_by = (o.group or dist.group.WORLD) if dist.is_initialized() else None
         if self._owed_by is not None:
