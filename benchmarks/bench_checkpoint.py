@@ -49,10 +49,14 @@ every save once, the order rotating; medians over ``--sharded-rounds``:
 After each save, untimed, the older checkpoints are removed and ``sync()`` is called, so that
 the next save starts on a quiet disk (the rotation puts each save after the same one every
 round). A save's time is its slowest rank's. For the two asynchronous saves the *stall* is what
-training waits for: the call's return plus what ``wait()``/``result()`` still waits after a
-gap (``--async-gap`` seconds, default twice the warm-up's blocking sharded save: the gap
-stands for the training between two checkpoints, which on an accelerator leaves the host's
-CPU to the writer thread; here it sleeps). Bytes written per rank are the sizes of the files
+training waits for: the call's return, plus what the next ``optimizer.step()`` waits (it is
+called ``--step-gap`` seconds after the return, by default one forward and backward of the
+model as measured before the saves; it has no gradients, so it changes nothing, but it waits
+for a background save's copy of the parameters and optimizer state as any step does), plus
+what ``wait()``/``result()`` still waits after a gap (``--async-gap`` seconds after the
+return, default twice the warm-up's blocking sharded save: the gap stands for the training
+between two checkpoints, which on an accelerator leaves the host's CPU to the writer thread;
+here it sleeps). Bytes written per rank are the sizes of the files
 each rank wrote (exact). Peak memory: the rise of each rank's peak resident memory over its
 resident memory before the save (``VmHWM`` reset through ``/proc/self/clear_refs``; glibc's
 ``mmap`` threshold fixed at 64 KiB for the saves, so that freed tensors leave resident memory
@@ -111,6 +115,9 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--sharded-rounds", type=int, default=5)
     p.add_argument("--async-gap", type=float, default=0.0,
                    help="seconds between an async save and its wait (0: twice the blocking save)")
+    p.add_argument("--step-gap", type=float, default=-1.0,
+                   help="seconds between an async save and the next optimizer step (default: one "
+                        "forward and backward of the model, measured)")
     p.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
     p.add_argument(RESULT_FLAG, dest="rank_result", help="(set by the script for its ranks)")
     p.add_argument("--sharded-rank", action="store_true", help=argparse.SUPPRESS)
@@ -267,6 +274,22 @@ def _build_gpt(args, seed: int):
     return model, opt
 
 
+def _forward_backward(args, model) -> float:
+    """Seconds of one forward and backward of ``model`` (median of 3; gradients dropped)."""
+    import torch.nn.functional as F
+
+    from phalanx.bench.engine import GPT_TOKENS, GPT_VOCAB
+
+    x = torch.randint(0, GPT_VOCAB, (1, GPT_TOKENS), generator=torch.Generator().manual_seed(1))
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        F.cross_entropy(model(x), x.flatten()).backward()
+        times.append(time.perf_counter() - t)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
 def _local(t) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -333,6 +356,7 @@ def _save_rank(args) -> dict:
              for name in ("consolidated", "sharded", "sharded async")}
     disk = {"bytes": b""}
     gap = [args.async_gap]
+    step_gap = args.step_gap if args.step_gap >= 0 else max(_all(_forward_backward(args, model)))
 
     def dcp_state():
         return {"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, opt)}
@@ -341,10 +365,14 @@ def _save_rank(args) -> dict:
         t = time.perf_counter()
         handle = start()
         returned = time.perf_counter() - t
-        time.sleep(gap[0])  # training goes on
+        time.sleep(step_gap)  # the next step's forward and backward
+        t = time.perf_counter()
+        opt.step()  # (no gradients: it changes nothing, but waits as a step waits)
+        stepped = time.perf_counter() - t
+        time.sleep(max(0.0, gap[0] - step_gap))  # training goes on
         t = time.perf_counter()
         finish(handle)
-        return returned, time.perf_counter() - t
+        return returned, stepped, time.perf_counter() - t
 
     def write_disk(n):
         with open(dirs["disk write+fsync"] / f"rank{rank}", "wb") as f:
@@ -381,9 +409,9 @@ def _save_rank(args) -> dict:
             elapsed = time.perf_counter() - t
             if r == 0 and name == "sharded async":  # its staging copy, kept for the next save
                 kept = _status("VmRSS") - resident
-            returned, waited = out if name in ASYNC else (elapsed, 0.0)
-            per_rank = _all({"s": returned + waited if name in ASYNC else elapsed, "returned": returned,
-                             "waited": waited, "rise": rise})
+            returned, stepped, waited = out if name in ASYNC else (elapsed, 0.0, 0.0)
+            per_rank = _all({"s": returned + stepped + waited if name in ASYNC else elapsed,
+                             "returned": returned, "stepped": stepped, "waited": waited, "rise": rise})
             if r:
                 times[name].append(per_rank)
             if rank == 0:
@@ -411,7 +439,7 @@ def _save_rank(args) -> dict:
         for name in ("sharded async", "dcp.async_save", "disk write+fsync"):
             shutil.rmtree(dirs[name], ignore_errors=True)
     held_all = _all((held, unit, kept))
-    return {"world": world, "times": times, "written": written, "gap": gap[0],
+    return {"world": world, "times": times, "written": written, "gap": gap[0], "step_gap": step_gap,
             "rank0_small_files": small if rank == 0 else {},
             "held": [h for h, *_ in held_all], "unit": max(u for _, u, _ in held_all),
             "staging_kept": [k for *_, k in held_all]}
@@ -530,16 +558,19 @@ def _report_sharded(args, saves: dict, loads: dict) -> dict:
         print(f"sharded async keeps its staging copy between saves (reused: no page faults): "
               f"{' '.join(f'{k / MB:.1f}' for k in res['staging_kept'])} MB resident per rank; its peak rise "
               "above is over that")
-        print(f"{'async':<18}{'returns s':>10}{'waits s':>9}{'stall s':>9}{'/ blocking':>11}   (gap {res['gap']:.2f} s)")
+        print(f"{'async':<18}{'returns s':>10}{'step s':>8}{'waits s':>9}{'stall s':>9}{'/ blocking':>11}"
+              f"   (step after {res['step_gap']:.3f} s, wait after {res['gap']:.2f} s)")
         for name, blocking in ASYNC.items():
             rounds = res["times"][name]
             returned = _median([max(p["returned"] for p in pr) for pr in rounds])
+            stepped = _median([max(p["stepped"] for p in pr) for pr in rounds])
             waited = _median([max(p["waited"] for p in pr) for pr in rounds])
             stall = _median(t[name])
             ratio = stall / _median(t[blocking])
-            print(f"{name:<18}{returned:>10.3f}{waited:>9.3f}{stall:>9.3f}{ratio:>10.1%}")
-            rows[f"w{world} stall: {name}"] = {"returned_s": returned, "waited_s": waited, "stall_s": stall,
-                                               "vs_blocking": ratio, "gap_s": res["gap"]}
+            print(f"{name:<18}{returned:>10.3f}{stepped:>8.3f}{waited:>9.3f}{stall:>9.3f}{ratio:>10.1%}")
+            rows[f"w{world} stall: {name}"] = {"returned_s": returned, "step_s": stepped, "waited_s": waited,
+                                               "stall_s": stall, "vs_blocking": ratio, "gap_s": res["gap"],
+                                               "step_gap_s": res["step_gap"]}
         rows[f"w{world} stall: sharded async"]["staging_kept_by_rank"] = res["staging_kept"]
         goals = rows[f"w{world} save: sharded"]
         goals["rank0_small_files"] = res["rank0_small_files"]

@@ -213,3 +213,59 @@ def test_each_rank_reads_its_share(tmp_path):
     (.metadata, the manifest, the state file)."""
     for rank, (read, share) in enumerate(run_ranks(_read_bytes, 2, tmp_path, timeout=200)):
         assert read <= 1.2 * share, (rank, read, share)
+
+
+def _save_while_training(rank, world_size, directory, layout):
+    """save(blocking=False) with the writer's copy of the parameters held back; the next
+    forward and backward run (all-gathers, reduce-scatters), the step waits for the copy."""
+    import threading
+    import time
+
+    from phalanx.checkpoint import dcp_engine
+
+    release = threading.Event()
+    copy = dcp_engine.DeferredStaging._copy
+    dcp_engine.DeferredStaging._copy = lambda self: (release.wait(60), copy(self))[1]
+    torch.manual_seed(7)
+    model, opt = _build(layout, 0)
+    batches = [torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(s)) for s in range(4)]
+
+    def train_step(x):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    train_step(batches[0])
+    ckpt = Checkpointer(directory, model, opt, format="sharded")
+    out = {}
+    for step, x in ((1, batches[1]), (2, batches[2])):
+        saved = _snapshot(model, opt)
+        release.clear()
+        ckpt.save(0, step, blocking=False)
+        model(x).sum().backward()  # the copy not yet made: the forward and backward go on
+        threading.Timer(0.5, release.set).start()
+        start = time.perf_counter()
+        opt.step()  # waits for the copy
+        out[f"waited{step}"] = time.perf_counter() - start
+        opt.zero_grad()
+        out[f"saved{step}"] = saved
+    train_step(batches[3])
+    ckpt.close()
+    out["after"] = _snapshot(model, opt)
+    for step in (1, 2):
+        fresh, fresh_opt = _build(layout, 1)
+        Checkpointer(directory, fresh, fresh_opt, format="sharded").load(
+            resume=Path(directory) / f"ckpt-{step:012d}.dcp")
+        out[f"loaded{step}"] = _snapshot(fresh, fresh_opt)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_background_save_while_training_goes_on(tmp_path, layout):
+    """Each background save holds the state at its call, bit for bit, though the next forward
+    and backward ran before its copy was made and the step waited for it."""
+    for out in run_ranks(_save_while_training, 2, tmp_path, layout, timeout=300):
+        for step in (1, 2):
+            _equal(out[f"loaded{step}"], out[f"saved{step}"])
+            assert out[f"waited{step}"] > 0.3, out[f"waited{step}"]
+        assert out["after"] != out["saved2"]

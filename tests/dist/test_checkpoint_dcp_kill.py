@@ -63,8 +63,8 @@ def _intercept(point):
         os.rename = lambda a, b: rename(a, b) or (str(b).endswith(".dcp") and _die())
     elif point.endswith("mid-prune"):
         dcp_layout.shutil.rmtree = _die
-    elif point.endswith("staging"):
-        dcp_checkpoint.stage = _die
+    elif point.endswith("staging"):  # the copy of the parameters, on the writer's thread
+        dcp_engine.DeferredStaging.finish = _die
     elif point.endswith("awaiting-outcome"):  # reported, waiting for rank 0's commit
         dcp_checkpoint.broadcast_from_writer = _die_on_second_call(dcp_checkpoint.broadcast_from_writer)
     else:

@@ -193,3 +193,57 @@ def test_metadata_bytes_are_reused_only_where_they_are_the_same(tmp_path):
     moved[1][0] = (5, 100)  # an item elsewhere: pickled anew
     meta = StorageMeta(checkpoint_id=tmp_path / "x", save_id="y")
     assert pickle.loads(plans[0].metadata_file(moved, meta)).storage_data[finals[1].items[0].index].offset == 5
+
+
+def test_the_reader_takes_a_tensor_from_its_archive_only_when_it_is_the_template_s():
+    """Template.storage_in: the storage's bytes of torch.save's archive of a contiguous tensor
+    (what torch.load would give), None for any other archive of that dtype and shape."""
+    import io as _io
+
+    from phalanx.checkpoint.dcp_items import template_for
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype, shape in ((torch.float32, (3, 5)), (torch.bfloat16, (70,)), (torch.int64, ()), (torch.bool, (4, 2))):
+        tensor = torch.randint(0, 2, shape, generator=gen).to(dtype)
+        archive = _io.BytesIO()
+        torch.save(tensor, archive)
+        found = template_for(dtype, shape)
+        storage = found.storage_in(bytearray(archive.getvalue()))
+        assert storage is not None, (dtype, shape)
+        assert torch.equal(torch.frombuffer(bytearray(storage), dtype=dtype).view(shape), tensor)
+        assert template_for(dtype, (99,)).storage_in(archive.getvalue()) is None  # another shape
+    wide = torch.randn(5, 3, generator=gen)
+    for other in (wide.t(), wide.t()[1:]):  # the same shape as a view: another pickle
+        archive = _io.BytesIO()
+        torch.save(other, archive)
+        assert template_for(torch.float32, tuple(other.shape)).storage_in(archive.getvalue()) is None
+    archive = _io.BytesIO()
+    torch.save(torch.randn(3, 5, generator=gen), archive)
+    data = bytearray(archive.getvalue())
+    data[-30] ^= 1  # the central directory's fixed bytes
+    assert template_for(torch.float32, (3, 5)).storage_in(data) is None
+    assert template_for(torch.float32, ()) is not None and template_for(torch.float32, (0,)) is None
+
+
+def test_a_sharded_load_decodes_phalanx_s_items_without_torch_load(tmp_path, monkeypatch):
+    """Every tensor item of phalanx's checkpoint is read from its checked bytes; torch.load runs
+    for none of them, and the model loads bit for bit."""
+    from phalanx.checkpoint import Checkpointer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    Checkpointer(tmp_path, model, opt, format="sharded").save(0, 1)
+    loads = []
+    real = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(1) or real(*a, **k))
+    fresh = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    Checkpointer(tmp_path, fresh, fresh_opt, format="sharded").load()
+    assert loads == [1]  # the state file's (its own format): no DCP item
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
+    for a, b in zip(opt.state.values(), fresh_opt.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)

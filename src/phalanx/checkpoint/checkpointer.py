@@ -275,17 +275,22 @@ class Checkpointer(Joinable):
                 Default ``None``: the sampler counts what it handed out.
             extra (dict, optional): anything else to keep (rank 0's is saved): tensors,
                 numbers, strings, and lists/tuples/dicts of them.
-            blocking (bool, optional): ``False`` (``format="sharded"`` only): copy this
-                rank's state to host memory and write it on a background thread; the call
-                returns the path the checkpoint will have. The next ``save``, ``load``,
-                :meth:`wait` or :meth:`close` waits for it. Default ``True``.
+            blocking (bool, optional): ``False`` (``format="sharded"`` only): copy the
+                model's buffers to host memory, and return the path the checkpoint will have;
+                a background thread copies the parameters and optimizer state (every
+                optimizer's ``step()`` waits for that copy; change them otherwise only after
+                :meth:`wait`, or the save fails) and writes the checkpoint. The next ``save``,
+                ``load``, :meth:`wait` or :meth:`close` waits for it and raises its errors
+                (those below included). Default ``True``.
 
         Raises:
             ValueError, TypeError: a bad argument, or an ``extra`` value safe loading could
                 not rebuild (named), on every rank; a sharded tensor placed otherwise than
                 ``fully_shard`` places it (``Shard(0)`` on one 1-D mesh of the group's ranks).
             RankMismatchError: ranks passed different ``epoch``/``step``.
-            CheckpointError: writing failed (on every rank).
+            CheckpointError: writing failed (on every rank); with ``blocking=False``, also a
+                parameter or optimizer state changed before its copy was made, other than by
+                an optimizer's ``step()`` (named).
         """
         _check_count("epoch", epoch)
         _check_count("step", step)

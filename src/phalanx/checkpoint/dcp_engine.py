@@ -9,12 +9,16 @@
   tensor at a time.
 * :class:`SafeReader`: DCP's ``FileSystemReader`` whose ``.metadata`` is unpickled with an
   allow-list of DCP's metadata classes (torch's reader runs ``pickle.load`` on it), and which
-  checks each item's bytes against the manifest's CRC-32 as it reads them, before decoding.
+  checks each item's bytes against the manifest's CRC-32 as it reads them, before decoding
+  (the next item read on a thread meanwhile; phalanx's own items decoded where they lie,
+  without ``torch.load``).
 * :func:`split` / :func:`merge`: only tensors go to DCP; every other leaf of a state dict goes
   to phalanx's state file (loaded ``weights_only``). phalanx never asks DCP for a non-tensor
   item, which torch's planner would unpickle with ``weights_only=False``.
 * :func:`stage`: a host-memory copy of a tensor tree, for a save written in the background
-  (into the buffers of the previous copy when they fit).
+  (into the buffers of the previous copy when they fit); :class:`DeferredStaging`: the same
+  copy, made at save time only for what may change before the next optimizer step, the rest
+  on the writer's thread while training goes on.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import dataclasses
 import io
 import os
 import pickle
+import threading
 import zlib
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
@@ -33,13 +39,15 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.distributed.tensor import DTensor
 
-from .dcp_items import storage_bytes, template
-from .dcp_layout import check_item, crc32_combine
+from ..errors import CheckpointError
+from .dcp_items import storage_bytes, template, template_for
+from .dcp_layout import DamagedCheckpoint, check_item, crc32_combine
 from .file import start_writeback
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -307,6 +315,67 @@ class SafeReader(FileSystemReader):
             (name, offset): crc for name, entry in manifest["files"].items()
             for offset, _, crc in entry.get("items", ())}
 
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        """As torch's ``FileSystemReader.read_data`` (torch 2.13), with a manifest: each file's
+        items read in their order in it, the next one read on a thread while this one is
+        checked and copied (reading and ``zlib.crc32`` let go of the GIL); each item checked
+        against its CRC-32 before it is decoded; a tensor written as ``torch.save``'s archive
+        of a contiguous tensor (every tensor phalanx writes but a non-contiguous one) decoded
+        from the checked bytes where they are (:meth:`~.dcp_items.Template.storage_in`),
+        anything else by ``torch.load(weights_only=True)``; then copied into the target."""
+        if self.manifest is None:
+            return super().read_data(plan, planner)
+        per_file: dict[str, list] = {}
+        for req in plan.items:
+            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        with ThreadPoolExecutor(1, thread_name_prefix="phalanx-read") as reading:
+            for name, reqs in per_file.items():
+                reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
+                with open(Path(self.path) / name, "rb", buffering=0) as f:
+                    ahead = reading.submit(self._read_item, f, reqs[0])
+                    for i, req in enumerate(reqs):
+                        data = ahead.result()
+                        if i + 1 < len(reqs):
+                            ahead = reading.submit(self._read_item, f, reqs[i + 1])
+                        self._load_item(req, data, planner)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def _read_item(self, f: Any, req: Any) -> bytearray:
+        sinfo = self.storage_data[req.storage_index]
+        data = bytearray(sinfo.length)
+        view, got = memoryview(data), 0
+        while got < sinfo.length:
+            n = os.preadv(f.fileno(), [view[got:]], sinfo.offset + got)
+            if n == 0:
+                break  # (short: its CRC-32 fails below, naming the file)
+            got += n
+        return data if got == sinfo.length else data[:got]
+
+    def _load_item(self, req: Any, data: bytearray, planner: LoadPlanner) -> None:
+        sinfo = self.storage_data[req.storage_index]
+        check_item(Path(self.path), sinfo.relative_path, sinfo.offset, data,
+                   self._crcs.get((sinfo.relative_path, sinfo.offset)))
+        stream: Any = io.BytesIO(data)
+        if sinfo.transform_descriptors:
+            stream = io.BytesIO(self.transforms.transform_load_stream(
+                req, sinfo.transform_descriptors, stream).read(-1))
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, stream)
+            return
+        tensor = None if sinfo.transform_descriptors else _decoded(planner, req, data)
+        if tensor is None:
+            tensor = torch.load(stream, map_location="cpu", weights_only=True)
+        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise DamagedCheckpoint(f"Checkpoint {self.path}: the item of {req.storage_index.fqn} at offset "
+                                    f"{sinfo.offset} of {sinfo.relative_path} holds {tuple(tensor.size())}, "
+                                    f"the load asked for {tuple(target.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
     def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
         # torch's FileSystemReader.read_data reads each item through this view (torch 2.13)
         if self.manifest is None:
@@ -333,6 +402,28 @@ class SafeReader(FileSystemReader):
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _decoded(planner: Any, req: Any, data: bytearray) -> torch.Tensor | None:
+    """The tensor of the archive ``data`` (checked) of ``req``'s stored chunk, as a view of
+    ``data``, if it is the archive :mod:`~.dcp_items` writes for the chunk's dtype and
+    shape (from the checkpoint's metadata); else ``None``."""
+    metadata = getattr(planner, "metadata", None)
+    entry = None if metadata is None else metadata.state_dict_metadata.get(req.storage_index.fqn)
+    chunks = getattr(entry, "chunks", None)
+    if not chunks:
+        return None
+    offset, index = req.storage_index.offset, req.storage_index.index
+    chunk = chunks[index] if index is not None and index < len(chunks) and chunks[index].offsets == offset \
+        else next((c for c in chunks if c.offsets == offset), None)
+    if chunk is None:
+        return None
+    dtype = entry.properties.dtype
+    found = template_for(dtype, tuple(chunk.sizes))
+    storage = None if found is None else found.storage_in(data)
+    if storage is None:
+        return None
+    return torch.frombuffer(storage, dtype=dtype).view(tuple(chunk.sizes))
 
 
 def split(tree: dict) -> tuple[dict, dict]:
@@ -371,6 +462,10 @@ def stage(tree: Any, previous: Any = None) -> Any:
     if isinstance(tree, dict):
         before = previous if isinstance(previous, dict) else {}
         return {k: stage(v, before.get(k)) for k, v in tree.items()}
+    return _stage_tensor(tree, previous)
+
+
+def _stage_tensor(tree: torch.Tensor, previous: Any) -> torch.Tensor:
     if isinstance(tree, DTensor):
         local = tree.to_local().detach()
         if (isinstance(previous, DTensor) and previous.shape == tree.shape
@@ -389,3 +484,78 @@ def stage(tree: Any, previous: Any = None) -> Any:
 def _fits(buffer: Any, tensor: torch.Tensor) -> bool:
     return (isinstance(buffer, torch.Tensor) and buffer.device.type == "cpu" and buffer.dtype == tensor.dtype
             and buffer.shape == tensor.shape and buffer.stride() == tensor.stride())
+
+
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory and version counter ``tensor`` uses (a DTensor's local one)."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+class StaleStaging(CheckpointError):
+    """A tensor whose staging was deferred changed before it was copied."""
+
+
+class DeferredStaging:
+    """:func:`stage` split in two, so that a background save stalls training for the copies
+    only of what may change before the next optimizer step.
+
+    ``DeferredStaging(tree, previous, now)`` (the caller's thread, at save time) copies the
+    tensors ``now(path, tensor)`` picks (a model's buffers, which a forward pass may change)
+    and notes the version counter of every other one; :meth:`finish` (the writer's thread)
+    copies those, then checks that none of their version counters moved: an in-place change
+    (an optimizer step, ``copy_``, ``load_state_dict``) bumps it, so the copy is the state at
+    save time, bit for bit, or :meth:`finish` raises :class:`StaleStaging` naming the first
+    tensor that changed. :attr:`done` is set once :meth:`finish` has returned or raised;
+    every optimizer's ``step()`` waits for it (see ``dcp_checkpoint``), which is what keeps
+    the state still in between. With CUDA, the copies are made on the stream that was
+    current at save time, after what it had queued (the updates being copied)."""
+
+    def __init__(self, tree: dict, previous: Any, now: Any) -> None:
+        self.done = threading.Event()
+        self._later: list[tuple[tuple, torch.Tensor, Any, int]] = []
+        self._stream = torch.cuda.current_stream() if (
+            torch.cuda.is_available() and torch.cuda.is_initialized()) else None
+        self.tree = self._walk(tree, previous if isinstance(previous, dict) else {}, (), now)
+
+    @torch.no_grad()
+    def _walk(self, tree: dict, previous: dict, path: tuple, now: Any) -> dict:
+        out: dict = {}
+        for key, value in tree.items():
+            before = previous.get(key)
+            if isinstance(value, dict):
+                out[key] = self._walk(value, before if isinstance(before, dict) else {}, (*path, key), now)
+            elif now((*path, key), value):
+                out[key] = _stage_tensor(value, before)
+            else:
+                out[key] = None
+                self._later.append(((*path, key), value, before, _own(value)._version))
+        return out
+
+    @torch.no_grad()
+    def finish(self) -> dict:
+        """The staged tree (every tensor copied); raises :class:`StaleStaging`."""
+        try:
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    self._copy()
+            else:
+                self._copy()
+            changed = next((path for path, value, _, version in self._later
+                            if _own(value)._version != version), None)
+            if changed is not None:
+                raise StaleStaging(
+                    f"{'.'.join(map(str, changed))} changed between save(blocking=False) and its copy "
+                    "to host memory, by something other than an optimizer's step() (which waits "
+                    "for the copy): the checkpoint would not hold the state at save time; call "
+                    "Checkpointer.wait() before changing the state that way")
+            return self.tree
+        finally:
+            self._later = []  # (the live tensors are not held past the staging)
+            self.done.set()
+
+    def _copy(self) -> None:
+        for path, value, before, _ in self._later:
+            node = self.tree
+            for key in path[:-1]:
+                node = node[key]
+            node[path[-1]] = _stage_tensor(value, before)

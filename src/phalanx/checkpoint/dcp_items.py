@@ -142,6 +142,21 @@ class Template:
             struct.pack_into("<I", tail, at, sid_crc)
         return bytes(tail)
 
+    def storage_in(self, archive: Any) -> memoryview | None:
+        """The storage's bytes in ``archive`` (bytes-like) if it is this template's archive of
+        some storage (``head`` and the tail's bytes but its CRC-32 fields and serialization
+        id equal), else ``None``: read so, the bytes are what ``torch.load`` of the archive
+        gives (a contiguous tensor of this dtype and shape), without ``torch.load``."""
+        view = memoryview(archive).cast("B")
+        head, end = len(self.head), len(self.head) + self.nbytes
+        if view.nbytes != end + len(self.tail) or view[:head] != self.head:
+            return None
+        tail = bytearray(view[end:])
+        for at in self._data_fields + self._sid_fields:
+            tail[at:at + 4] = self.tail[at:at + 4]
+        tail[self._sid_at:self._sid_at + 40] = self.tail[self._sid_at:self._sid_at + 40]
+        return view[head:end] if tail == self.tail else None
+
 
 def _central_directory(head: bytes, tail: bytes, hole: int) -> list[dict]:
     """Each record of the archive ``head + <hole bytes> + tail``: name, start of its data,
@@ -190,6 +205,11 @@ def _central_directory(head: bytes, tail: bytes, hole: int) -> list[dict]:
 
 
 _templates: dict[tuple, Template | None] = {}
+# dtypes whose archive is not one plain storage of their element size (sub-byte, quantized)
+_NO_TEMPLATE = {getattr(torch, n) for n in ("quint8", "qint8", "qint32", "quint4x2", "quint2x4", "bits1x8",
+                                             "bits2x4", "bits4x2", "bits8", "bits16", "uint1", "uint2",
+                                             "uint3", "uint4", "uint5", "uint6", "uint7", "int1", "int2",
+                                             "int3", "int4", "int5", "int6", "int7") if hasattr(torch, n)}
 _lock = threading.Lock()
 _checked: bool | None = None  # whether this torch's archives are as expected (checked once)
 
@@ -213,14 +233,31 @@ def _check() -> bool:
 def template(tensor: torch.Tensor) -> Template | None:
     """The template of ``tensor``'s archive, or ``None`` if :mod:`this module <.dcp_items>`
     cannot write it exactly as ``torch.save`` would (see the module notes)."""
-    global _checked
     if not (type(tensor) is torch.Tensor and tensor.device.type == "cpu" and tensor.layout == torch.strided
             and 0 < tensor.numel() * tensor.element_size() < _ZIP32 and not tensor.requires_grad
             and tensor.is_contiguous()
             and not tensor.is_quantized and not tensor.is_conj() and not tensor.is_neg()
             and not any(getattr(tensor, "names", None) or ()) and tensor.stride() == _contiguous(tensor.shape)):
         return None
-    key = (tensor.dtype, tuple(tensor.shape))
+    return _template((tensor.dtype, tuple(tensor.shape)))
+
+
+def template_for(dtype: torch.dtype, shape: tuple[int, ...]) -> Template | None:
+    """The template of a contiguous tensor of ``dtype`` and ``shape``, or ``None`` (as
+    :func:`template`)."""
+    if not isinstance(dtype, torch.dtype):
+        return None
+    try:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    except Exception:
+        return None
+    if not 0 < nbytes < _ZIP32 or dtype in _NO_TEMPLATE:
+        return None
+    return _template((dtype, tuple(shape)))
+
+
+def _template(key: tuple) -> Template | None:
+    global _checked
     found = _templates.get(key, False)
     if found is not False:
         return found
