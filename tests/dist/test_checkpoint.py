@@ -160,7 +160,8 @@ def _consume_then_save(rank, world_size, directory, length, per_rank):
     sampler.set_epoch(3)
     it = iter(sampler)
     taken = [next(it) for _ in range(per_rank)]
-    Checkpointer(directory, model, optimizer, sampler=sampler).save(3, per_rank)
+    # the single file (phalanx's ZeRO defaults to the sharded format): read back below
+    Checkpointer(directory, model, optimizer, sampler=sampler, format="consolidated").save(3, per_rank)
     return taken, _draws()
 
 

@@ -160,7 +160,8 @@ def _damage(rank, world_size, directory):
     out["mixed"] = sorted(os.listdir(mixed))
     out["mixed-auto"] = Checkpointer(mixed, model, opt).load().path.name
     out["lower"] = error_of(Checkpointer(mixed, model, opt, format="sharded").save, 0, 1)
-    out["consolidated-async"] = error_of(Checkpointer(mixed, model, opt).save, 0, 9, blocking=False)
+    out["consolidated-async"] = error_of(Checkpointer(mixed, model, opt, format="consolidated").save,
+                                         0, 9, blocking=False)
     return out
 
 

@@ -1,5 +1,5 @@
-"""Checkpointer(format="auto"): sharded for a fully_shard model or past one 8-GPU node,
-consolidated otherwise; and what each choice then writes."""
+"""Checkpointer(format="auto"), the default: sharded for a fully_shard model or past one
+8-GPU node, consolidated otherwise; and what each choice then writes."""
 
 import pytest
 import torch
@@ -21,12 +21,12 @@ class _Zero(torch.optim.SGD):
 
 def test_auto_picks_by_world_size_and_optimizer(tmp_path, monkeypatch):
     model = torch.nn.Linear(4, 4)
-    ckpt = Checkpointer(tmp_path, model, format="auto")  # no process group: one process
+    ckpt = Checkpointer(tmp_path, model)  # no process group: one process
     assert ckpt.format == "consolidated"
     assert ckpt.save(0, 1).name == "ckpt-000000000001.ckpt"
     for world, expected in ((8, "consolidated"), (9, "sharded"), (64, "sharded")):
         monkeypatch.setattr(dcp_checkpoint, "_rank_world", lambda group, w=world: (0, w))
-        assert Checkpointer(tmp_path, model, format="auto").format == expected, world
+        assert Checkpointer(tmp_path, model).format == expected, world
         zero = _Zero(model.parameters(), lr=0.1)  # the sharded format does not save it
         assert Checkpointer(tmp_path, model, zero, format="auto").format == "consolidated"
     with pytest.raises(TypeError, match="saves phalanx's ZeroRedundancyOptimizer, not _Zero"):
@@ -38,10 +38,10 @@ def test_auto_picks_by_world_size_and_optimizer(tmp_path, monkeypatch):
 
 def _sharded(rank, world_size, directory):
     model = fully_shard(torch.nn.Linear(4, 4))
-    ckpt = Checkpointer(directory / "fs", model, format="auto")
+    ckpt = Checkpointer(directory / "fs", model)  # format="auto", the default
     ddp = phalanx.DistributedDataParallel(torch.nn.Linear(4, 4))
     zero = phalanx.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW)
-    zero_ckpt = Checkpointer(directory / "zero", ddp, zero, format="auto")
+    zero_ckpt = Checkpointer(directory / "zero", ddp, zero)
     return ckpt.format, ckpt.save(0, 1).name, zero_ckpt.format, zero_ckpt.save(0, 1).name
 
 

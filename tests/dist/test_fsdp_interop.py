@@ -74,7 +74,7 @@ def _fully_sharded_against_one_process(rank, world_size, directory):
                                           opt.state[b]["exp_avg"].to_local())
                               for a, b in zip(again.parameters(), model.parameters())),
         "whole_refused": error_of(phalanx.Checkpointer(f"{directory}/whole", again, again_opt).load),
-        "dim1_refused": _dim1_refused(directory),
+        "dim1": _dim1(directory),
         "sharded": all(t.to_local().numel() < t.numel() for t in model.state_dict().values()
                        if t.numel() >= world_size),
         "max_diff": max((full[n] - t).abs().max().item() for n, t in reference.state_dict().items()),
@@ -83,14 +83,28 @@ def _fully_sharded_against_one_process(rank, world_size, directory):
     }
 
 
-def _dim1_refused(directory):
-    """Shards on dim 1 (torch's shard_placement_fn): not what Checkpointer re-slices."""
+def _dim1(directory):
+    """Shards on dim 1 (torch's shard_placement_fn): not what the single file re-slices
+    (refused); the sharded format, the default for a sharded model, takes them (DCP's own
+    resharding), reloaded into a model initialised otherwise."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-    fully_shard(model, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else Shard(0))
-    return error_of(phalanx.Checkpointer(f"{directory}/dim1", model).save, 0, 1)
+    def sharded(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        return fully_shard(model, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else Shard(0))
+
+    model, fresh = sharded(1), sharded(2)
+    refused = error_of(phalanx.Checkpointer(f"{directory}/dim1", model, format="consolidated").save, 0, 1)
+    ckpt = phalanx.Checkpointer(f"{directory}/dim1_dcp", model)
+    ckpt.save(0, 1)
+    differed = not all(torch.equal(a.to_local(), b.to_local())
+                       for a, b in zip(model.parameters(), fresh.parameters()))
+    phalanx.Checkpointer(f"{directory}/dim1_dcp", fresh).load()
+    return {"refused": refused, "format": ckpt.format, "differed": differed,
+            "reloaded": all(torch.equal(a.to_local(), b.to_local())
+                            for a, b in zip(model.parameters(), fresh.parameters()))}
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +128,12 @@ def test_checkpointer_saves_and_loads_torchs_fully_sharded_model(fsdp):
         assert result["reloaded"] and result["reloaded_state"], result
 
 
-def test_shards_on_another_dim_are_refused_on_every_rank(fsdp):
+def test_shards_on_another_dim_are_refused_by_the_single_file_and_kept_by_the_sharded_format(fsdp):
     for result in fsdp:
-        kind, message = result["dim1_refused"]
+        kind, message = result["dim1"]["refused"]
         assert kind == "TypeError" and "but 0.weight has placements (Shard(dim=1),)" in message, result
+        assert result["dim1"]["format"] == "sharded"  # format="auto", the default
+        assert result["dim1"]["differed"] and result["dim1"]["reloaded"], result
 
 
 def test_a_whole_model_checkpoint_is_refused_by_a_sharded_model(fsdp):

@@ -8,6 +8,9 @@ world 2 resumes that one (3 -> 2). Each step's global batch is ``GLOBAL`` sample
 epoch's permutation (a ``phalanx.DistributedSampler``), split evenly over the ranks, so a
 mid-epoch resume at another world size must continue the same sequence of global batches.
 The world-2 group also measures the peak memory of a save (``_save_memory``).
+
+This module is about the single file (``format="consolidated"``); a sharded model's default,
+the sharded format, is tested in ``test_checkpoint_dcp.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import phalanx
-from phalanx import Checkpointer
+from phalanx import Checkpointer as _Checkpointer
 from phalanx.fsdp import fully_shard, initialize
 from tests.dist.test_fully_shard import _batch, _max_diff, _mine, _model, _shard, _without_key_bias
 from tests.dist.test_fully_shard_models import _variant, _whole
@@ -37,6 +40,10 @@ GLOBAL = 6  # samples per step: 3 per rank at world 2, 2 at world 3
 SAMPLES = 48  # one epoch: 8 steps
 K, STEPS = 2, 4  # saved after K steps, compared after STEPS
 SEED = 5
+
+
+def Checkpointer(*args, **kwargs):  # noqa: N802 - phalanx.Checkpointer, writing the single file
+    return _Checkpointer(*args, format="consolidated", **kwargs)
 
 
 def _data():
