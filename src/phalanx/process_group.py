@@ -99,7 +99,7 @@ def _resolve_backend(backend: str | None, env: _env.DistEnv,
 
 
 # What shared_memory=None means without the variable (env.SHARED_MEMORY_ENV).
-SHARED_MEMORY_DEFAULT = False
+SHARED_MEMORY_DEFAULT = True
 
 
 def _shared_memory_wanted(shared_memory: bool | None, backend: str, world_size: int) -> bool:

@@ -9,11 +9,23 @@ queued after it, and every later one, with the same error.
 The per-call path is kept short (small collectives take tens of microseconds): a work holds a
 plain lock that is released when it completes (no ``Event``), and its ``Future`` is made only
 when someone asks for it (``get_future``), so a blocking call builds neither.
+
+Two futures, one per kind of caller. A Python caller (a comm hook, ``dist.all_reduce(...,
+async_op=True).get_future()``) gets a ``torch.futures.Future`` completed by this module: its
+value is the result list, its error the collective's own exception. C++ callers (torch's DDP
+reducer and its built-in hooks, join) read a future's value as an ``IValue`` and its error as a
+C++ error, and a Python-made future has neither: its value is a ``PyObject`` (the FP16_COMPRESS
+hook asserts a TensorList) and ``set_exception`` stores the exception *as its value*, so C++
+saw a failed collective succeed, and the reducer took element 0 of the empty tensor list it
+extracted from the exception. C++ gets :func:`cxx_future` instead: a future TorchScript makes,
+of type ``List[Tensor]`` (``List[List[Tensor]]`` for a list all-gather), completed with the
+result list or with a real error when the Python one completes.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections import deque
 from datetime import timedelta
@@ -52,6 +64,7 @@ class ShmWork(dist._Work):
         super().__init__()
         self._result = result
         self._future: Future | None = None
+        self._cxx_future: Future | None = None
         self._error = error
         self._done = done
         # Held until the work completes: wait() acquires and releases it.
@@ -110,7 +123,21 @@ class ShmWork(dist._Work):
         return self._result
 
     def get_future(self) -> Future:
+        """The work's future: completed with the result list (a list of tensors, of lists of
+        tensors for a list all-gather) or the collective's error. Asked by C++, a future whose
+        value C++ can read (:func:`cxx_future`)."""
         _UNCLAIMED.pop(id(self), None)
+        if _asked_by_cxx():
+            with _FUTURE_LOCK:
+                typed = self._cxx_future
+            if typed is None:
+                typed = cxx_future(self._python_future(), self._result)
+                with _FUTURE_LOCK:
+                    typed = self._cxx_future = self._cxx_future or typed
+            return typed
+        return self._python_future()
+
+    def _python_future(self) -> Future:
         with _FUTURE_LOCK:
             future = self._future
             if future is not None:
@@ -120,6 +147,63 @@ class ShmWork(dist._Work):
         if done:
             _complete(future, self._result, self._error)
         return future
+
+
+def _asked_by_cxx() -> bool:
+    """Whether ``get_future``'s caller is C++ (torch's ``PyWork::getFuture``, called by the
+    reducer, its built-in hooks, join) rather than Python code: Python code that calls
+    ``get_future`` names it; C++ enters from whatever Python frame was running when this
+    thread went into C++ (``loss.backward()``'s engine call), or from none at all."""
+    try:
+        caller = sys._getframe(2)  # 0: this, 1: get_future, 2: its caller
+    except ValueError:  # no Python frame under get_future: C++ called it on a thread of its own
+        return True
+    return "get_future" not in caller.f_code.co_names
+
+
+# TorchScript makes the only futures of a given element type whose completion Python can
+# trigger: a forked function waits for a future and returns the tensors it was given. Its
+# future's type is the function's return type, and its value the IValue of that type; an
+# error in the awaited future ends the forked function with that error.
+_CXX_SOURCE = """
+def _tensors_when(done: Future[int], tensors: List[Tensor]) -> List[Tensor]:
+    torch.jit.wait(done)
+    return tensors
+
+def tensors(done: Future[int], tensors: List[Tensor]) -> Future[List[Tensor]]:
+    return torch.jit.fork(_tensors_when, done, tensors)
+
+def _tensor_lists_when(done: Future[int], lists: List[List[Tensor]]) -> List[List[Tensor]]:
+    torch.jit.wait(done)
+    return lists
+
+def tensor_lists(done: Future[int], lists: List[List[Tensor]]) -> Future[List[List[Tensor]]]:
+    return torch.jit.fork(_tensor_lists_when, done, lists)
+"""
+_CXX_LOCK = threading.Lock()
+_cxx: Any = None  # the compiled _CXX_SOURCE (torch.jit.CompilationUnit), made at first use
+
+
+def _checked(future: Future) -> Any:
+    """A callback that raises the collective's error: ``then`` turns it into a C++ error."""
+    return future.value()
+
+
+def cxx_future(future: Future, result: list[Any]) -> Future:
+    """A future that completes when ``future`` (a Python-made one, completed with ``result``
+    or an exception) does, with ``result`` as C++ reads it (``List[Tensor]``, or
+    ``List[List[Tensor]]``), or with its error as a C++ error. Its callbacks run on torch's
+    inter-op thread pool: only C++ gets it (its callbacks never block)."""
+    global _cxx
+    with _CXX_LOCK:
+        if _cxx is None:
+            _cxx = torch.jit.CompilationUnit(_CXX_SOURCE)
+    signal = future.then(_checked)
+    if all(isinstance(t, torch.Tensor) for t in result):
+        return _cxx.tensors(signal, result)
+    if all(isinstance(ts, list) and all(isinstance(t, torch.Tensor) for t in ts) for ts in result):
+        return _cxx.tensor_lists(signal, result)
+    return signal  # (no collective returns another result; this one still fails in C++)
 
 
 def _complete(future: Future, result: list[Any], error: BaseException | None) -> None:
