@@ -129,13 +129,28 @@ class ShmWork(dist._Work):
         _UNCLAIMED.pop(id(self), None)
         if _asked_by_cxx():
             with _FUTURE_LOCK:
-                typed = self._cxx_future
+                typed, done = self._cxx_future, self._done
             if typed is None:
-                typed = cxx_future(self._python_future(), self._result)
+                # A work already done gets a future already complete: C++ may read its value
+                # at once (the reducer reads the divide factor of join's forward work so,
+                # right after waiting for the work).
+                typed = (self._cxx_future_done() if done
+                         else cxx_future(self._python_future(), self._result))
                 with _FUTURE_LOCK:
                     typed = self._cxx_future = self._cxx_future or typed
             return typed
         return self._python_future()
+
+    def _cxx_future_done(self) -> Future:
+        """:func:`cxx_future` of a work already done, complete now (no hop through a pool)."""
+        if self._error is not None:
+            failed = Future()
+            failed.set_exception(self._error)
+            return failed.then(_checked)  # a callback on a completed future runs at once
+        try:  # complete, of the type torch infers for the result (what torch.jit.fork does)
+            return torch._C.fork(_same, self._result)
+        except RuntimeError:  # no type to infer: an empty list (barrier's), read by no C++
+            return self._python_future()
 
     def _python_future(self) -> Future:
         with _FUTURE_LOCK:
@@ -182,6 +197,10 @@ def tensor_lists(done: Future[int], lists: List[List[Tensor]]) -> Future[List[Li
 """
 _CXX_LOCK = threading.Lock()
 _cxx: Any = None  # the compiled _CXX_SOURCE (torch.jit.CompilationUnit), made at first use
+
+
+def _same(result: list[Any]) -> list[Any]:
+    return result
 
 
 def _checked(future: Future) -> Any:
