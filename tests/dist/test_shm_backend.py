@@ -238,6 +238,35 @@ def _fully_shard(rank, world, g, bad):
         bad.append(f"fully_shard's collectives: {steps[1]} shm steps (Gloo run: {steps[0]})")
 
 
+def _call_forms(rank, world, g, bad):
+    """torch's ProcessGroup methods' other call forms (torch's DDP join calls
+    ``process_group.allreduce(tensor)``): on shared memory too (the channel's steps advance),
+    in issue order with the rest, with the results of the list forms."""
+    total = float(sum(range(world)))
+    before = g._channel.seq
+    t = torch.full((2,), float(rank), dtype=torch.int32)
+    g.allreduce(t).wait()
+    m = torch.tensor([float(rank)])
+    g.allreduce([m], dist.ReduceOp.MAX).wait()
+    b = torch.full((3,), float(rank))
+    g.broadcast(b, world - 1).wait()
+    r = torch.tensor([float(rank)])
+    g.reduce(r, 0, dist.ReduceOp.SUM).wait()
+    outs = [torch.empty(1) for _ in range(world)]
+    g.allgather(outs, torch.tensor([float(rank)])).wait()
+    out = torch.empty(1)
+    g.reduce_scatter(out, [torch.tensor([float(rank + i)]) for i in range(world)], dist.ReduceOp.SUM).wait()
+    g.barrier(timedelta(seconds=30)).wait()
+    got = (t.tolist(), m.item(), b.tolist(), r.item() if rank == 0 else None,
+           [o.item() for o in outs], out.item())
+    want = ([int(total)] * 2, float(world - 1), [float(world - 1)] * 3, total if rank == 0 else None,
+            list(map(float, range(world))), total + rank * world)
+    if got != want:
+        bad.append(f"call forms: {got}, expected {want}")
+    if g._channel.seq - before < 7:
+        bad.append(f"call forms: {g._channel.seq - before} shm steps for 7 collectives")
+
+
 def _all_checks(rank, world):
     import phalanx.shm
     g = dist.new_group(backend="phalanx_shm")
@@ -246,6 +275,7 @@ def _all_checks(rank, world):
     _movements(rank, world, g, bad)
     _shapes(rank, world, g, bad)
     _threads(rank, world, bad)
+    _call_forms(rank, world, g, bad)
     if world == 2:
         _ddp(rank, world, g, bad)
         _fully_shard(rank, world, g, bad)
