@@ -48,7 +48,10 @@ def _worker(impl: str, steps: int, counted: bool) -> None:
         import phalanx as dist
         from phalanx import DistributedDataParallel as DDP
         from phalanx import DistributedSampler
-        dist.init_process_group(backend="gloo", diagnostics=impl != "phalanx-nodiag")
+        # Gloo, as torch's: this counts DDP's own Python, not the transport (phalanx's
+        # default on one host, shared memory, runs its collectives on a thread of its own)
+        dist.init_process_group(backend="gloo", diagnostics=impl != "phalanx-nodiag",
+                                shared_memory=False)
     torch.manual_seed(0)
     data = [(torch.rand(20), torch.rand(1)) for _ in range(2048)]
     model = DDP(torch.nn.Linear(20, 1))

@@ -250,6 +250,22 @@ class PendingReduceScatter:
 _native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def gloo_serves(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether Gloo's own transport runs ``group``'s CPU collectives (default: the world's): a
+    ``"gloo"`` group, or a plain c10d group of another backend name whose CPU backend is
+    Gloo's (a ``"phalanx_shm"`` group whose members span hosts). A group that overrides
+    collectives itself (the shared-memory one, served by Gloo only for the rest) is not."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if dist.get_backend(pg) == "gloo":
+        return True
+    if type(pg) is not dist.ProcessGroup:
+        return False
+    try:
+        return isinstance(pg._get_backend(torch.device("cpu")), dist.ProcessGroupGloo)
+    except RuntimeError:  # no CPU backend
+        return False
+
+
 def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,
                          group: dist.ProcessGroup | None = None) -> PendingReduceScatter:
     """Start ``torch.distributed.reduce_scatter_tensor(output, input, op, group)``: rank ``r``
@@ -271,7 +287,7 @@ def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, op: Any = di
             f"[{input.numel()}], output {output.dtype}[{output.numel()}]")
     if not (input.is_contiguous() and output.is_contiguous()):
         raise ValueError("reduce_scatter needs contiguous input and output tensors")
-    if dist.get_backend(group) != "gloo" or input.device.type != "cpu":
+    if not gloo_serves(group) or input.device.type != "cpu":
         work = _native_reduce_scatter(output, input, op=op, group=group, async_op=True)
         return PendingReduceScatter(work, None, output, name, world)
     received = torch.empty_like(input).view(-1)
@@ -337,7 +353,7 @@ def reduce_async(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if not 0 <= dst < world:
         raise ValueError(f"reduce's dst must be a rank of the group (0..{world - 1}), got {dst}")
-    if dist.get_backend(group) != "gloo" or tensor.device.type != "cpu" or not tensor.is_contiguous():
+    if not gloo_serves(group) or tensor.device.type != "cpu" or not tensor.is_contiguous():
         dst_global = dst if group is None else dist.get_global_rank(group, dst)
         return PendingReduce(dist.reduce(tensor, dst_global, group=group, async_op=True), None, tensor, dst)
     n = tensor.numel()

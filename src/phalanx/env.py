@@ -363,7 +363,7 @@ def watchdog_seconds(environ: Mapping[str, str] | None = None) -> float | None:
     return seconds
 
 
-# The variable that turns the shared-memory backend on ("1") or off ("0") where
+# The variable that turns the shared-memory backend off ("0") or on ("1", the default) where
 # init_process_group's shared_memory is left at None.
 SHARED_MEMORY_ENV = "PHALANX_SHARED_MEMORY"
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

@@ -98,8 +98,9 @@ def _resolve_backend(backend: str | None, env: _env.DistEnv,
     return name
 
 
-# What shared_memory=None means without the variable (env.SHARED_MEMORY_ENV).
-SHARED_MEMORY_DEFAULT = False
+# What shared_memory=None means without the variable (env.SHARED_MEMORY_ENV): on, where it
+# applies (Gloo, several ranks; each group decides whether its members share a host).
+SHARED_MEMORY_DEFAULT = True
 
 
 def _shared_memory_wanted(shared_memory: bool | None, backend: str, world_size: int) -> bool:
@@ -120,7 +121,7 @@ def _shared_memory_backend(backend: str) -> str:
             f"shared_memory=True serves CPU tensors: it needs backend='gloo' (or None on a "
             f"process without a GPU), got backend={backend!r}"
         )
-    from . import shm  # registers the backend with torch (opt-in: only when asked for)
+    from . import shm  # registers the backend with torch (only where it is used)
 
     return shm.BACKEND_NAME
 
@@ -281,9 +282,10 @@ def init_process_group(
         shared_memory (bool, keyword-only): on CPU, run the collectives over same-host shared
             memory (the ``"phalanx_shm"`` backend, :mod:`phalanx.shm`) where every rank is on
             this host; a group that spans hosts stays on Gloo. ``True`` needs ``backend``
-            ``None`` or ``"gloo"`` on a process without a GPU. Default ``None``: the variable
-            ``PHALANX_SHARED_MEMORY`` decides (``1`` on, ``0`` off) where the backend is Gloo
-            and there is more than one rank; without it, off (see docs/shared_memory.md).
+            ``None`` or ``"gloo"`` on a process without a GPU; ``False``: Gloo. Default
+            ``None``: on where it applies (the backend is Gloo, more than one rank), unless the
+            variable ``PHALANX_SHARED_MEMORY`` says ``0`` (see docs/shared_memory.md). On it,
+            ``dist.get_backend()`` is ``"phalanx_shm"``.
 
     Returns:
         The :class:`~phalanx.env.DistEnv` this process joined with.

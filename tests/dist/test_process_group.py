@@ -86,7 +86,8 @@ def many_checks(request):
 def test_ranks_sizes_backend_and_device(many_checks):
     world_size, results = many_checks
     for rank, out in enumerate(results):
-        assert out["ids"] == (rank, world_size, rank, world_size, "gloo", "cpu")
+        # on CPU, one host: the shared-memory backend, by its name (docs/shared_memory.md)
+        assert out["ids"] == (rank, world_size, rank, world_size, "phalanx_shm", "cpu")
 
 
 def test_broadcast_tensors_sends_rank_0s_values_across_dtypes_and_chunks(many_checks):
@@ -104,7 +105,7 @@ def test_all_reduce_any_is_true_everywhere_iff_true_somewhere(many_checks):
 def test_torchs_collectives_under_phalanxs_names(many_checks):
     world_size, results = many_checks
     for out in results:
-        assert out["torch_collectives"] == (world_size * (world_size + 1) / 2, True, "gloo")
+        assert out["torch_collectives"] == (world_size * (world_size + 1) / 2, True, "phalanx_shm")
 
 
 def test_items_that_differ_across_ranks_name_the_first_difference(many_checks):

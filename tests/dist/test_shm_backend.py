@@ -238,6 +238,39 @@ def _fully_shard(rank, world, g, bad):
         bad.append(f"fully_shard's collectives: {steps[1]} shm steps (Gloo run: {steps[0]})")
 
 
+def _call_forms(rank, world, g, bad):
+    """torch's ProcessGroup methods' other call forms (torch's DDP join calls
+    ``process_group.allreduce(tensor)``): on shared memory too (the channel's steps advance),
+    in issue order with the rest, with the results of the list forms."""
+    total = float(sum(range(world)))
+    before = g._channel.seq
+    t = torch.full((2,), float(rank), dtype=torch.int32)
+    g.allreduce(t).wait()
+    m = torch.tensor([float(rank)])
+    g.allreduce([m], dist.ReduceOp.MAX).wait()
+    b = torch.full((3,), float(rank))
+    g.broadcast(b, world - 1).wait()
+    r = torch.tensor([float(rank)])
+    g.reduce(r, 0, dist.ReduceOp.SUM).wait()
+    outs = [torch.empty(1) for _ in range(world)]
+    g.allgather(outs, torch.tensor([float(rank)])).wait()
+    out = torch.empty(1)
+    g.reduce_scatter(out, [torch.tensor([float(rank + i)]) for i in range(world)], dist.ReduceOp.SUM).wait()
+    g.barrier(timedelta(seconds=30)).wait()
+    from phalanx.diagnostics.collectives import monitored_barrier
+    monitored_barrier(g, timedelta(seconds=30))  # torch's refuses the name; on Gloo beneath
+    if error_of(dist.monitored_barrier, g)[0] != "ValueError":
+        bad.append("torch's monitored_barrier now accepts phalanx_shm: say so in the docs")
+    got = (t.tolist(), m.item(), b.tolist(), r.item() if rank == 0 else None,
+           [o.item() for o in outs], out.item())
+    want = ([int(total)] * 2, float(world - 1), [float(world - 1)] * 3, total if rank == 0 else None,
+            list(map(float, range(world))), total + rank * world)
+    if got != want:
+        bad.append(f"call forms: {got}, expected {want}")
+    if g._channel.seq - before < 7:
+        bad.append(f"call forms: {g._channel.seq - before} shm steps for 7 collectives")
+
+
 def _all_checks(rank, world):
     import phalanx.shm
     g = dist.new_group(backend="phalanx_shm")
@@ -246,6 +279,7 @@ def _all_checks(rank, world):
     _movements(rank, world, g, bad)
     _shapes(rank, world, g, bad)
     _threads(rank, world, bad)
+    _call_forms(rank, world, g, bad)
     if world == 2:
         _ddp(rank, world, g, bad)
         _fully_shard(rank, world, g, bad)
@@ -363,7 +397,7 @@ def test_phalanx_init_process_group_shared_memory_switch_and_variable(shared_mem
 def test_the_variable_decides_only_where_shared_memory_is_left_at_none(monkeypatch):
     from phalanx.process_group import _shared_memory_wanted
     monkeypatch.delenv("PHALANX_SHARED_MEMORY", raising=False)
-    assert not _shared_memory_wanted(None, "gloo", 2)  # the default, for now: off
+    assert _shared_memory_wanted(None, "gloo", 2)  # the default: on where it applies
     assert _shared_memory_wanted(True, "gloo", 2) and not _shared_memory_wanted(False, "gloo", 2)
     monkeypatch.setenv("PHALANX_SHARED_MEMORY", "1")
     assert _shared_memory_wanted(None, "gloo", 2)
@@ -528,3 +562,41 @@ def test_a_view_made_in_no_grad_mode_is_written_as_gloo_writes_it():
     in no_grad mode is refused by autograd where grad mode is on (the worker thread's default)."""
     for got in run_ranks(_no_grad_view, 2):
         assert got == [6.0] * 4, got
+
+
+def _torch_ddp_cxx_hooks(rank, world):
+    """torch's DDP over the backend with its C++ built-in hooks (their futures are read in
+    C++: ALLREDUCE's by the reducer, FP16_COMPRESS's by a C++ callback that asserts a
+    TensorList), against the same over Gloo; then, the last rank killed, torch's DDP's backward
+    on the survivors, whose reducer reads the failed future in C++."""
+    import phalanx.shm
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    g = dist.new_group(backend="phalanx_shm", timeout=timedelta(seconds=60))
+    bad = [] if phalanx.shm.uses_shared_memory(g) else ["not on shared memory"]
+    hooks = (None, dist.BuiltinCommHookType.ALLREDUCE, dist.BuiltinCommHookType.FP16_COMPRESS)
+    for hook in hooks:
+        params = []
+        for group in (dist.new_group(backend="gloo"), g):
+            model = DDP(_mlp(), process_group=group, bucket_cap_mb=0.002)
+            if hook is not None:
+                model._register_builtin_comm_hook(hook)
+            _train(model, rank)
+            params.append([p.detach().clone() for p in model.parameters()])
+        if not all(map(torch.equal, *params)):
+            bad.append(f"DDP with hook {hook} over phalanx_shm differs from over Gloo")
+    model = DDP(_mlp(), process_group=g, bucket_cap_mb=0.002)
+    _train(model, rank, steps=2)  # its buckets rebuilt (a broadcast in the second forward)
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    err = error_of(lambda: model(torch.ones(16, 20)).square().mean().backward())
+    return bad, err, time.monotonic() - start
+
+
+def test_torchs_ddp_reads_the_backends_futures_in_cxx_values_and_errors():
+    results = run_ranks(_torch_ddp_cxx_hooks, 2, return_exceptions=True, timeout=120)
+    assert isinstance(results[1], RankError)
+    bad, err, took = results[0]
+    assert bad == [], bad
+    assert err[0] == "RuntimeError" and "rank 1 exited" in err[1], err  # raised: no crash
+    assert took < 5.0, took

@@ -10,7 +10,9 @@ one small extra all-reduce per call; torch.distributed's own functions skip both
 
 ``monitored_barrier`` is its own check (it names the ranks that did not arrive within its
 ``timeout``): it is recorded but meets at no sync point first, which would wait for those
-ranks past that timeout; inside a join it is announced like the others.
+ranks past that timeout; inside a join it is announced like the others. torch's refuses any
+backend not named ``"gloo"``; this one also runs on a group whose CPU collectives Gloo serves
+beneath another name (``"phalanx_shm"``), on that Gloo (:func:`monitored_barrier`).
 
 Point-to-point calls (``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``) involve
 two ranks, not a group, and are passed through unchanged.
@@ -20,8 +22,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
+from datetime import timedelta
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from ..ledger import syncpoint
@@ -53,6 +58,41 @@ _SPEC: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 CHECKED = frozenset(_SPEC)
 
 
+def _gloo_beneath(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group``'s backend is not named ``"gloo"`` but its CPU backend is Gloo's."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if dist.get_backend(pg) == "gloo":
+        return False
+    try:
+        return isinstance(pg._get_backend(torch.device("cpu")), dist.ProcessGroupGloo)
+    except RuntimeError:  # no CPU backend
+        return False
+
+
+def monitored_barrier(group: dist.ProcessGroup | None = None, timeout: Any = None,
+                      wait_all_ranks: bool = False) -> None:
+    """torch's ``monitored_barrier``, which accepts only a backend named ``"gloo"``, also on a
+    group whose CPU backend is Gloo under another name (``"phalanx_shm"``, whose name its
+    subgroups and device meshes inherit): there, the same call on the group (c10d runs it on
+    that CPU backend), after torch's own argument handling.
+
+    Args and errors are torch's: rank 0 raises ``RuntimeError`` naming the first rank (every
+    rank with ``wait_all_ranks``) that did not arrive within ``timeout`` (default: the
+    backend's default timeout)."""
+    c10d = dist.distributed_c10d
+    if (group is not None and c10d._rank_not_in_group(group)) or not _gloo_beneath(group):
+        return dist.monitored_barrier(group, timeout, wait_all_ranks)
+    if timeout is None:
+        timeout = c10d._get_default_timeout(dist.get_backend(group))
+    elif isinstance(timeout, float):  # as torch converts it, and warns
+        warnings.warn("Please specify timeout arg as a timedelta. Converting current value of "
+                      f"{timeout} assuming it represents seconds", stacklevel=2)
+        timeout = timedelta(seconds=timeout)
+    c10d._check_valid_timeout(timeout)
+    pg = group if group is not None else c10d._get_default_group()
+    return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+
 def _value(value: Any) -> str:
     return getattr(value, "name", None) or str(value)
 
@@ -61,7 +101,7 @@ def _value(value: Any) -> str:
 def checked(name: str) -> Callable[..., Any]:
     """torch.distributed's ``name``, checked and recorded by this process's diagnostics (when
     it has any: a process group of several ranks, diagnostics on)."""
-    fn = getattr(dist, name)
+    fn = monitored_barrier if name == "monitored_barrier" else getattr(dist, name)
     signature = inspect.signature(fn)
     tensor_args = _SPEC[name][0]
 

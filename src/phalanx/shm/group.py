@@ -43,6 +43,30 @@ def _in_turn(runs: list[Callable[[], None]]) -> Callable[[], None]:
     return run
 
 
+def _options(opts: Any, kind: type, timeout: Any = None, **fields: Any) -> Any:
+    """``opts`` when it is already a ``kind`` (c10d's options), else a ``kind`` built from the
+    other call forms' arguments: torch's ``ProcessGroup`` methods are overloaded in C++
+    (``pg.allreduce(tensor)``, ``pg.allreduce([t], ReduceOp.MAX)``, ``pg.broadcast(t, root)``,
+    ``pg.barrier(timeout)``...), and a Python subclass's method takes every one of those
+    calls: torch's DDP join calls ``process_group.allreduce(local_used_map)``, which the
+    Gloo fallback for "not one tensor" took, off shared memory and out of the peers' order."""
+    if isinstance(opts, kind):
+        return opts
+    made = kind()
+    for name, value in fields.items():
+        if value is not None:
+            setattr(made, name, value)
+    if isinstance(opts, timedelta):
+        timeout = opts
+    if timeout is not None:
+        made.timeout = timeout
+    return made
+
+
+def _tensor_list(tensors: Any) -> list[torch.Tensor]:
+    return [tensors] if isinstance(tensors, torch.Tensor) else tensors
+
+
 def _write_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for t, flat in pairs:
         if flat.data_ptr() != t.data_ptr() or not t.is_contiguous():
@@ -91,8 +115,11 @@ class ShmProcessGroup(dist.ProcessGroup):
         """Whether ``t`` (served) takes the one-step path: contiguous, fits one slot."""
         return t.is_contiguous() and t.numel() * t.element_size() <= self._one_step
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        opts = opts if opts is not None else AllreduceOptions()
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None, op: Any = None,
+                  timeout: Any = None) -> Any:
+        tensors = _tensor_list(tensors)
+        opts = _options(opts, AllreduceOptions, timeout,
+                        reduceOp=op if op is not None else (opts if opts is not None else None))
         op = opts.reduceOp
         code = ops.SUM if op == _SUM else ops.reduce_code(op)
         if len(tensors) != 1 or code is None or not self._served(tensors):
@@ -109,8 +136,11 @@ class ShmProcessGroup(dist.ProcessGroup):
             _write_back([(t, flat)])
         return self._submit(run, [t], opts)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        opts = opts if opts is not None else ReduceOptions()
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None, op: Any = None,
+               timeout: Any = None) -> Any:
+        tensors = _tensor_list(tensors)
+        if not isinstance(opts, ReduceOptions):  # the form (tensor, root, op=SUM)
+            opts = _options(None, ReduceOptions, timeout, rootRank=opts, reduceOp=op)
         code = ops.reduce_code(opts.reduceOp)
         if len(tensors) != 1 or code is None or not self._served(tensors):
             return self._gloo.reduce(tensors, opts)
@@ -127,8 +157,10 @@ class ShmProcessGroup(dist.ProcessGroup):
                 _write_back([(t, flat)])
         return self._submit(run, [t], opts)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        opts = opts if opts is not None else BroadcastOptions()
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None, timeout: Any = None) -> Any:
+        tensors = _tensor_list(tensors)
+        if not isinstance(opts, BroadcastOptions):  # the form (tensor, root)
+            opts = _options(None, BroadcastOptions, timeout, rootRank=opts, rootTensor=0)
         if len(tensors) != 1 or opts.rootTensor != 0 or not self._served(tensors):
             return self._gloo.broadcast(tensors, opts)
         t, root = tensors[0], opts.rootRank
@@ -146,7 +178,9 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> Any:
-        opts = opts if opts is not None else AllgatherOptions()
+        if isinstance(inputs, torch.Tensor):  # the form (outputs, input, timeout=None)
+            outputs, inputs = [outputs], [inputs]
+        opts = _options(opts, AllgatherOptions)
         if (len(inputs) != 1 or len(outputs) != 1 or not self._served(inputs + outputs[0])
                 or len(outputs[0]) != self.size()
                 or any(o.numel() != inputs[0].numel() or o.dtype != inputs[0].dtype
@@ -214,8 +248,11 @@ class ShmProcessGroup(dist.ProcessGroup):
         return self._submit(self._gather_steps(outs, t), result, opts)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
-                       opts: Any = None) -> Any:
-        opts = opts if opts is not None else ReduceScatterOptions()
+                       opts: Any = None, op: Any = None, timeout: Any = None) -> Any:
+        if isinstance(outputs, torch.Tensor):  # the form (output, inputs, op=SUM)
+            outputs, inputs = [outputs], [inputs]
+        opts = _options(opts, ReduceScatterOptions, timeout,
+                        reduceOp=op if op is not None else (opts if opts is not None else None))
         code = ops.reduce_code(opts.reduceOp)
         if (len(outputs) != 1 or len(inputs) != 1 or code is None or len(inputs[0]) != self.size()
                 or not self._served(outputs + inputs[0])
@@ -281,7 +318,7 @@ class ShmProcessGroup(dist.ProcessGroup):
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: list[int], input_split_sizes: list[int],
                       opts: Any = None) -> Any:
-        opts = opts if opts is not None else AllToAllOptions()
+        opts = _options(opts, AllToAllOptions)
         if not self._served([output, input]) or output.dtype != input.dtype:
             return self._gloo.alltoall_base(output, input, output_split_sizes,
                                             input_split_sizes, opts)
@@ -310,7 +347,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         return [s * row for s in splits]
 
     def barrier(self, opts: Any = None) -> Any:
-        opts = opts if opts is not None else BarrierOptions()
+        opts = _options(opts, BarrierOptions)
         return self._submit(lambda: ops.barrier(self._channel), [], opts)
 
     def shutdown(self) -> None:
