@@ -18,11 +18,12 @@ collectives, :mod:`phalanx.ledger`), which here rides the gradient's all-reduce.
 The implementations take turns, round by round (rotating the order), each a fresh launch:
 
 * ``torch``: ``torchrun`` and torch's own DDP and sampler (the tutorial as written);
-* ``phalanx``: ``phalanx run`` and phalanx's imports (diagnostics on: the default);
+* ``phalanx``: ``phalanx run`` and phalanx's imports, its defaults: diagnostics on, and on
+  one host the collectives over same-host shared memory (:mod:`phalanx.shm`); across
+  namespaces (two "hosts") Gloo;
 * ``phalanx-nodiag``: the same with ``init_process_group(diagnostics=False)``;
-* ``phalanx-shm`` (one host only): diagnostics on, ``init_process_group(shared_memory=True)``:
-  the gradient's all-reduce over same-host shared memory (:mod:`phalanx.shm`) instead of
-  Gloo's loopback.
+* ``phalanx-gloo`` (one host only): diagnostics on, ``init_process_group(shared_memory=False)``:
+  the gradient's all-reduce over Gloo's loopback, as torch's.
 
 With ``--netns`` the two ranks run as two nodes of one job, one in each of two network
 namespaces joined by a veth pair (:mod:`phalanx.bench.netns`; ``--rate``: ``tc`` limits each
@@ -49,8 +50,9 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-IMPLS = ("torch", "phalanx", "phalanx-nodiag", "phalanx-shm")
-# one host only: the shared-memory backend serves no group across hosts
+IMPLS = ("torch", "phalanx", "phalanx-nodiag", "phalanx-gloo")
+# across namespaces phalanx's default is Gloo already (the shared-memory backend serves no
+# group across hosts)
 NETNS_IMPLS = ("torch", "phalanx", "phalanx-nodiag")
 # The namespaces' names and /24 (phalanx.bench.netns), apart from the other benchmarks'
 PREFIX, SUBNET = "phxtut", "10.216.0"
@@ -73,7 +75,7 @@ def _worker(impl: str, epochs: int, batch_size: int, result: str) -> None:
         from phalanx import DistributedDataParallel as DDP
         from phalanx import DistributedSampler
         dist.init_process_group(backend="gloo", diagnostics=impl != "phalanx-nodiag",
-                                shared_memory=impl == "phalanx-shm")
+                                shared_memory=False if impl == "phalanx-gloo" else None)
     torch.manual_seed(0)  # the tutorial's MyTrainDataset(2048): random inputs and targets
     data = [(torch.rand(20), torch.rand(1)) for _ in range(2048)]
     model = DDP(torch.nn.Linear(20, 1))

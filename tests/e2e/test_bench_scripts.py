@@ -44,7 +44,7 @@ def test_bench_compile_times_eager_and_compiled_ddps(tmp_path):
 def test_bench_tutorial_times_torch_and_phalanx_with_and_without_diagnostics(tmp_path):
     rows = _run("bench_tutorial.py", "--rounds", "1", "--epochs", "2", "--batch-size", "256",
                 out=tmp_path / "t.json")["results"]
-    assert set(rows) == {"torch", "phalanx", "phalanx-nodiag", "phalanx-shm"}
+    assert set(rows) == {"torch", "phalanx", "phalanx-nodiag", "phalanx-gloo"}
     assert rows["torch"]["ratio"] == 1.0
     assert all(r["epoch_s"] > 0 and len(r["per_launch"]) == 1 for r in rows.values())
 
