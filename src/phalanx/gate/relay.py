@@ -94,9 +94,10 @@ class Door:
     def _admit(self, conn: socket.socket) -> None:
         if peers.connected_by(conn, self._allowed()) is None:
             where = conn.getpeername()
-            conn.close()
+            # said before the close: whoever sees the connection end finds it said
             self._report(f"refused a connection to port {self.port} from {where[0]}:{where[1]}: "
                          "not a process of this job")
+            conn.close()
             return
         splice(conn, self._upstream())
 
@@ -127,9 +128,9 @@ class Gate:
         except OSError:  # it fell silent (a plain TCPStore client waits for a reply)
             hello = None
         if hello is None:
-            conn.close()
             self._report(f"refused a connection from {where[0]}:{where[1]}: it did not prove "
-                         "this job's secret")
+                         "this job's secret")  # (before the close, as the door's)
+            conn.close()
             return
         store, node = hello
         if store == "probe":
