@@ -601,8 +601,8 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(argv)
     if args.rank_result:  # one of the ranks: --check-ranks's or a sharded world's
-        if args.sharded_rank:
-            serve(_sharded_rank, args.rank_result, args)
+        if args.sharded_rank:  # phalanx's process group at its defaults (one host: shared memory)
+            serve(_sharded_rank, args.rank_result, args, shared_memory=None)
         else:
             serve(_check_rank, args.rank_result, args.check_calls)
         return
