@@ -185,9 +185,10 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     steps = 2048 // args.nproc // args.batch_size
-    where = ("two network namespaces (a veth pair" + (f", {args.rate} each way)" if args.rate else ")")
-             if args.netns else "one host")
-    print(f"\nDDP tutorial, {args.nproc} processes, Gloo, {where}, batch {args.batch_size} ({steps} "
+    where = ("two network namespaces (a veth pair" + (f", {args.rate} each way), everyone on Gloo"
+                                                      if args.rate else "), everyone on Gloo")
+             if args.netns else "one host (torch on Gloo, phalanx's default: shared memory)")
+    print(f"\nDDP tutorial, {args.nproc} processes, {where}, batch {args.batch_size} ({steps} "
           f"steps per epoch), {args.rounds} launches x {args.epochs - 1} timed epochs each\n")
     print("| implementation | epoch s (median) | per-launch medians | /torch | spread |")
     print("|---|---|---|---|---|")
