@@ -250,6 +250,14 @@ class PendingReduceScatter:
 _native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def cpu_backend_is_gloo(pg: dist.ProcessGroup) -> bool:
+    """Whether ``pg``'s CPU backend is Gloo's, whatever the group's backend name."""
+    try:
+        return isinstance(pg._get_backend(torch.device("cpu")), dist.ProcessGroupGloo)
+    except RuntimeError:  # no CPU backend
+        return False
+
+
 def gloo_serves(group: dist.ProcessGroup | None = None) -> bool:
     """Whether Gloo's own transport runs ``group``'s CPU collectives (default: the world's): a
     ``"gloo"`` group, or a plain c10d group of another backend name whose CPU backend is
@@ -258,12 +266,7 @@ def gloo_serves(group: dist.ProcessGroup | None = None) -> bool:
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     if dist.get_backend(pg) == "gloo":
         return True
-    if type(pg) is not dist.ProcessGroup:
-        return False
-    try:
-        return isinstance(pg._get_backend(torch.device("cpu")), dist.ProcessGroupGloo)
-    except RuntimeError:  # no CPU backend
-        return False
+    return type(pg) is dist.ProcessGroup and cpu_backend_is_gloo(pg)
 
 
 def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,

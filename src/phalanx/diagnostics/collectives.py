@@ -26,9 +26,9 @@ import warnings
 from datetime import timedelta
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 
+from ..comm import cpu_backend_is_gloo
 from ..ledger import syncpoint
 from ..ledger.log import call_site, describe_tensors
 from .attach import ledger
@@ -61,12 +61,7 @@ CHECKED = frozenset(_SPEC)
 def _gloo_beneath(group: dist.ProcessGroup | None) -> bool:
     """Whether ``group``'s backend is not named ``"gloo"`` but its CPU backend is Gloo's."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    if dist.get_backend(pg) == "gloo":
-        return False
-    try:
-        return isinstance(pg._get_backend(torch.device("cpu")), dist.ProcessGroupGloo)
-    except RuntimeError:  # no CPU backend
-        return False
+    return dist.get_backend(pg) != "gloo" and cpu_backend_is_gloo(pg)
 
 
 def monitored_barrier(group: dist.ProcessGroup | None = None, timeout: Any = None,
