@@ -59,8 +59,44 @@ PREFIX, SUBNET = "phxtut", "10.216.0"
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
+def _threads() -> dict[int, tuple[str, int, int, int]]:
+    """This process's threads now: ``{thread id: (name, voluntary context switches,
+    involuntary ones, CPU ticks)}`` from ``/proc/self/task``. A voluntary switch is a wake-up:
+    the thread slept (a wait, a poll, a timer) and was woken. The name is Python's for a
+    Python thread, else the kernel's (``gloo_tcp_loop``...)."""
+    import threading
+
+    named = {t.native_id: t.name for t in threading.enumerate()}
+    seen = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+        except FileNotFoundError:  # ended meanwhile
+            continue
+        name = named.get(int(tid), status["Name"].strip())
+        seen[int(tid)] = (name, int(status["voluntary_ctxt_switches"]),
+                          int(status["nonvoluntary_ctxt_switches"]), int(fields[11]) + int(fields[12]))
+    return seen
+
+
+def _thread_counts(before: dict, after: dict, steps: int) -> list[dict]:
+    """Per thread alive at the end: wake-ups, involuntary switches and CPU ticks per 1000
+    steps between ``before`` and ``after`` (:func:`_threads`); a thread started meanwhile counts
+    from zero."""
+    rows = []
+    for tid, (name, vol, nonvol, ticks) in sorted(after.items()):
+        _, vol0, nonvol0, ticks0 = before.get(tid, (name, 0, 0, 0))
+        rows.append({"thread": name, "wakeups": (vol - vol0) * 1000 / steps,
+                     "preempted": (nonvol - nonvol0) * 1000 / steps, "ticks": (ticks - ticks0) * 1000 / steps})
+    return rows
+
+
 def _worker(impl: str, epochs: int, batch_size: int, result: str) -> None:
-    """One rank of the tutorial's training loop (``Trainer._run_epoch``), timing each epoch."""
+    """One rank of the tutorial's training loop (``Trainer._run_epoch``), timing each epoch;
+    each rank also counts its threads' wake-ups over the timed epochs (``{result}.threads{rank}``)."""
     import torch
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
@@ -81,9 +117,11 @@ def _worker(impl: str, epochs: int, batch_size: int, result: str) -> None:
     model = DDP(torch.nn.Linear(20, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     loader = DataLoader(data, batch_size=batch_size, shuffle=False, sampler=DistributedSampler(data))
-    times = []
+    times, threads = [], {}
     for epoch in range(epochs):
         loader.sampler.set_epoch(epoch)
+        if epoch == 1:  # the first epoch is start-up
+            threads = _threads()
         start = time.perf_counter()
         for source, targets in loader:
             optimizer.zero_grad()
@@ -91,15 +129,20 @@ def _worker(impl: str, epochs: int, batch_size: int, result: str) -> None:
             loss.backward()
             optimizer.step()
         times.append(time.perf_counter() - start)
+    counts = _thread_counts(threads, _threads(), len(loader) * (epochs - 1))
+    with open(f"{result}.threads{dist.get_rank()}", "w") as f:
+        json.dump(counts, f)
     if dist.get_rank() == 0:
         with open(result, "w") as f:
             json.dump(times, f)
     dist.destroy_process_group()
 
 
-def _launch(impl: str, args: argparse.Namespace, scratch: str, nodes: list | None = None) -> list[float]:
+def _launch(impl: str, args: argparse.Namespace, scratch: str,
+            nodes: list | None = None) -> tuple[list[float], list[dict[str, list[float]]]]:
     """One launch of ``impl``: on this host (``nodes`` None), or as two nodes, one in each
-    namespace of ``nodes``; returns rank 0's timed epochs."""
+    namespace of ``nodes``; returns rank 0's timed epochs and each rank's threads
+    (:func:`_by_name`)."""
     result = os.path.join(scratch, f"{impl}.json")
     worker = [os.path.abspath(__file__), "--worker", impl, "--epochs", str(args.epochs),
               "--batch-size", str(args.batch_size), "--result", result]
@@ -107,8 +150,9 @@ def _launch(impl: str, args: argparse.Namespace, scratch: str, nodes: list | Non
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))
     for attempt in (1, 2):  # a launch that fails is retried once, and said (torchrun's two-node
         # exit barrier has failed after its workers were done: "Failed to recv", exit 1)
-        if os.path.exists(result):
-            os.remove(result)
+        for path in (result, *(f"{result}.threads{rank}" for rank in range(args.nproc))):
+            if os.path.exists(path):
+                os.remove(path)
         try:
             if nodes is None:
                 command = [*_launcher(impl), "--standalone", "--nproc-per-node", str(args.nproc), *worker]
@@ -120,8 +164,43 @@ def _launch(impl: str, args: argparse.Namespace, scratch: str, nodes: list | Non
             if attempt == 2:
                 raise
             print(f"{impl}: launch failed ({e}); launching it again", file=sys.stderr)
+    threads = []
+    for rank in range(args.nproc):
+        with open(f"{result}.threads{rank}") as f:
+            threads.append(_by_name(json.load(f)))
     with open(result) as f:
-        return json.load(f)[1:]  # the first epoch is start-up
+        return json.load(f)[1:], threads  # the first epoch is start-up
+
+
+def _by_name(rows: list[dict]) -> dict[str, list[float]]:
+    """One rank's thread counts (:func:`_thread_counts`) summed per thread name (torch's
+    Gloo names several threads alike): ``{name: [wake-ups, preempted, ticks] per 1000 steps}``."""
+    named: dict[str, list[float]] = {}
+    for row in rows:
+        total = named.setdefault(row["thread"], [0.0, 0.0, 0.0])
+        for i, key in enumerate(("wakeups", "preempted", "ticks")):
+            total[i] += row[key]
+    return named
+
+
+def _thread_table(threads: dict[str, list[list[dict[str, list[float]]]]]) -> dict:
+    """Print, per implementation and rank, each thread's median over the launches of its
+    wake-ups (voluntary context switches), involuntary switches and CPU ticks (1/100 s) per
+    1000 steps; return the figures."""
+    print("\nThreads over the timed epochs, per 1000 steps (median of the launches; a wake-up is a "
+          "voluntary context switch: the thread slept and was woken)\n")
+    print("| implementation | rank | thread | wake-ups | preempted | CPU ticks |")
+    print("|---|---|---|---|---|---|")
+    table: dict = {}
+    for impl, launches in threads.items():
+        for rank in range(len(launches[0])):
+            names = sorted({name for launch in launches for name in launch[rank]})
+            for name in names:
+                figures = [statistics.median(launch[rank].get(name, [0.0] * 3)[i] for launch in launches)
+                           for i in range(3)]
+                table.setdefault(impl, {}).setdefault(rank, {})[name] = figures
+                print(f"| {impl} | {rank} | {name} | {figures[0]:.1f} | {figures[1]:.1f} | {figures[2]:.1f} |")
+    return table
 
 
 def _launcher(impl: str) -> list[str]:
@@ -149,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--netns", action="store_true",
                    help="the two ranks as two nodes, one in each of two network namespaces (needs root)")
     p.add_argument("--rate", help="with --netns: tc's rate limit on each end of the link (e.g. 1gbit)")
+    p.add_argument("--threads", action="store_true",
+                   help="also print each rank's threads: wake-ups and CPU ticks per 1000 steps")
     p.add_argument("--json", help="also write the table's rows to this file")
     p.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -164,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     impls = NETNS_IMPLS if args.netns else IMPLS
     medians: dict[str, list[float]] = {impl: [] for impl in impls}
+    threads: dict[str, list] = {impl: [] for impl in impls}
     scratch = tempfile.mkdtemp(prefix="phalanx-bench-tutorial-")
     if args.netns:
         sys.path.insert(0, SRC)
@@ -181,7 +263,9 @@ def main(argv: list[str] | None = None) -> None:
             for r in range(args.rounds):
                 order = impls[r % len(impls):] + impls[:r % len(impls)]
                 for impl in order:
-                    medians[impl].append(statistics.median(_launch(impl, args, scratch, nodes)))
+                    epochs, counts = _launch(impl, args, scratch, nodes)
+                    medians[impl].append(statistics.median(epochs))
+                    threads[impl].append(counts)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     steps = 2048 // args.nproc // args.batch_size
@@ -200,9 +284,10 @@ def main(argv: list[str] | None = None) -> None:
                       "spread": [min(ratios), max(ratios)]}
         print(f"| {impl} | {rows[impl]['epoch_s']:.2f} | {', '.join(f'{m:.2f}' for m in medians[impl])} "
               f"| {rows[impl]['ratio']:.3f} | {min(ratios):.3f}-{max(ratios):.3f} |")
+    table = _thread_table(threads) if args.threads else None
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": rows}, f, indent=2)
+            json.dump({"args": vars(args), "results": rows, "threads": table}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_hook
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
 
 from ..hooks import GradBucket
@@ -272,13 +273,17 @@ class DistributedDataParallel(nn.Module, Joinable):
             inputs, kwargs, _ = runtime.before_forward(inputs, kwargs, self.require_backward_grad_sync,
                                                        self.forward_sync_buffers)
             return runtime.precision.after_forward(self.module(*inputs, **kwargs))
-        inputs, kwargs, sync, previous = _enter(self, runtime, inputs, kwargs)
+        # Dynamo's frame hook set (torch.compile around): the calls it skips; else the same
+        # functions called as they are (a skipped call costs a tiny model's step more than the
+        # work inside it)
+        enter, leave = (_enter_eager, _leave_eager) if _frame_hook() is None else (_enter, _leave)
+        inputs, kwargs, sync, previous = enter(self, runtime, inputs, kwargs)
         try:
             output = self.module(*inputs, **kwargs)
         except BaseException:
             _activate_for_dynamo(previous)
             raise
-        return _leave(runtime, output, sync, previous)
+        return leave(runtime, output, sync, previous)
 
     def _compiled_autograd_forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """The forward under compiled autograd: :meth:`Runtime.compiled_autograd_forward`."""
@@ -516,9 +521,9 @@ def _activate_for_dynamo(ddp: Any) -> Any:
 
 
 # The eager work before and after the module, each one call Dynamo skips (a skipped call
-# costs more than what a tiny model's step does in it)
-@torch.compiler.disable
-def _enter(ddp: Any, runtime: Runtime, inputs: Any, kwargs: Any) -> tuple[Any, Any, bool, Any]:
+# costs more than what a tiny model's step does in it); called as they are where no frame hook
+# is set (no torch.compile around: nothing to skip)
+def _enter_eager(ddp: Any, runtime: Runtime, inputs: Any, kwargs: Any) -> tuple[Any, Any, bool, Any]:
     """:meth:`Runtime.before_forward_eager`, then ``ddp`` made the active DDP (as
     :func:`_activate_for_dynamo`, which returns the one it replaces, last)."""
     inputs, kwargs, sync = runtime.before_forward_eager(inputs, kwargs, ddp.require_backward_grad_sync,
@@ -527,11 +532,14 @@ def _enter(ddp: Any, runtime: Runtime, inputs: Any, kwargs: Any) -> tuple[Any, A
     return inputs, kwargs, sync, previous
 
 
-@torch.compiler.disable
-def _leave(runtime: Runtime, output: Any, sync: bool, previous: Any) -> Any:
+def _leave_eager(runtime: Runtime, output: Any, sync: bool, previous: Any) -> Any:
     """The DDP active before the forward back, then :meth:`Runtime.after_forward_eager`."""
     TorchDDP._active_ddp_module = previous
     return runtime.after_forward_eager(output, sync)
+
+
+_enter = torch.compiler.disable(_enter_eager)
+_leave = torch.compiler.disable(_leave_eager)
 
 
 # torch's helpers that unwrap a DDP (torch.distributed.checkpoint.state_dict's keys without

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from .. import env as _env
 from .._logging import get_logger
@@ -45,6 +46,10 @@ _OFF = Ledger(0.0, enabled=False)
 # The default group ledger() found last (held weakly, as _ATTACHED holds it) and its ledger:
 # every DDP step asks; a weak reference's call is cheaper than the weak dictionary's lookup
 _last: tuple[Any, Ledger] = (lambda: None, _OFF)
+
+# Where c10d keeps the default group: read as an attribute, where ``dist.group.WORLD`` is two
+# property calls (a DDP step asks three times); torch's public way where its layout differs
+_C10D_WORLD = distributed_c10d._world if hasattr(getattr(distributed_c10d, "_world", None), "_default_pg") else None
 
 
 class _Attached:
@@ -99,7 +104,7 @@ def ledger() -> Ledger:
     """The ledger of this process's default group (attached on first use); a disabled one
     when there is no group of several ranks."""
     global _last
-    world = dist.group.WORLD  # None before init_process_group
+    world = dist.group.WORLD if _C10D_WORLD is None else _C10D_WORLD._default_pg  # None before init
     if world is None:
         return _OFF
     if _last[0]() is world:

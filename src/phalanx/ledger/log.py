@@ -59,21 +59,22 @@ def call_site(depth: int = 2) -> str:
     """``"train.py:41"``: the first frame, from ``depth`` frames up, outside phalanx, torch and
     the standard library; ``"?"`` if there is none."""
     # Every DDP step asks twice (its forward's check, its bucket's record): each file's verdict
-    # (None: plumbing, else its base name) is memoised, per inductor cache (read from the
-    # environment only once inductor is imported: no code of its before) and torch directory;
-    # and so is each site found, by its code and instruction
-    key = (os.environ.get("TORCHINDUCTOR_CACHE_DIR") if "torch._inductor" in sys.modules else None,
-           getattr(sys.modules.get("torch"), "__file__", None))
-    names = _SITE_NAMES.get(key)
+    # (None: plumbing, else its base name) is memoised per torch directory, and so is each site
+    # found, by its code and instruction. A file's verdict is worked out when its frame is first
+    # seen, from the inductor cache of that moment (read from the environment only then, and
+    # only once inductor is imported: no code of its before); inductor pins its cache in the
+    # environment before it writes a file there, so a file it wrote is judged with it
+    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+    names = _SITE_NAMES.get(torch_file)
     if names is None:
-        names = _SITE_NAMES[key] = {}
+        names = _SITE_NAMES[torch_file] = {}
     frame = sys._getframe(depth)
     while frame is not None:
         code = frame.f_code
         try:
             name = names[code.co_filename]
         except KeyError:
-            name = names[code.co_filename] = _site_name(code.co_filename, key)
+            name = names[code.co_filename] = _site_name(code.co_filename, torch_file)
         if name is not None:
             at = (code, frame.f_lasti)
             site = _SITES.get(at)
@@ -86,15 +87,15 @@ def call_site(depth: int = 2) -> str:
     return "?"
 
 
-# (inductor's cache, torch's __file__) -> {source file: its base name, or None for plumbing}
-_SITE_NAMES: dict[tuple[str | None, str | None], dict[str, str | None]] = {}
+# torch's __file__ -> {source file: its base name, or None for plumbing}
+_SITE_NAMES: dict[str | None, dict[str, str | None]] = {}
 # (code, instruction) -> "file.py:line"
 _SITES: dict[tuple[Any, int], str] = {}
 
 
-def _site_name(path: str, key: tuple[str | None, str | None]) -> str | None:
-    cache = _inductor_dir(key[0])
-    if _fixed_plumbing(path, _torch_dir(key[1])) or (cache is not None and path.startswith(cache)):
+def _site_name(path: str, torch_file: str | None) -> str | None:
+    if _fixed_plumbing(path, _torch_dir(torch_file)) or (
+            "torch._inductor" in sys.modules and _inductor_generated(path)):
         return None
     return os.path.basename(path)
 
