@@ -34,6 +34,8 @@ from ..ledger.log import call_site
 CHECK = "DistributedDataParallel forward"
 # A forward under no_grad that only broadcasts the buffers: an evaluation through the DDP model.
 EVALUATION = f"{CHECK} without gradients"
+# A synchronising forward whose check carries the step times (the straggler report).
+WITH_REPORT = f"{CHECK} with a straggler report"
 
 
 class DDPAction(IntEnum):
@@ -57,6 +59,7 @@ class StepCheck:
         self.group = group
         self.clock: StepClock | None = None
         self._reported_at = 0
+        self._book: Any = None  # the ledger of the last checked forward
 
     def forward(self, sync: bool, broadcasts: bool, join_index: int | None = None,
                 ride: str = "") -> Any:
@@ -68,24 +71,28 @@ class StepCheck:
         book = ledger()
         if not book.enabled or not (sync or broadcasts):
             return None
+        self._book = book  # the backward's end reads the step clock's waits from it
         report = False
         if sync:
-            if self.clock is None:
+            clock = self.clock
+            if clock is None:
                 watcher = diagnostics()
-                self.clock = StepClock(0) if watcher is None else watcher.new_clock(self.group)
+                clock = self.clock = StepClock(0) if watcher is None else watcher.new_clock(self.group)
             # while a join runs the ranks' step counts part: no report (restart() after it)
-            report = self.clock.due() and self._reported_at != self.clock.steps and book.join is None
-            self.clock.forward(book.waited_s)
-        what = (CHECK if sync or torch.is_grad_enabled() else EVALUATION) + (
-            " with a straggler report" if report else "")
-        announce = () if join_index is None else (syncpoint.JOINABLE, join_index, DDPAction.FORWARD)
-        ride = ride if sync and not broadcasts and join_index is None else ""
+            report = clock.due() and self._reported_at != clock.steps and book.join is None
+            clock.forward(book.waited_s)
+        what = WITH_REPORT if report else CHECK if sync or torch.is_grad_enabled() else EVALUATION
+        if join_index is not None:
+            announce = (syncpoint.JOINABLE, join_index, DDPAction.FORWARD)
+            ride = ""
+        else:
+            announce = ()
+            ride = ride if sync and not broadcasts else ""
         verdict = book.sync_point(what, self.group, wait=report, site=call_site(1), announce=announce,
                                   ride=ride)
         if report:
-            self._reported_at = self.clock.steps
-            diagnostics().exchange_step_times(self.clock.take(), self.clock.steps, self.group,
-                                              gross=self.clock.early())
+            self._reported_at = clock.steps
+            diagnostics().exchange_step_times(clock.take(), clock.steps, self.group, gross=clock.early())
         return verdict if book.join is not None else None
 
     def restart(self) -> None:
@@ -94,6 +101,6 @@ class StepCheck:
 
     def backward_done(self) -> None:
         """A synchronising backward's gradients are averaged (the reducer calls this)."""
-        book = ledger()
-        if book.enabled and self.clock is not None:
+        book, self._book = self._book, None
+        if self.clock is not None and book is not None:
             self.clock.backward_done(book.waited_s)

@@ -106,9 +106,11 @@ class StepClock:
     def due(self) -> bool:
         """Whether the next forward's sync point should carry a report (every rank agrees: the
         ranks' step counts are equal, or the sync point itself fails first)."""
-        if self.every <= 0 or self.steps == 0:
+        steps, every = self.steps, self.every
+        if every <= 0 or steps == 0:
             return False
-        return self.early() or self.steps % self.every == 0
+        # early(), inline: every DDP step asks
+        return steps == EARLY_STEPS and every > EARLY_WINDOW_MIN or steps % every == 0
 
     def early(self) -> bool:
         """Whether a report now is the first look (a handful of steps: gross stragglers only)."""

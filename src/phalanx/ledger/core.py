@@ -79,33 +79,28 @@ class JoinView(Protocol):
 
 @dataclass(slots=True)
 class _Check:
-    """A sync point in flight, or, ``riding``, one that waits to ride the next bucket."""
+    """A sync point in flight, or, ``riding``, one that waits to ride the next bucket (then
+    :meth:`Ledger.take_ride` hands it out as the :data:`Ride`)."""
 
     what: str
     site: str
     since: list[str]  # the collectives before it, since the previous point
     payload: Any  # riding: (fingerprint, head, unanimous sums, verdict) of the ride; else the envelope
     work: Any
-    collective: Collective
+    collective: Collective | None  # riding: None until it goes out alone (_send_alone)
     group: Any
     world: int
     riding: bool = False
     plain: int = 0  # riding: the fingerprint it goes out with if it cannot ride after all
     announce: tuple[int, ...] = ()
     then: str = ""  # what it went out with: a bucket it rode, or the collective it came before
+    record: Record | None = None  # its record in the log
+    head: Any = None  # riding: this rank's head (a tensor of the envelope's dtype)
 
 
-@dataclass(slots=True)
-class Ride:
-    """A sync point riding a bucket's all-reduce (:meth:`Ledger.take_ride`): its head (a tensor
-    of the envelope's dtype) goes in front of the bucket's gradients, the summed head comes back
-    to :meth:`Ledger.arrived`; ``unanimous``: the sums when every rank agrees, and the verdict
-    they give (:func:`~.syncpoint.unanimous`)."""
-
-    head: Any
-    check: _Check
-    unanimous: Any = None
-    verdict: syncpoint.Verdict | None = None
+# A sync point riding a bucket's all-reduce (:meth:`Ledger.take_ride`): its ``head`` goes in
+# front of the bucket's gradients, the summed head comes back to :meth:`Ledger.arrived`.
+Ride = _Check
 
 
 class Collective:
@@ -278,7 +273,8 @@ class Ledger:
                                       announce=shadow or (syncpoint.UNSHADOWABLE,))
             if shadow is None and verdict is not None and verdict.count < dist.get_world_size(group):
                 raise _unshadowable(op, verdict, dist.get_world_size(group))
-        name, log = self._named_log(group)
+        found = self._logs_of.get(id(group))  # _named_log, inline: every DDP bucket comes here
+        name, log = self._named_log(group) if found is None else found[1:]
         return Collective(self, log.begin(op, dtype, shape, name, site), observed=not diagnosed)
 
     def _check_record(self, what: str, group: Any, site: str) -> tuple[Collective, CollectiveLog]:
@@ -333,46 +329,47 @@ class Ledger:
         if not self.enabled:
             return None
         site = site or call_site(2)
-        since = self.log(group).fingerprint
         wait = wait or self.join is not None
-        if ride and not wait and not flags and self.rides_on(group):
-            # A check that rides is told apart from one that went alone: a rank whose bucket
-            # carries it never agrees with a rank that sent it alone (its gradients would be
-            # summed with the other's zeros)
-            key = (what, announce, ride, since, id(group))
+        if ride and not wait and not flags and (self._check_group is None or group is not None):
+            # (rides_on, inline: every DDP step comes here.) A check that rides is told apart
+            # from one that went alone: a rank whose bucket carries it never agrees with a rank
+            # that sent it alone (its gradients would be summed with the other's zeros)
+            if self._pending is not None:
+                self.settle(then=f"check before {what}")
+            found = self._logs_of.get(id(group))
+            log = self._named_log(group)[1] if found is None else found[2]
+            key = (what, announce, ride, log.fingerprint, id(group))
             prepared = self._rides.get(key)
             if prepared is None:
                 if len(self._rides) >= 64:  # a loop's few kinds of step; never grows without end
                     self._rides.clear()
-                prepared = self._rides[key] = self._prepare_ride(what, announce, ride, since, group)
-            self._defer(prepared, what, site, group, announce, ride)
+                prepared = self._rides[key] = self._prepare_ride(what, announce, ride, log.fingerprint, group)
+            plain, world, payload, name = prepared
+            # its record is not counted in the fingerprint, which restarts here whatever the
+            # verdict (a new list); a Collective for it is made only if it goes alone
+            record = log.begin(f"check before {what}", "-", (), name, site, counted=False)
+            self._pending = _Check(what, site, log.since_check, payload, None, None, group, world, True,
+                                   plain, announce, ride, record, payload[1])
+            log.fingerprint, log.since_check = 0, []
             return None
-        return self._meet(syncpoint.fingerprint(f"{what} {announce}", since), what, site, group, flags,
-                          announce, wait)
+        return self._meet(syncpoint.fingerprint(f"{what} {announce}", self.log(group).fingerprint), what, site,
+                          group, flags, announce, wait)
 
     def rides_on(self, group: Any) -> bool:
         """Whether a check of ``group`` may ride its collectives: it is its own check group."""
         return self._check_group is None or group is not None
 
     def _prepare_ride(self, what: str, announce: tuple[int, ...], ride: str, since: int,
-                      group: Any) -> tuple[int, int, tuple[Any, ...]]:
+                      group: Any) -> tuple[int, int, tuple[Any, ...], str]:
         """A riding check's fingerprint alone (if it goes alone after all), the group's size,
-        and its payload: (fingerprint riding, this rank's head, the unanimous sums, their verdict)."""
+        its payload: (fingerprint riding, this rank's head, the unanimous sums, their verdict),
+        and the group's name."""
         h = syncpoint.fingerprint(f"{what} {announce} riding {ride}", since)
         rank, world = self._rank_size(group)
         mine = syncpoint.head(h, announce, (), rank, world)
         everyone = torch.tensor(syncpoint.unanimous(h, announce, world), dtype=syncpoint.envelope_dtype(world))
         payload = (h, torch.tensor(mine, dtype=everyone.dtype), everyone, syncpoint.read(everyone, world))
-        return syncpoint.fingerprint(f"{what} {announce}", since), world, payload
-
-    def _defer(self, prepared: tuple[int, int, tuple[Any, ...]], what: str, site: str, group: Any,
-               announce: tuple[int, ...], ride: str) -> None:
-        """Begin a sync point that waits to ride the next collective (:meth:`take_ride`)."""
-        plain, world, payload = prepared
-        check, log = self._check_record(what, group, site)
-        self._pending = _Check(what, site, log.since_check, payload, None, check, group,
-                               world, riding=True, plain=plain, announce=announce, then=ride)
-        log.checked()  # the next fingerprint starts here, whatever the verdict (a new list)
+        return syncpoint.fingerprint(f"{what} {announce}", since), world, payload, self.group_name(group)
 
     def take_ride(self, group: Any) -> Ride | None:
         """The pending check, if it waits to ride a collective of ``group``: the caller puts
@@ -384,22 +381,22 @@ class Ledger:
         if check is None or not check.riding or check.group is not group:
             return None
         self._pending = None
-        check.collective.end()  # it goes out with the bucket, whose record follows it
-        _, head, unanimous, verdict = check.payload
-        return Ride(head, check, unanimous, verdict)
+        CollectiveLog.end(check.record)  # it goes out with the bucket, whose record follows it
+        return check
 
     def arrived(self, ride: Ride, summed: Any) -> syncpoint.Verdict:
         """The ridden all-reduce is done: ``summed`` holds the summed heads (the envelope's
         first :func:`~.syncpoint.head_size` values). Raises
         :class:`~phalanx.errors.CollectiveMismatchError` on every rank when they disagree."""
-        if ride.unanimous is not None and torch.equal(summed, ride.unanimous):
-            return ride.verdict
-        verdict = syncpoint.read(summed, ride.check.world)
+        _, _, unanimous, verdict = ride.payload
+        if torch.equal(summed, unanimous):
+            return verdict
+        verdict = syncpoint.read(summed, ride.world)
         if not verdict.agree:
             # the bucket went out here, the others' collective there: neither counts in the
             # history the ranks compare next (as a mismatch at a check of its own leaves it)
-            self.log(ride.check.group).checked()
-            self._mismatch(ride.check)
+            self.log(ride.group).checked()
+            self._mismatch(ride)
         return verdict
 
     def probe(self, group: Any, flags: Sequence[int] = ()) -> syncpoint.Verdict:
@@ -442,6 +439,7 @@ class Ledger:
         check.payload = syncpoint.payload(check.plain, check.announce, (), dist.get_rank(check.group),
                                           check.world)
         check.then = then.removeprefix("check before ") or "its check alone"
+        check.collective = Collective(self, check.record)
         with check.collective.guard():
             check.work = dist.all_reduce(check.payload, group=check.group, async_op=True)
         self._last_work = check.work
