@@ -84,9 +84,9 @@ def agree_on_owners(module: nn.Module, group: dist.ProcessGroup | None, mid_iter
 
 
 if dist.rpc.is_available():  # whether this process has started RPC (distributed autograd needs it)
-    from torch.distributed.rpc.api import _is_current_rpc_agent_set as _rpc_agent_set
+    from torch.distributed.rpc.api import _is_current_rpc_agent_set as rpc_agent_set
 else:
-    def _rpc_agent_set() -> bool:
+    def rpc_agent_set() -> bool:
         return False
 
 
@@ -97,7 +97,7 @@ def refuse_distributed_autograd() -> None:
     and the autograd hooks phalanx averages with do not run for them: they would stay this
     rank's own, silently. The test costs a fraction of a microsecond without RPC.
     """
-    if not _rpc_agent_set():
+    if not rpc_agent_set():
         return
     import torch.distributed.autograd as dist_autograd
 

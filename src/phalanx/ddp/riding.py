@@ -51,11 +51,16 @@ class BucketRide:
         group: the DDP's process group.
     """
 
-    __slots__ = ("group", "ride")
+    __slots__ = ("group", "ride", "_head", "_raw")
 
     def __init__(self, group: Any) -> None:
         self.group = group
         self.ride: Any = None  # the ledger's Ride taken by the bucket in flight
+        # the bucket's head last summed, and its memory as an array (compared as bytes with the
+        # unanimous sums: a tensor comparison costs a latency-bound step more than the rest of
+        # its check); made again when the bucket allocates another head
+        self._head: Any = None
+        self._raw: Any = None
 
     def take(self, book: Ledger, bucket: Bucket, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """The tensor to all-reduce for ``bucket``: its envelope, the pending sync point's head
@@ -71,9 +76,21 @@ class BucketRide:
         """The bucket that carried the forward's sync point is summed: its verdict first (a
         mismatch raises on every rank before any gradient is used)."""
         ride, self.ride = self.ride, None
+        head = bucket.head
+        if head is not self._head:
+            self._head, self._raw = head, raw_memory(head)
         try:
-            book.arrived(ride, bucket.head)
+            book.arrived(ride, head, self._raw)
         except BaseException:
             # another rank's payload of another layout met this one: clear the padding
             bucket.envelope[bucket.head.numel():].zero_()
             raise
+
+
+def raw_memory(tensor: torch.Tensor) -> Any:
+    """``tensor``'s memory as a NumPy array sharing it (``.tobytes()`` reads it in one call), or
+    ``None`` where NumPy cannot view it."""
+    try:
+        return tensor.numpy()
+    except (RuntimeError, TypeError):  # no NumPy, or a tensor it cannot hold
+        return None

@@ -30,7 +30,7 @@ from .bucket_comm import AllReduceMean, ReduceToOwner
 from .bucketing import BucketSpec, describe, plan_buckets
 from .buffer_sync import BUFFERS, BufferSync
 from .checkin import CHECK, EVALUATION, StepCheck
-from .checks import GradientOwners, agree_on_owners, refuse_distributed_autograd
+from .checks import GradientOwners, agree_on_owners, refuse_distributed_autograd, rpc_agent_set
 from .compiled_autograd import (PYTHON_REDUCER, TRACED_REDUCTION, boundary_key, enable_inductor_bucketing,
                                 optimize_ddp_mode, refusal, step_boundary)
 from .devices import to_device
@@ -81,6 +81,7 @@ class Runtime:
         self.check = StepCheck(group)
         self.join = JoinPart(group)  # its place in a running phalanx.join
         self.precision = precision_for(module, mixed_precision)
+        self.casts = mixed_precision is not None  # else precision's phases do nothing: not called
         if dist.get_world_size(group) == 1:
             return
         self.build_reducer(None)
@@ -178,16 +179,19 @@ class Runtime:
         :meth:`before_forward`)."""
         if self.device is not None:
             inputs, kwargs = to_device(inputs, self.device), to_device(kwargs, self.device)
-        inputs, kwargs = self.precision.before_forward(inputs, kwargs)
+        if self.casts:
+            inputs, kwargs = self.precision.before_forward(inputs, kwargs)
         self.forwarded = True
         sync = torch.is_grad_enabled() and require_sync
         self.log.sync_forwards += sync  # torch's DDP iteration count
         if self.reducer is None:
             return inputs, kwargs, sync
-        refuse_distributed_autograd()
+        if rpc_agent_set():  # (the test of refuse_distributed_autograd, inline: every step asks)
+            refuse_distributed_autograd()
         broadcasts = self.sync_buffers_next and sync_buffers and self.buffer_sync is not None
         verdict = self.check.forward(sync, broadcasts, self.join.index, self.reducer.ride if rides else "")
-        src = self.join.step_settings(verdict, self.reducer)  # while ranks have joined
+        # while ranks have joined (a verdict): this step's divisor and whose buffers count
+        src = None if verdict is None else self.join.step_settings(verdict, self.reducer)
         if broadcasts:
             self.buffer_sync.sync(fresh=self.reducer.awaiting_backward, src=src,
                                   shadow=self.join.buffers_shadow(src))
@@ -200,7 +204,7 @@ class Runtime:
         self.sync_buffers_next = sync
         self.reducer.traced.armed = False  # this backward is the reducer's
         self.reducer.prepare(sync, output)
-        return self.precision.after_forward(output)
+        return self.precision.after_forward(output) if self.casts else output
 
     def compiled_autograd_forward(self, inputs: Any, kwargs: Any, require_sync: bool, sync_buffers: bool) -> Any:
         """The forward under compiled autograd (:mod:`phalanx.ddp.compiled_autograd`): traceable,
@@ -263,7 +267,8 @@ class Runtime:
     def backward_done(self) -> None:
         """The reducer's end of a synchronising backward: the step clock, the masters back."""
         self.check.backward_done()
-        self.precision.restore()
+        if self.casts:
+            self.precision.restore()
 
 
 def rank_zero(group: dist.ProcessGroup | None) -> int:

@@ -279,7 +279,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         enter, leave = (_enter_eager, _leave_eager) if _frame_hook() is None else (_enter, _leave)
         inputs, kwargs, sync, previous = enter(self, runtime, inputs, kwargs)
         try:
-            output = self.module(*inputs, **kwargs)
+            output = runtime.module(*inputs, **kwargs)  # self.module (found without __getattr__)
         except BaseException:
             _activate_for_dynamo(previous)
             raise

@@ -41,6 +41,15 @@ from . import syncpoint
 from .log import CollectiveLog, Record, call_site, describe_tensors
 
 
+# Whether torch can hand tensors to NumPy (the unanimous sums of a riding check compared as
+# bytes, :meth:`Ledger.arrived`)
+try:
+    torch.zeros(1).numpy()
+    _NUMPY = True
+except (RuntimeError, TypeError):
+    _NUMPY = False
+
+
 def _unshadowable(op: str, verdict: syncpoint.Verdict, world: int) -> UsageError:
     """An active rank's words for a collective the joined ranks cannot take part in (they
     raise at the same point: :mod:`phalanx.uneven`), instead of waiting for them forever."""
@@ -85,7 +94,7 @@ class _Check:
     what: str
     site: str
     since: list[str]  # the collectives before it, since the previous point
-    payload: Any  # riding: (fingerprint, head, unanimous sums, verdict) of the ride; else the envelope
+    payload: Any  # riding: (fingerprint, head, unanimous sums, verdict, their bytes); else the envelope
     work: Any
     collective: Collective | None  # riding: None until it goes out alone (_send_alone)
     group: Any
@@ -362,13 +371,14 @@ class Ledger:
     def _prepare_ride(self, what: str, announce: tuple[int, ...], ride: str, since: int,
                       group: Any) -> tuple[int, int, tuple[Any, ...], str]:
         """A riding check's fingerprint alone (if it goes alone after all), the group's size,
-        its payload: (fingerprint riding, this rank's head, the unanimous sums, their verdict),
-        and the group's name."""
+        its payload: (fingerprint riding, this rank's head, the unanimous sums, their verdict,
+        the sums' bytes), and the group's name."""
         h = syncpoint.fingerprint(f"{what} {announce} riding {ride}", since)
         rank, world = self._rank_size(group)
         mine = syncpoint.head(h, announce, (), rank, world)
         everyone = torch.tensor(syncpoint.unanimous(h, announce, world), dtype=syncpoint.envelope_dtype(world))
-        payload = (h, torch.tensor(mine, dtype=everyone.dtype), everyone, syncpoint.read(everyone, world))
+        payload = (h, torch.tensor(mine, dtype=everyone.dtype), everyone, syncpoint.read(everyone, world),
+                   everyone.numpy().tobytes() if _NUMPY else None)
         return syncpoint.fingerprint(f"{what} {announce}", since), world, payload, self.group_name(group)
 
     def take_ride(self, group: Any) -> Ride | None:
@@ -384,12 +394,13 @@ class Ledger:
         CollectiveLog.end(check.record)  # it goes out with the bucket, whose record follows it
         return check
 
-    def arrived(self, ride: Ride, summed: Any) -> syncpoint.Verdict:
+    def arrived(self, ride: Ride, summed: Any, raw: Any = None) -> syncpoint.Verdict:
         """The ridden all-reduce is done: ``summed`` holds the summed heads (the envelope's
-        first :func:`~.syncpoint.head_size` values). Raises
+        first :func:`~.syncpoint.head_size` values); ``raw``, if given, is its memory as a NumPy
+        array (compared as bytes, in one call). Raises
         :class:`~phalanx.errors.CollectiveMismatchError` on every rank when they disagree."""
-        _, _, unanimous, verdict = ride.payload
-        if torch.equal(summed, unanimous):
+        _, _, unanimous, verdict, unanimous_bytes = ride.payload
+        if raw.tobytes() == unanimous_bytes if raw is not None else torch.equal(summed, unanimous):
             return verdict
         verdict = syncpoint.read(summed, ride.world)
         if not verdict.agree:
