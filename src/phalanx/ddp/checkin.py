@@ -79,8 +79,7 @@ class StepCheck:
                 watcher = diagnostics()
                 clock = self.clock = StepClock(0) if watcher is None else watcher.new_clock(self.group)
             # while a join runs the ranks' step counts part: no report (restart() after it)
-            report = clock.due() and self._reported_at != clock.steps and book.join is None
-            clock.forward(book.waited_s)
+            report = clock.forward(book.waited_s) and self._reported_at != clock.steps and book.join is None
         what = WITH_REPORT if report else CHECK if sync or torch.is_grad_enabled() else EVALUATION
         if join_index is not None:
             announce = (syncpoint.JOINABLE, join_index, DDPAction.FORWARD)

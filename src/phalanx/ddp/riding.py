@@ -79,6 +79,8 @@ class BucketRide:
         head = bucket.head
         if head is not self._head:
             self._head, self._raw = head, raw_memory(head)
+        if self._raw is not None and self._raw.tobytes() == ride.payload[4]:
+            return  # every rank agrees (Ledger.arrived's first test, inline: every step passes it)
         try:
             book.arrived(ride, head, self._raw)
         except BaseException:

@@ -87,11 +87,15 @@ class StepClock:
         self._last_end: float | None = None
         self._waited_before = 0.0
 
-    def forward(self, waited_s: float, now: float | None = None) -> None:
+    def forward(self, waited_s: float, now: float | None = None) -> bool:
+        """A synchronising forward starts; returns :meth:`due` (one call a step)."""
         now = time.monotonic() if now is None else now
         if self._last_end is not None and self._start is None:
             self.window.between.append(now - self._last_end)
         self._start, self._waited_before = now, waited_s
+        steps, every = self.steps, self.every
+        # due(), inline
+        return every > 0 and steps > 0 and (steps == EARLY_STEPS and every > EARLY_WINDOW_MIN or steps % every == 0)
 
     def backward_done(self, waited_s: float, now: float | None = None) -> None:
         if self._start is None:  # a backward without a timed forward (no_sync() first)
@@ -106,11 +110,9 @@ class StepClock:
     def due(self) -> bool:
         """Whether the next forward's sync point should carry a report (every rank agrees: the
         ranks' step counts are equal, or the sync point itself fails first)."""
-        steps, every = self.steps, self.every
-        if every <= 0 or steps == 0:
+        if self.every <= 0 or self.steps == 0:
             return False
-        # early(), inline: every DDP step asks
-        return steps == EARLY_STEPS and every > EARLY_WINDOW_MIN or steps % every == 0
+        return self.early() or self.steps % self.every == 0
 
     def early(self) -> bool:
         """Whether a report now is the first look (a handful of steps: gross stragglers only)."""

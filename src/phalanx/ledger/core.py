@@ -156,8 +156,9 @@ class Collective:
         return self._ledger.failure(self.record, error, self._observed)
 
     def end(self) -> None:
-        if self.record is not None and self.record.end is None:
-            CollectiveLog.end(self.record)
+        record = self.record
+        if record is not None and record.end is None:
+            record.end = time.monotonic()  # CollectiveLog.end, inline: every bucket ends here
 
     # A collective is under way while something holds it: dropped (a failed backward's buckets,
     # the meeting of a LocalSGD thrown away), it is over, whatever became of its results.
@@ -202,7 +203,7 @@ class Ledger:
         self._sizes: dict[int, tuple[Any, int, int]] = {}
         # (what, announce, ride, since, group's id) -> a riding check, worked out once
         # (_prepare_ride): a training loop's steps ask the same, step after step
-        self._rides: dict[tuple[Any, ...], tuple[int, int, tuple[Any, ...]]] = {}
+        self._rides: dict[tuple[Any, ...], tuple[int, int, tuple[Any, ...], str, str]] = {}
         self._pending: _Check | None = None  # a sync point started, not yet waited for
         self._last_work: Any = None
 
@@ -353,10 +354,13 @@ class Ledger:
                 if len(self._rides) >= 64:  # a loop's few kinds of step; never grows without end
                     self._rides.clear()
                 prepared = self._rides[key] = self._prepare_ride(what, announce, ride, log.fingerprint, group)
-            plain, world, payload, name = prepared
-            # its record is not counted in the fingerprint, which restarts here whatever the
-            # verdict (a new list); a Collective for it is made only if it goes alone
-            record = log.begin(f"check before {what}", "-", (), name, site, counted=False)
+            plain, world, payload, name, op = prepared
+            # its record (log.begin, inline) is not counted in the fingerprint, which restarts
+            # here whatever the verdict (a new list); a Collective for it is made only if it goes
+            # alone
+            record = Record(log.next_seq, op, "-", (), name, site, time.monotonic())
+            log.next_seq += 1
+            log.records.append(record)
             self._pending = _Check(what, site, log.since_check, payload, None, None, group, world, True,
                                    plain, announce, ride, record, payload[1])
             log.fingerprint, log.since_check = 0, []
@@ -369,17 +373,18 @@ class Ledger:
         return self._check_group is None or group is not None
 
     def _prepare_ride(self, what: str, announce: tuple[int, ...], ride: str, since: int,
-                      group: Any) -> tuple[int, int, tuple[Any, ...], str]:
+                      group: Any) -> tuple[int, int, tuple[Any, ...], str, str]:
         """A riding check's fingerprint alone (if it goes alone after all), the group's size,
         its payload: (fingerprint riding, this rank's head, the unanimous sums, their verdict,
-        the sums' bytes), and the group's name."""
+        the sums' bytes), the group's name and the check's record's op."""
         h = syncpoint.fingerprint(f"{what} {announce} riding {ride}", since)
         rank, world = self._rank_size(group)
         mine = syncpoint.head(h, announce, (), rank, world)
         everyone = torch.tensor(syncpoint.unanimous(h, announce, world), dtype=syncpoint.envelope_dtype(world))
         payload = (h, torch.tensor(mine, dtype=everyone.dtype), everyone, syncpoint.read(everyone, world),
                    everyone.numpy().tobytes() if _NUMPY else None)
-        return syncpoint.fingerprint(f"{what} {announce}", since), world, payload, self.group_name(group)
+        return (syncpoint.fingerprint(f"{what} {announce}", since), world, payload, self.group_name(group),
+                f"check before {what}")
 
     def take_ride(self, group: Any) -> Ride | None:
         """The pending check, if it waits to ride a collective of ``group``: the caller puts
@@ -391,7 +396,7 @@ class Ledger:
         if check is None or not check.riding or check.group is not group:
             return None
         self._pending = None
-        CollectiveLog.end(check.record)  # it goes out with the bucket, whose record follows it
+        check.record.end = time.monotonic()  # it goes out with the bucket, whose record follows it
         return check
 
     def arrived(self, ride: Ride, summed: Any, raw: Any = None) -> syncpoint.Verdict:
