@@ -58,17 +58,32 @@ def _fixed_plumbing(path: str, torch_dir: str | None) -> bool:
 def call_site(depth: int = 2) -> str:
     """``"train.py:41"``: the first frame, from ``depth`` frames up, outside phalanx, torch and
     the standard library; ``"?"`` if there is none."""
-    # Every DDP step asks twice (its forward's check, its bucket's record): each file's verdict
-    # (None: plumbing, else its base name) is memoised per torch directory, and so is each site
-    # found, by its code and instruction. A file's verdict is worked out when its frame is first
-    # seen, from the inductor cache of that moment (read from the environment only then, and
-    # only once inductor is imported: no code of its before); inductor pins its cache in the
-    # environment before it writes a file there, so a file it wrote is judged with it
+    # Every DDP step asks twice (its forward's check, its bucket's record). Walking the stack
+    # makes a frame object of every frame it passes (torch's module call frames among them),
+    # which costs more than the rest of a tiny step's check: so each caller remembers how far
+    # up its site was and what was there (code and instruction), and looks there first, making
+    # that one frame only; a walk is made when it finds something else.
+    #
+    # A walk memoises each file's verdict (None: plumbing, else its base name) per torch
+    # directory, and each site found, by its code and instruction. A file's verdict is worked
+    # out when its frame is first seen, from the inductor cache of that moment (read from the
+    # environment only then, and only once inductor is imported: no code of its before);
+    # inductor pins its cache in the environment before it writes a file there, so a file it
+    # wrote is judged with it
     torch_file = getattr(sys.modules.get("torch"), "__file__", None)
     names = _SITE_NAMES.get(torch_file)
     if names is None:
         names = _SITE_NAMES[torch_file] = {}
-    frame = sys._getframe(depth)
+    caller = sys._getframe(depth)
+    known = _LAST_SITE.get(caller.f_code)
+    if known is not None and known[4] is names:
+        try:
+            frame = sys._getframe(depth + known[0])
+        except ValueError:  # a shorter stack
+            frame = None
+        if frame is not None and frame.f_code is known[1] and frame.f_lasti == known[2]:
+            return known[3]
+    frame, up = caller, 0
     while frame is not None:
         code = frame.f_code
         try:
@@ -82,11 +97,17 @@ def call_site(depth: int = 2) -> str:
                 if len(_SITES) >= 4096:  # a script's few lines that issue collectives
                     _SITES.clear()
                 site = _SITES[at] = f"{name}:{frame.f_lineno}"
+            if len(_LAST_SITE) >= 4096:
+                _LAST_SITE.clear()
+            _LAST_SITE[caller.f_code] = (up, code, at[1], site, names)
             return site
-        frame = frame.f_back
+        frame, up = frame.f_back, up + 1
     return "?"
 
 
+# the caller's code -> (how many frames up its site was, that frame's code and instruction, the
+# site, the verdicts it was found with)
+_LAST_SITE: dict[Any, tuple[int, Any, int, str, dict]] = {}
 # torch's __file__ -> {source file: its base name, or None for plumbing}
 _SITE_NAMES: dict[str | None, dict[str, str | None]] = {}
 # (code, instruction) -> "file.py:line"
