@@ -87,7 +87,7 @@ class StepCheck:
         else:
             announce = ()
             ride = ride if sync and not broadcasts else ""
-        verdict = book.sync_point(what, self.group, wait=report, site=call_site(1), announce=announce,
+        verdict = book.sync_point(what, self.group, wait=report, site=call_site(1, CHECK), announce=announce,
                                   ride=ride)
         if report:
             self._reported_at = clock.steps

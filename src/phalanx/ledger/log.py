@@ -55,9 +55,10 @@ def _fixed_plumbing(path: str, torch_dir: str | None) -> bool:
             or (path.startswith(_STDLIB) and "site-packages" not in path))
 
 
-def call_site(depth: int = 2) -> str:
+def call_site(depth: int = 2, caller: Any = None) -> str:
     """``"train.py:41"``: the first frame, from ``depth`` frames up, outside phalanx, torch and
-    the standard library; ``"?"`` if there is none."""
+    the standard library; ``"?"`` if there is none. ``caller``: what tells this call apart from
+    others (default: the code of the frame ``depth`` up)."""
     # Every DDP step asks twice (its forward's check, its bucket's record). Walking the stack
     # makes a frame object of every frame it passes (torch's module call frames among them),
     # which costs more than the rest of a tiny step's check: so each caller remembers how far
@@ -74,8 +75,7 @@ def call_site(depth: int = 2) -> str:
     names = _SITE_NAMES.get(torch_file)
     if names is None:
         names = _SITE_NAMES[torch_file] = {}
-    caller = sys._getframe(depth)
-    known = _LAST_SITE.get(caller.f_code)
+    known = _LAST_SITE.get(caller if caller is not None else sys._getframe(depth).f_code)
     if known is not None and known[4] is names:
         try:
             frame = sys._getframe(depth + known[0])
@@ -83,7 +83,9 @@ def call_site(depth: int = 2) -> str:
             frame = None
         if frame is not None and frame.f_code is known[1] and frame.f_lasti == known[2]:
             return known[3]
-    frame, up = caller, 0
+    frame, up = sys._getframe(depth), 0
+    if caller is None:
+        caller = frame.f_code
     while frame is not None:
         code = frame.f_code
         try:
@@ -99,13 +101,13 @@ def call_site(depth: int = 2) -> str:
                 site = _SITES[at] = f"{name}:{frame.f_lineno}"
             if len(_LAST_SITE) >= 4096:
                 _LAST_SITE.clear()
-            _LAST_SITE[caller.f_code] = (up, code, at[1], site, names)
+            _LAST_SITE[caller] = (up, code, at[1], site, names)
             return site
         frame, up = frame.f_back, up + 1
     return "?"
 
 
-# the caller's code -> (how many frames up its site was, that frame's code and instruction, the
+# the caller (its code, or what it says) -> (how many frames up its site was, that frame's code and instruction, the
 # site, the verdicts it was found with)
 _LAST_SITE: dict[Any, tuple[int, Any, int, str, dict]] = {}
 # torch's __file__ -> {source file: its base name, or None for plumbing}
