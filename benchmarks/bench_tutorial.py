@@ -59,26 +59,28 @@ PREFIX, SUBNET = "phxtut", "10.216.0"
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-def _threads() -> dict[int, tuple[str, int, int, int]]:
-    """This process's threads now: ``{thread id: (name, voluntary context switches,
-    involuntary ones, CPU ticks)}`` from ``/proc/self/task``. A voluntary switch is a wake-up:
-    the thread slept (a wait, a poll, a timer) and was woken. The name is Python's for a
-    Python thread, else the kernel's (``gloo_tcp_loop``...)."""
+def _threads() -> dict[tuple[str, int], tuple[str, int, int, int]]:
+    """This process's threads and its launcher's (its parent: ``torchrun``'s agent or ``phalanx
+    run``) now: ``{(process, thread id): (name, voluntary context switches, involuntary ones,
+    CPU ticks)}`` from ``/proc/PID/task``. A voluntary switch is a wake-up: the thread slept (a
+    wait, a poll, a timer) and was woken. The name is Python's for a Python thread of this
+    process, else the kernel's (``gloo_tcp_loop``...); the launcher's are ``launcher: NAME``."""
     import threading
 
     named = {t.native_id: t.name for t in threading.enumerate()}
     seen = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/status") as f:
-                status = dict(line.split(":", 1) for line in f if ":" in line)
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
-        except FileNotFoundError:  # ended meanwhile
-            continue
-        name = named.get(int(tid), status["Name"].strip())
-        seen[int(tid)] = (name, int(status["voluntary_ctxt_switches"]),
-                          int(status["nonvoluntary_ctxt_switches"]), int(fields[11]) + int(fields[12]))
+    for process, prefix in ((str(os.getpid()), ""), (str(os.getppid()), "launcher: ")):
+        for tid in os.listdir(f"/proc/{process}/task"):
+            try:
+                with open(f"/proc/{process}/task/{tid}/status") as f:
+                    status = dict(line.split(":", 1) for line in f if ":" in line)
+                with open(f"/proc/{process}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+            except FileNotFoundError:  # ended meanwhile
+                continue
+            name = prefix + (named.get(int(tid)) if not prefix and int(tid) in named else status["Name"].strip())
+            seen[(process, int(tid))] = (name, int(status["voluntary_ctxt_switches"]),
+                                         int(status["nonvoluntary_ctxt_switches"]), int(fields[11]) + int(fields[12]))
     return seen
 
 
