@@ -283,7 +283,7 @@ class Reducer:
         self._started = True
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         self._ledger = ledger()  # records each bucket (phalanx.ledger)
-        self._site = call_site(1) if self._ledger.enabled else ""
+        self._site = call_site(1, "DDP backward") if self._ledger.enabled else ""
         if self.walk_graph and self._reached is not None:
             unused = [k for k in range(len(self.params)) if k not in self._reached]
         elif self.static_graph and self._known_unused:

@@ -206,6 +206,8 @@ class Runtime:
         self.reducer.prepare(sync, output)
         return self.precision.after_forward(output) if self.casts else output
 
+    after_forward = torch.compiler.disable(after_forward_eager)
+
     def compiled_autograd_forward(self, inputs: Any, kwargs: Any, require_sync: bool, sync_buffers: bool) -> Any:
         """The forward under compiled autograd (:mod:`phalanx.ddp.compiled_autograd`): traceable,
         it arms the per-parameter functional all-reduces instead of the reducer."""

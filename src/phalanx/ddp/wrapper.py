@@ -273,17 +273,22 @@ class DistributedDataParallel(nn.Module, Joinable):
             inputs, kwargs, _ = runtime.before_forward(inputs, kwargs, self.require_backward_grad_sync,
                                                        self.forward_sync_buffers)
             return runtime.precision.after_forward(self.module(*inputs, **kwargs))
-        # Dynamo's frame hook set (torch.compile around): the calls it skips; else the same
-        # functions called as they are (a skipped call costs a tiny model's step more than the
-        # work inside it)
-        enter, leave = (_enter_eager, _leave_eager) if _frame_hook() is None else (_enter, _leave)
-        inputs, kwargs, sync, previous = enter(self, runtime, inputs, kwargs)
+        # Dynamo's frame hook set (torch.compile around): the phases as calls it skips; else the
+        # same functions called as they are (a skipped call costs a tiny model's step more than
+        # the work inside it)
+        eager = _frame_hook() is None
+        inputs, kwargs, sync = (runtime.before_forward_eager if eager else runtime.before_forward)(
+            inputs, kwargs, self.require_backward_grad_sync, self.forward_sync_buffers)
+        # this DDP is the one whose buckets Dynamo's DDPOptimizer splits a compiled graph at while
+        # its module runs (torch's own hook, DistributedDataParallel._get_active_ddp_module(),
+        # which torch's DDP sets the same way), so that each bucket's gradients are ready, and
+        # its all-reduce launched, while the rest of the compiled backward still runs
+        previous, TorchDDP._active_ddp_module = TorchDDP._active_ddp_module, self
         try:
             output = runtime.module(*inputs, **kwargs)  # self.module (found without __getattr__)
-        except BaseException:
-            _activate_for_dynamo(previous)
-            raise
-        return leave(runtime, output, sync, previous)
+        finally:
+            TorchDDP._active_ddp_module = previous
+        return (runtime.after_forward_eager if eager else runtime.after_forward)(output, sync)
 
     def _compiled_autograd_forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """The forward under compiled autograd: :meth:`Runtime.compiled_autograd_forward`."""
@@ -507,39 +512,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             yield
         finally:
             self.require_backward_grad_sync = previous
-
-
-@torch.compiler.disable
-def _activate_for_dynamo(ddp: Any) -> Any:
-    """Make ``ddp`` the DDP whose buckets Dynamo's DDPOptimizer splits a compiled graph at
-    while its module runs (torch's own hook, ``DistributedDataParallel._get_active_ddp_module()``,
-    which torch's DDP sets the same way), so that each bucket's gradients are ready, and its
-    all-reduce launched, while the rest of the compiled backward still runs. Returns the one
-    it replaces."""
-    previous, TorchDDP._active_ddp_module = TorchDDP._active_ddp_module, ddp
-    return previous
-
-
-# The eager work before and after the module, each one call Dynamo skips (a skipped call
-# costs more than what a tiny model's step does in it); called as they are where no frame hook
-# is set (no torch.compile around: nothing to skip)
-def _enter_eager(ddp: Any, runtime: Runtime, inputs: Any, kwargs: Any) -> tuple[Any, Any, bool, Any]:
-    """:meth:`Runtime.before_forward_eager`, then ``ddp`` made the active DDP (as
-    :func:`_activate_for_dynamo`, which returns the one it replaces, last)."""
-    inputs, kwargs, sync = runtime.before_forward_eager(inputs, kwargs, ddp.require_backward_grad_sync,
-                                                        ddp.forward_sync_buffers)
-    previous, TorchDDP._active_ddp_module = TorchDDP._active_ddp_module, ddp
-    return inputs, kwargs, sync, previous
-
-
-def _leave_eager(runtime: Runtime, output: Any, sync: bool, previous: Any) -> Any:
-    """The DDP active before the forward back, then :meth:`Runtime.after_forward_eager`."""
-    TorchDDP._active_ddp_module = previous
-    return runtime.after_forward_eager(output, sync)
-
-
-_enter = torch.compiler.disable(_enter_eager)
-_leave = torch.compiler.disable(_leave_eager)
 
 
 # torch's helpers that unwrap a DDP (torch.distributed.checkpoint.state_dict's keys without

@@ -94,7 +94,7 @@ class _Check:
     what: str
     site: str
     since: list[str]  # the collectives before it, since the previous point
-    payload: Any  # riding: (fingerprint, head, unanimous sums, verdict, their bytes); else the envelope
+    payload: Any  # riding: (fingerprint, head, unanimous sums, verdict, their bytes, head in NumPy); else the envelope
     work: Any
     collective: Collective | None  # riding: None until it goes out alone (_send_alone)
     group: Any
@@ -376,13 +376,14 @@ class Ledger:
                       group: Any) -> tuple[int, int, tuple[Any, ...], str, str]:
         """A riding check's fingerprint alone (if it goes alone after all), the group's size,
         its payload: (fingerprint riding, this rank's head, the unanimous sums, their verdict,
-        the sums' bytes), the group's name and the check's record's op."""
+        the sums' bytes, the head as a NumPy array), the group's name and the check's record's op."""
         h = syncpoint.fingerprint(f"{what} {announce} riding {ride}", since)
         rank, world = self._rank_size(group)
         mine = syncpoint.head(h, announce, (), rank, world)
         everyone = torch.tensor(syncpoint.unanimous(h, announce, world), dtype=syncpoint.envelope_dtype(world))
-        payload = (h, torch.tensor(mine, dtype=everyone.dtype), everyone, syncpoint.read(everyone, world),
-                   everyone.numpy().tobytes() if _NUMPY else None)
+        head = torch.tensor(mine, dtype=everyone.dtype)
+        payload = (h, head, everyone, syncpoint.read(everyone, world),
+                   everyone.numpy().tobytes() if _NUMPY else None, head.numpy() if _NUMPY else None)
         return (syncpoint.fingerprint(f"{what} {announce}", since), world, payload, self.group_name(group),
                 f"check before {what}")
 
