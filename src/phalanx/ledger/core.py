@@ -203,7 +203,7 @@ class Ledger:
         self._sizes: dict[int, tuple[Any, int, int]] = {}
         # (what, announce, ride, since, group's id) -> a riding check, worked out once
         # (_prepare_ride): a training loop's steps ask the same, step after step
-        self._rides: dict[tuple[Any, ...], tuple[int, int, tuple[Any, ...], str, str]] = {}
+        self._rides: dict[tuple[Any, ...], list[Any]] = {}
         self._pending: _Check | None = None  # a sync point started, not yet waited for
         self._last_work: Any = None
 
@@ -285,7 +285,7 @@ class Ledger:
                 raise _unshadowable(op, verdict, dist.get_world_size(group))
         found = self._logs_of.get(id(group))  # _named_log, inline: every DDP bucket comes here
         name, log = self._named_log(group) if found is None else found[1:]
-        return Collective(self, log.begin(op, dtype, shape, name, site), observed=not diagnosed)
+        return Collective(self, log.begin(op, dtype, shape, name, site), not diagnosed)
 
     def _check_record(self, what: str, group: Any, site: str) -> tuple[Collective, CollectiveLog]:
         """The record of a sync point's own collective, and ``group``'s log. The sync point
@@ -354,15 +354,19 @@ class Ledger:
                 if len(self._rides) >= 64:  # a loop's few kinds of step; never grows without end
                     self._rides.clear()
                 prepared = self._rides[key] = self._prepare_ride(what, announce, ride, log.fingerprint, group)
-            plain, world, payload, name, op = prepared
+            plain, world, payload, name, op, check = prepared
             # its record (log.begin, inline) is not counted in the fingerprint, which restarts
             # here whatever the verdict (a new list); a Collective for it is made only if it goes
             # alone
             record = Record(log.next_seq, op, "-", (), name, site, time.monotonic())
             log.next_seq += 1
             log.records.append(record)
-            self._pending = _Check(what, site, log.since_check, payload, None, None, group, world, True,
-                                   plain, announce, ride, record, payload[1])
+            if check is None or not check.riding:
+                check = prepared[5] = _Check(what, site, log.since_check, payload, None, None, group, world, True,
+                                             plain, announce, ride, record, payload[1])
+            else:  # the last such step's, done with: taken and summed in that backward's end
+                check.site, check.since, check.record = site, log.since_check, record
+            self._pending = check
             log.fingerprint, log.since_check = 0, []
             return None
         return self._meet(syncpoint.fingerprint(f"{what} {announce}", self.log(group).fingerprint), what, site,
@@ -373,10 +377,11 @@ class Ledger:
         return self._check_group is None or group is not None
 
     def _prepare_ride(self, what: str, announce: tuple[int, ...], ride: str, since: int,
-                      group: Any) -> tuple[int, int, tuple[Any, ...], str, str]:
+                      group: Any) -> list[Any]:
         """A riding check's fingerprint alone (if it goes alone after all), the group's size,
         its payload: (fingerprint riding, this rank's head, the unanimous sums, their verdict,
-        the sums' bytes, the head as a NumPy array), the group's name and the check's record's op."""
+        the sums' bytes, the head as a NumPy array), the group's name, the check's record's op,
+        and a place for the check (made at the first such step, then reused while it rides)."""
         h = syncpoint.fingerprint(f"{what} {announce} riding {ride}", since)
         rank, world = self._rank_size(group)
         mine = syncpoint.head(h, announce, (), rank, world)
@@ -384,8 +389,8 @@ class Ledger:
         head = torch.tensor(mine, dtype=everyone.dtype)
         payload = (h, head, everyone, syncpoint.read(everyone, world),
                    everyone.numpy().tobytes() if _NUMPY else None, head.numpy() if _NUMPY else None)
-        return (syncpoint.fingerprint(f"{what} {announce}", since), world, payload, self.group_name(group),
-                f"check before {what}")
+        return [syncpoint.fingerprint(f"{what} {announce}", since), world, payload, self.group_name(group),
+                f"check before {what}", None]
 
     def take_ride(self, group: Any) -> Ride | None:
         """The pending check, if it waits to ride a collective of ``group``: the caller puts
