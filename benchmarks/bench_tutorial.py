@@ -7,6 +7,7 @@ Usage::
     python benchmarks/bench_tutorial.py --rounds 7 --batch-size 1 --nproc 2
     python benchmarks/bench_tutorial.py --netns             # two "hosts": network namespaces (root)
     python benchmarks/bench_tutorial.py --netns --rate 1gbit
+    python benchmarks/bench_tutorial.py --netns --threads   # and each thread's wake-ups
 
 The tutorial trains ``nn.Linear(20, 1)`` with SGD on 2048 random samples, its
 ``DistributedSampler`` giving each of 2 ranks 1024 samples: at batch 1 an epoch is 1024 tiny
@@ -33,7 +34,11 @@ end), Gloo between them over the veth as between two hosts; each launcher (``tor
 Each launch trains ``--epochs`` epochs; rank 0 reports each epoch's wall time, the first epoch
 left out (start-up: the first all-reduces, page faults). The table gives the median epoch of
 every round, the ratio of medians to torch's, and the spread (lowest and highest per-round
-median ratio, rounds paired by index).
+median ratio, rounds paired by index). With ``--threads`` a second table gives, per rank, each
+thread's wake-ups (voluntary context switches), involuntary switches and CPU ticks per 1000
+steps over the timed epochs, from ``/proc``: the rank's own threads (Python's names, else the
+kernel's: Gloo's ``gloo_tcp_loop`` and ``pt_gloo_runloop``, phalanx's ``phalanx-watchdog``) and
+its launcher's (``launcher: NAME``).
 """
 
 from __future__ import annotations

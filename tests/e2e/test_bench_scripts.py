@@ -58,10 +58,20 @@ def test_bench_tutorial_runs_torch_and_phalanx_as_two_nodes_across_namespaces(tm
         return {line.split()[0] for line in listed.splitlines() if line.startswith("phxtut")}
 
     before = namespaces()  # an earlier run killed by hand may have left its own
-    rows = _run("bench_tutorial.py", "--netns", "--rounds", "1", "--epochs", "2", "--batch-size", "256",
-                out=tmp_path / "n.json")["results"]
+    out = _run("bench_tutorial.py", "--netns", "--threads", "--rounds", "1", "--epochs", "2", "--batch-size", "256",
+               out=tmp_path / "n.json")
+    rows = out["results"]
     assert set(rows) == {"torch", "phalanx", "phalanx-nodiag"}  # no shared memory across hosts
     assert all(r["epoch_s"] > 0 and len(r["per_launch"]) == 1 for r in rows.values())
+    # each rank's threads over the timed epoch, its launcher's too: phalanx's watchdog thread is
+    # there with diagnostics on only
+    threads = out["threads"]
+    for impl in rows:
+        for rank in ("0", "1"):
+            named = threads[impl][rank]
+            assert "MainThread" in named and any(n.startswith("launcher: ") for n in named), named
+            assert all(len(figures) == 3 and min(figures) >= 0 for figures in named.values()), named
+            assert ("phalanx-watchdog" in named) == (impl == "phalanx"), (impl, sorted(named))
     assert namespaces() <= before, namespaces() - before  # this run's namespaces went with it
 
 
