@@ -410,7 +410,7 @@ class Ledger:
         first :func:`~.syncpoint.head_size` values); ``raw``, if given, is its memory as a NumPy
         array (compared as bytes, in one call). Raises
         :class:`~phalanx.errors.CollectiveMismatchError` on every rank when they disagree."""
-        _, _, unanimous, verdict, unanimous_bytes = ride.payload
+        unanimous, verdict, unanimous_bytes = ride.payload[2:5]
         if raw.tobytes() == unanimous_bytes if raw is not None else torch.equal(summed, unanimous):
             return verdict
         verdict = syncpoint.read(summed, ride.world)
