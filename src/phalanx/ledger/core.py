@@ -411,7 +411,7 @@ class Ledger:
         array (compared as bytes, in one call). Raises
         :class:`~phalanx.errors.CollectiveMismatchError` on every rank when they disagree."""
         unanimous, verdict, unanimous_bytes = ride.payload[2:5]
-        if raw.tobytes() == unanimous_bytes if raw is not None else torch.equal(summed, unanimous):
+        if (raw.tobytes() == unanimous_bytes) if raw is not None else torch.equal(summed, unanimous):
             return verdict
         verdict = syncpoint.read(summed, ride.world)
         if not verdict.agree:
