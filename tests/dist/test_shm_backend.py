@@ -326,8 +326,7 @@ def test_a_killed_peer_is_named_on_every_survivor_within_a_second():
 
 
 def _late_peer(rank, world):
-    import phalanx.shm  # noqa: F401
-    from phalanx.shm import channel
+    from phalanx.shm import channel  # (registers the backend)
     g = dist.new_group(backend="phalanx_shm")
     dist.barrier(group=g)
     sleeps, raw = [], channel._futex_wait
