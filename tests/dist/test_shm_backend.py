@@ -351,7 +351,7 @@ def test_a_member_waiting_for_a_late_peer_sleeps_until_it_arrives():
     sleeps for a peer 1 s late, where a sleep bounded at 2 ms took about 500."""
     (sleeps, took, got), _ = run_ranks(_late_peer, 2, timeout=60)
     assert got == [3.0] * 10
-    assert took > 0.8, took  # it did wait for the late peer
+    assert took > 0.2, took  # it did wait for the late peer (1 s, less what rank 0 came late)
     assert sleeps <= 2 * took / 0.05 + 5, (sleeps, took)
 
 
