@@ -63,8 +63,8 @@ _LIVENESS_S = 0.05
 # Waiting starts with a few looks without a system call (when the group has no more members
 # than this process has CPUs), then yields the CPU at each look; after 2 ms it sleeps on the
 # futex until woken (the group's worker thread sleeps at once), which spares a machine with more
-# ranks than cores. A longer spin (300 looks, ~30 us) measured slower on a loaded 2-core machine: a peer
-# that shares the spinner's core waits for the spin to end.
+# ranks than cores. A longer spin (300 looks, ~30 us) measured slower on a loaded 2-core
+# machine: a peer that shares the spinner's core waits for the spin to end.
 _SPIN_LOOKS = 20
 _YIELD_S = 0.002
 # The longest sleep on the futex before looking again: the liveness checks' period (no wake-up
