@@ -9,7 +9,6 @@ import json
 import os
 import pickle
 import zlib
-from pathlib import Path
 
 import pytest
 import torch

@@ -98,10 +98,13 @@ class BalancedSavePlanner(DefaultSavePlanner):
 # items (a tensor's storage straight from its memory, the archive's head and tail around it)
 # are gathered, up to _GATHER bytes or _IOV pieces, into one writev; a storage of _GATHER
 # bytes or more is written alone, in pieces of _PIECE bytes, each CRC-32'd just before it is
-# written (while it is in the cache).
+# written (while it is in the cache). Until written, each small item holds ~1.3 kB of Python
+# objects (its storage's view, its archive's tail): 256 pieces (85 items) keep that near
+# 0.1 MB, where 1024 held 0.46 MB in a save of 552 small tensors (tracemalloc), a writev
+# each 85 items instead of 340.
 _GATHER = 1 << 20
 _PIECE = 2 << 20
-_IOV = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 16
+_IOV = min(256, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 16
 # Every _WRITEBACK bytes the disk is told to start writing what came before (Linux's
 # sync_file_range, where there is one), so that the final fsync finds most of it written
 # while the CPU was busy with the rest (the kernel would otherwise wait for fsync or for its

@@ -251,8 +251,8 @@ class Written:
     """What a rank wrote into its tensor file, in a form that is small to hold and to send
     (rank 0 receives every rank's): the file's name, size and CRC-32, and each item's offset,
     length and CRC-32, in the order of the file (ascending offsets), with its index in the
-    rank's save plan: 24 bytes per item, where the manifest's lists of Python objects take
-    about 250 (a 1024-rank job's rank 0 receives every rank's)."""
+    rank's save plan: 24 bytes per item, where lists of Python objects took about 300 (a
+    1024-rank job's rank 0 receives every rank's)."""
 
     name: str
     size: int
