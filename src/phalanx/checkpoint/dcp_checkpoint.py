@@ -307,7 +307,7 @@ class ShardedIO:
         return self._write(planner, job, group)
 
     def _prepare(self, planner: BalancedSavePlanner, mine: tuple, objects: dict | None, extra: dict,
-                 rest: dict, group: Any, problem: str | None) -> tuple:
+                 rest: dict, group: Any, problem: str | None) -> _Job:
         """Every rank: the exchanges before the writes. Rank 0 gathers every rank's RNG states
         (and save plan, if it lacks it: dcp_plan), builds the state file's content and the
         global plan, and makes the temporary directory; its answer names the directory and
@@ -409,8 +409,7 @@ class ShardedIO:
         rank, _ = _rank_world(group)
         writer = ChecksummingWriter(job.temp_path)
         writer.set_up_storage_writer(rank == 0, rank=rank)
-        written, error = None, None
-        head = None
+        written, error, head = None, None, None
         if job.state is not None:  # rank 0: the state file first, while the others write theirs
             head = {k: job.state[k] for k in ("step", "epoch", "world_size", "layout")}
             try:  # (fsynced at the commit, with .metadata and the manifest)
@@ -432,8 +431,8 @@ class ShardedIO:
                 if failed:
                     raise CheckpointError(f"Writing checkpoint {job.final} failed on " + "; ".join(failed))
                 # .metadata, as DCP's finish writes it, from where every rank put its items
-                files: dict[str, Any] = {METADATA: write_file(job.temp_path / METADATA, self._plans.metadata_file(
-                    [w for w, _ in reports], writer.storage_meta()))}
+                data = self._plans.metadata_file([w for w, _ in reports], writer.storage_meta())
+                files: dict[str, Any] = {METADATA: write_file(job.temp_path / METADATA, data)}
                 files.update((w.name, w) for w, _ in reports)
                 del reports
                 self._commit(job.temp_path, job.final, head, files)

@@ -24,10 +24,11 @@ So :class:`Plans` (one per :class:`~phalanx.checkpoint.Checkpointer`, on every r
 * these ride on the two exchanges the save makes anyway (the gather of every rank's RNG
   state to rank 0, and rank 0's answer naming the temporary directory), so planning costs
   no collective of its own; after the writes each rank sends rank 0 only where each item
-  went (offset and length, with the manifest's CRC-32s), from which rank 0 writes
+  went (offset and length, with the manifest's CRC-32s, packed: :class:`~.dcp_layout.Written`),
+  from which rank 0 writes
   ``.metadata`` (:meth:`Plans.metadata_file`: DCP's metadata pickled as DCP's writer does,
-  its bytes reused while every item sits where it sat); nothing is broadcast back but the
-  outcome.
+  its bytes reused, patched in place, while every item sits where it sat); nothing is
+  broadcast back but the outcome.
 
 A save that fails forgets all of it on every rank (:meth:`Plans.forget`): the next one plans
 anew. A rank's plan that rank 0 does not hold (a forgotten one) fails the save on every rank
