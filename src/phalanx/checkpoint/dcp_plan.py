@@ -165,6 +165,9 @@ class Plans:
         metadata.storage_meta = storage_meta
         sink = bytearray()
         pickle.dump(metadata, _Appender(sink))  # (as finish does: pickle.dump to the file)
+        # where every item went is in the bytes now; not kept as objects too (an entry per
+        # stored item: ~270 bytes each on rank 0, 0.48 MB at world 4 here, ~110 MB at 1024)
+        metadata.storage_data = None
         self._pickled = (metadata, placed, sink, strings)
         return sink
 
