@@ -2,7 +2,8 @@
 
 Usage::
 
-    python benchmarks/bench_compile.py                     # 2 processes, Gloo, inductor
+    python benchmarks/bench_compile.py                     # 2 processes, inductor
+    python benchmarks/bench_compile.py --gloo              # everything on Gloo
     python benchmarks/bench_compile.py --backend aot_eager --steps 30 --json compile.json
 
 Each rank builds the GPT of ``phalanx bench --model gpt`` (24 pre-norm blocks of width 64,
@@ -15,7 +16,8 @@ timed steps of SGD with momentum (``zero_grad``, forward, cross-entropy, backwar
 A step's time is the slowest rank's. The table shows each one's median step time and the
 medians of the paired ratios (each step's time over the time of the other's step taken in the
 same turn: a change in the machine's load cancels), with their spread (the 25th and 75th
-percentiles) over the steps.
+percentiles) over the steps. phalanx runs at its defaults (on one host its shared-memory
+backend), torch's DDP on Gloo (a group of its own); ``--gloo`` puts phalanx on Gloo too.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.bench.engine import GPT, Trainer, make_batch
-from phalanx.bench.ranks import RESULT_FLAG, run_script, slowest
+from phalanx.bench.ranks import RESULT_FLAG, add_gloo_option, run_script, slowest, torch_group, transport
 from phalanx.ddp import DistributedDataParallel
 
 VARIANTS = ("phalanx eager", "phalanx compiled", "torch eager", "torch compiled")
@@ -44,6 +46,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps each (default 3)")
     p.add_argument("--steps", type=int, default=20, help="timed steps each (default 20)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    add_gloo_option(p.add_argument)
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument(RESULT_FLAG, dest="rank_result", help="(set by the script for its ranks)")
     return p.parse_args(argv)
@@ -52,8 +55,10 @@ def _parse(argv=None) -> argparse.Namespace:
 def _trainer(variant: str, args: argparse.Namespace, batch: tuple) -> Trainer:
     torch.manual_seed(0)
     net = GPT(depth=args.depth)
-    ddp = (DistributedDataParallel if variant.startswith("phalanx") else
-           torch.nn.parallel.DistributedDataParallel)(net)
+    if variant.startswith("phalanx"):
+        ddp = DistributedDataParallel(net)
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(net, process_group=torch_group())
     if variant.endswith("compiled"):
         ddp = torch.compile(ddp, backend=args.backend)
     return Trainer(ddp, batch)
@@ -70,11 +75,12 @@ def _rank(args: argparse.Namespace) -> dict:
     for i in range(args.steps):
         for v in VARIANTS if i % 2 == 0 else reversed(VARIANTS):
             times[v].append(slowest(trainers[v].step()))
-    return times
+    return {"times": times, "transport": transport()}
 
 
-def _report(args: argparse.Namespace, times: dict) -> dict:
-    print(f"world size {args.world_size}, Gloo, GPT {args.depth} blocks of width 64, {args.batch} "
+def _report(args: argparse.Namespace, result: dict) -> dict:
+    times = result["times"]
+    print(f"world size {args.world_size}, {result['transport']}, GPT {args.depth} blocks of width 64, {args.batch} "
           f"sequences per rank, torch.compile backend {args.backend}, {args.steps} timed steps each")
     print(f"{'variant':<18}{'step ms (median)':>18}")
     for v in VARIANTS:

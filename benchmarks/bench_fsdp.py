@@ -3,7 +3,8 @@ DDP as the replicated reference: step time, bytes sent and state held per rank.
 
 Usage::
 
-    python benchmarks/bench_fsdp.py                         # 2 processes, Gloo, GPT 8 x 128
+    python benchmarks/bench_fsdp.py                         # 2 processes, GPT 8 x 128
+    python benchmarks/bench_fsdp.py --gloo                  # everything on Gloo
     python benchmarks/bench_fsdp.py --world-size 3 --steps 30 --json fsdp.json
     python benchmarks/bench_fsdp.py --rate 1gbit            # 2 ranks over a 1 Gbit/s link (root)
 
@@ -13,8 +14,11 @@ Each rank builds the GPT of ``phalanx bench --model gpt`` (``--depth`` blocks of
 every unit but the root resharded after its forward), and wrapped whole by torch's DDP and by
 phalanx's. Each trains with AdamW; after ``--warmup`` untimed steps the four take turns step by
 step (A B C D, D C B A, ...) for ``--steps`` timed steps (``zero_grad``, forward, cross-entropy, backward,
-``step``). A step's time is the slowest rank's. Bytes sent are what the process wrote during
-the step (``/proc/self/io``'s ``wchar``: its sockets, so its collectives), in units of the
+``step``). Each side runs as its users run it: phalanx at its defaults (on one host its
+shared-memory backend), torch's variants on Gloo (a group of their own); ``--gloo`` puts
+phalanx on Gloo too. A step's time is the slowest rank's. Bytes sent are what the process wrote during
+the step (``/proc/self/io``'s ``wchar``: its sockets, so its collectives; over shared memory
+nothing goes through a socket, so phalanx's show as "-"), in units of the
 model's parameter bytes; state held is the bytes of this rank's parameters, gradients and
 optimizer state (a DTensor's local shard). The table shows medians and the paired ratios'
 median and quartiles.
@@ -38,7 +42,8 @@ import torch.distributed as dist
 from phalanx.bench.engine import GPT, make_batch
 from phalanx.bench.fsdp import build, held_bytes, parameter_bytes, sent_bytes
 from phalanx.bench.nodes import NodesFailed, launch_on_namespaces, raise_on_signals
-from phalanx.bench.ranks import RESULT_FLAG, launch_ranks, run_script, slowest
+from phalanx.bench.ranks import (RESULT_FLAG, add_gloo_option, launch_ranks, run_script, slowest,
+                                 torch_group, transport)
 
 VARIANTS = ("phalanx fully_shard", "torch fully_shard", "torch DDP", "phalanx DDP")
 RATIOS = {"phalanx / torch fully_shard step": ("phalanx fully_shard", "torch fully_shard"),
@@ -58,6 +63,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--rate", help="two ranks in two network namespaces, their link limited to this "
                                   "tc rate each way (e.g. 1gbit; needs root); default: loopback")
+    add_gloo_option(p.add_argument)
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument(RESULT_FLAG, dest="rank_result", help="(set by the script for its ranks)")
     args = p.parse_args(argv)
@@ -80,7 +86,7 @@ def _rank(args: argparse.Namespace) -> dict:
     make = partial(GPT, dim=args.dim, depth=args.depth)
     built = {}
     for v in VARIANTS:
-        model = build(v, make)
+        model = build(v, make, torch_group=torch_group())
         built[v] = model, torch.optim.AdamW(model.parameters(), lr=1e-3)
     param_bytes = parameter_bytes(make)
     for model, opt in built.values():
@@ -94,13 +100,14 @@ def _rank(args: argparse.Namespace) -> dict:
             out[v]["sent"].append(sent / param_bytes)
     for v, (model, opt) in built.items():
         out[v]["held"] = held_bytes(model, opt) / param_bytes
-    return {"param_bytes": param_bytes, "variants": out}
+    return {"param_bytes": param_bytes, "variants": out, "transport": transport()}
 
 
 def _report(args: argparse.Namespace, result: dict) -> dict:
     out = result["variants"]
-    link = f"two namespaces, {args.rate} each way" if args.rate else "loopback"
-    print(f"world size {args.world_size}, Gloo over {link}, GPT {args.depth} blocks of width {args.dim} "
+    link = f"Gloo over two namespaces, {args.rate} each way" if args.rate else result["transport"]
+    shm = result["transport"] != "Gloo"
+    print(f"world size {args.world_size}, {link}, GPT {args.depth} blocks of width {args.dim} "
           f"({result['param_bytes'] / 2**20:.1f} MiB of fp32 parameters), {args.batch} sequences per "
           f"rank, AdamW, {args.steps} timed steps each; bytes in parameter bytes, on rank 0")
     print(f"{'variant':<22}{'step ms (median)':>18}{'sent per step':>15}{'held per rank':>15}")
@@ -108,8 +115,9 @@ def _report(args: argparse.Namespace, result: dict) -> dict:
     for v in VARIANTS:
         ms = statistics.median(out[v]["s"]) * 1e3
         sent = statistics.median(out[v]["sent"])
-        rows[v] = {"step_ms_median": ms, "sent_per_step": sent, "held_per_rank": out[v]["held"]}
-        print(f"{v:<22}{ms:>18.1f}{sent:>15.2f}{out[v]['held']:>15.2f}")
+        on_shm = shm and v.startswith("phalanx")
+        rows[v] = {"step_ms_median": ms, "sent_per_step": None if on_shm else sent, "held_per_rank": out[v]["held"]}
+        print(f"{v:<22}{ms:>18.1f}{'-' if on_shm else f'{sent:.2f}':>15}{out[v]['held']:>15.2f}")
     print()
     for name, (a, b) in RATIOS.items():
         q1, q2, q3 = statistics.quantiles([x / y for x, y in zip(out[a]["s"], out[b]["s"])], n=4)

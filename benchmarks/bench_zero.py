@@ -3,7 +3,8 @@ gradient + state memory and training-step time under phalanx DDP: Adam, ZeRO sta
 
 Usage::
 
-    python benchmarks/bench_zero.py                      # world size 2, Gloo on loopback
+    python benchmarks/bench_zero.py                      # world size 2, one host
+    python benchmarks/bench_zero.py --gloo               # everything on Gloo
     python benchmarks/bench_zero.py --width 2048 --rounds 11 --json zero.json
 
 Each rank builds the same MLP three times, one per optimizer, with the same fixed gradients,
@@ -12,7 +13,9 @@ and takes one warm-up step with each (Adam creates its state on the first step).
 runs ``--steps`` timed ``step()`` calls. A round's time is the slowest rank's, since a step is
 done only when every replica has its parameters; the table shows medians over rounds.
 ``step()`` includes the parameter broadcast for both ZeRO variants; gradients are given, so
-no backward pass or gradient all-reduce is timed. State memory is the bytes of the tensors in
+no backward pass or gradient all-reduce is timed. phalanx runs at its defaults (on one host
+its shared-memory backend), torch's ZeRO on Gloo (a group of its own), as each one's users run
+them; ``--gloo`` puts phalanx on Gloo too. State memory is the bytes of the tensors in
 each rank's (local) optimizer state.
 
 The second table times whole training steps (``zero_grad``, forward, backward, ``step``) of
@@ -33,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 import phalanx
-from phalanx.bench.ranks import RESULT_FLAG, run_script, slowest
+from phalanx.bench.ranks import RESULT_FLAG, add_gloo_option, run_script, slowest, torch_group, transport
 from phalanx.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 
 VARIANTS = ("unsharded", "phalanx_zero", "torch_zero")
@@ -49,6 +52,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="step() calls per round (default 5)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--batch", type=int, default=32, help="rows per rank per training step (default 32)")
+    add_gloo_option(p.add_argument)
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument(RESULT_FLAG, dest="rank_result", help="(set by the script for its ranks)")
     return p.parse_args(argv)
@@ -69,7 +73,7 @@ def _optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=1e-3)
     if name == "phalanx_zero":
         return ZeroRedundancyOptimizer(params, torch.optim.Adam, lr=1e-3)
-    return TorchZero(params, optimizer_class=torch.optim.Adam, lr=1e-3)
+    return TorchZero(params, optimizer_class=torch.optim.Adam, process_group=torch_group(), lr=1e-3)
 
 
 def _trainer(name: str, args: argparse.Namespace):
@@ -114,7 +118,7 @@ def _rank(args: argparse.Namespace) -> dict:
                 opts[name].step()
             times[name].append(slowest(time.perf_counter() - start) / args.steps)
     del opts
-    return {"memory": memory, "times": times, "train": _time_training(args)}
+    return {"memory": memory, "times": times, "train": _time_training(args), "transport": transport()}
 
 
 def _time_training(args: argparse.Namespace) -> dict:
@@ -161,7 +165,7 @@ def _report(args: argparse.Namespace, result: dict) -> dict:
     base_mem = max(memory["unsharded"])
     base_ms = statistics.median(times["unsharded"]) * 1e3
     n_params = args.layers * (args.width * args.width + args.width)
-    print(f"world size {args.world_size}, MLP {args.layers} x Linear({args.width}, {args.width}) "
+    print(f"world size {args.world_size}, {result['transport']}, MLP {args.layers} x Linear({args.width}, {args.width}) "
           f"= {n_params / 1e6:.1f} M params, Adam, {args.rounds} rounds x {args.steps} steps, "
           f"{args.threads} thread(s) per rank")
     print(f"{'optimizer':<14}{'state MiB per rank':>24}{'vs unsharded':>14}"

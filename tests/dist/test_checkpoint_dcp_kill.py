@@ -51,9 +51,10 @@ def _die_on_second_call(fn):
 
 def _intercept(point):
     if point.endswith("mid-write"):
-        dcp_engine.ChecksummingWriter.write_data = _die
+        dcp_engine.ChecksummingWriter.write = _die
     elif point.endswith("before-report"):  # its file written and fsynced, not yet reported
-        dcp_engine.ChecksummingWriter.checksums = _die
+        write = dcp_engine.ChecksummingWriter.write
+        dcp_engine.ChecksummingWriter.write = lambda *args: write(*args) and _die()
     elif point.endswith("before-manifest"):
         dcp_checkpoint.write_manifest = _die
     elif point.endswith("before-rename"):

@@ -325,6 +325,36 @@ def test_a_killed_peer_is_named_on_every_survivor_within_a_second():
         assert took < 0.5 + 1.0, took
 
 
+def _late_peer(rank, world):
+    from phalanx.shm import channel  # (registers the backend)
+    g = dist.new_group(backend="phalanx_shm")
+    dist.barrier(group=g)
+    sleeps, raw = [], channel._futex_wait
+
+    def counted(*args):
+        sleeps.append(1)
+        return raw(*args)
+    channel._futex_wait = counted
+    if rank == 1:
+        time.sleep(1.0)
+    t = torch.full((10,), float(rank + 1))
+    start = time.monotonic()
+    dist.all_reduce(t, group=g, async_op=True).wait()  # rank 0 waits on the group's worker
+    took = time.monotonic() - start
+    channel._futex_wait = raw
+    return len(sleeps), took, t.tolist()
+
+
+def test_a_member_waiting_for_a_late_peer_sleeps_until_it_arrives():
+    """The worker thread sleeps on the futex until the peer's arrival wakes it (no wake-up is
+    missed: channel's notes), looking only for the liveness checks (every 50 ms): about 20
+    sleeps for a peer 1 s late, where a sleep bounded at 2 ms took about 500."""
+    (sleeps, took, got), _ = run_ranks(_late_peer, 2, timeout=60)
+    assert got == [3.0] * 10
+    assert took > 0.2, took  # it did wait for the late peer (1 s, less what rank 0 came late)
+    assert sleeps <= 2 * took / 0.05 + 5, (sleeps, took)
+
+
 def _hang(rank, world):
     import phalanx.shm  # noqa: F401
     g = dist.new_group(backend="phalanx_shm", timeout=timedelta(seconds=1))

@@ -28,14 +28,34 @@ def test_bench_fsdp_measures_both_fully_shards_and_ddp(tmp_path):
     rows = _run("bench_fsdp.py", "--depth", "1", "--steps", "4", "--warmup", "1", out=tmp_path / "f.json")["results"]
     assert rows["phalanx fully_shard"]["held_per_rank"] == pytest.approx(2.0, rel=0.02)  # 1/2 of 4x
     assert rows["torch DDP"]["held_per_rank"] == pytest.approx(4.0, rel=0.01)  # params, grads, 2 AdamW
-    # phalanx's reduce-scatter sends half of Gloo's: fewer bytes a step than torch's fully_shard
-    assert rows["phalanx fully_shard"]["sent_per_step"] < rows["torch fully_shard"]["sent_per_step"]
+    # each at its default: phalanx over shared memory (nothing through a socket), torch over
+    # Gloo (its DDP's all-reduce writes about the parameters' bytes a step)
+    assert rows["phalanx fully_shard"]["sent_per_step"] is None and rows["phalanx DDP"]["sent_per_step"] is None
+    assert rows["torch DDP"]["sent_per_step"] == pytest.approx(1.0, abs=0.1)
+    assert rows["torch fully_shard"]["sent_per_step"] > 1
     assert rows["phalanx / torch fully_shard step"]["median"] > 0
+
+
+def test_bench_zero_puts_torchs_zero_on_gloo_and_phalanx_at_its_default(tmp_path):
+    out = tmp_path / "z.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_zero.py"), "--width", "64",
+                           "--rounds", "1", "--steps", "1", "--json", str(out)],
+                          env=base_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "world size 2, phalanx over shared memory, torch over Gloo, MLP" in done.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert set(rows) == {"unsharded", "phalanx_zero", "torch_zero", "training"}
+    # Adam's two states of 4 x (64 x 64 + 64) floats (and its step counts), split by either ZeRO
+    whole = rows["unsharded"]["state_bytes_per_rank"]
+    assert whole[0] == whole[1] == pytest.approx(2 * 4 * 4160 * 4, abs=64)
+    for zero in ("phalanx_zero", "torch_zero"):
+        held = rows[zero]["state_bytes_per_rank"]
+        assert max(held) < whole[0] and sum(held) == pytest.approx(whole[0], abs=64), (zero, held)
 
 
 def test_bench_compile_times_eager_and_compiled_ddps(tmp_path):
     rows = _run("bench_compile.py", "--depth", "1", "--backend", "eager", "--steps", "4", "--warmup", "1",
-                out=tmp_path / "c.json")["results"]
+                "--gloo", out=tmp_path / "c.json")["results"]
     assert set(rows) == {"phalanx compiled / torch compiled", "phalanx compiled / phalanx eager",
                          "torch compiled / torch eager", "phalanx eager / torch eager"}
     assert all(r["q1"] <= r["median"] <= r["q3"] for r in rows.values())

@@ -5,10 +5,10 @@ to zlib's of those bytes; dcp_items' templates equal torch.save for every dtype 
 DCP's save plans made once and reused (dcp_plan): the same answers as planning anew."""
 
 import io
+import json
 import os
 import pickle
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 
 from phalanx.checkpoint import dcp_items
 from phalanx.checkpoint.dcp_engine import BalancedSavePlanner, ChecksummingWriter
+from phalanx.checkpoint.dcp_layout import Written, checksum, read_manifest, write_manifest
 from phalanx.checkpoint.dcp_plan import Plans
 from phalanx.errors import CheckpointError
 
@@ -82,13 +83,18 @@ def test_the_file_is_torchs_own(tmp_path):
     state = _state(torch.Generator().manual_seed(1))
     dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "torch", thread_count=1), no_dist=True)
     ours = ChecksummingWriter(tmp_path / "ours")
+    written = []
+    write = ours.write
+    ours.write = lambda *args: written.append(write(*args)) or written[-1]  # (dcp.save calls write_data)
     dcp.save(state, storage_writer=ours, no_dist=True)
     theirs, mine = (tmp_path / "torch" / "__0_0.distcp").read_bytes(), (tmp_path / "ours" / "__0_0.distcp").read_bytes()
     assert mine == theirs  # byte for byte
-    sums = ours.checksums()["__0_0.distcp"]
-    assert sums["bytes"] == len(mine) and sums["crc32"] == f"{zlib.crc32(mine):#010x}"
+    # what the manifest records of the file, as checksum() computes it reading it back
+    entry = json.loads(written[0].entry_json((",", ":")))
+    assert entry == checksum(tmp_path / "ours" / "__0_0.distcp", [(o, n) for o, n, _ in entry["items"]])
+    assert entry["bytes"] == len(mine) and entry["crc32"] == f"{zlib.crc32(mine):#010x}"
     covered = 0
-    for offset, length, crc in sums["items"]:  # every byte in exactly one item
+    for offset, length, crc in entry["items"]:  # every byte in exactly one item
         assert offset == covered and crc == f"{zlib.crc32(mine[offset:offset + length]):#010x}"
         covered += length
     assert covered == len(mine)
@@ -167,6 +173,14 @@ def test_plans_cross_once_and_follow_the_layout():
     assert [_items(p) for p in anew] == [_items(p) for p in _fresh(states)]
 
 
+def _written_at(places):
+    """A rank's report of its items written at ``places`` (``(offset, length)``, plan order)."""
+    out = Written("f", 0, 0)
+    for i, (offset, length) in enumerate(places):
+        out.add(offset, length, 0, i)
+    return out
+
+
 def test_metadata_bytes_are_reused_only_where_they_are_the_same(tmp_path):
     gen = torch.Generator().manual_seed(3)
     states = [{"m": {"a": torch.randn(30, generator=gen), "own0": torch.randn(5, generator=gen)}},
@@ -178,21 +192,44 @@ def test_metadata_bytes_are_reused_only_where_they_are_the_same(tmp_path):
     def fresh(meta):  # planned and pickled without any cache
         other = [Plans(), Plans()]
         _round(other, states)
-        return other[0].metadata_file(placed, meta)
+        return other[0].metadata_file([_written_at(p) for p in placed], meta)
 
+    reused = []
     for name in ("ckpt-000000000001.dcp.tmp-1-aaaaaaaa", "ckpt-000000000002.dcp.tmp-1-bbbbbbbb",
                  "ckpt-000000000003.dcp.tmp-12-cc",  # another length: pickled anew
                  "ckpt-000000000004.dcp.tmp-1-dddddddd"):
         meta = StorageMeta(checkpoint_id=tmp_path / name, save_id=f"{name[-8:]:>36}")
         _round(plans, states)
-        data = plans[0].metadata_file(placed, meta)
+        data = plans[0].metadata_file([_written_at(p) for p in placed], meta)
+        reused.append(id(data))
         assert data == fresh(meta), name
         loaded = pickle.loads(data)
         assert os.fspath(loaded.storage_meta.checkpoint_id) == os.fspath(tmp_path / name)
+    assert reused[0] == reused[1] != reused[2]  # the same bytes, changed in place; then anew
     moved = [list(p) for p in placed]
     moved[1][0] = (5, 100)  # an item elsewhere: pickled anew
     meta = StorageMeta(checkpoint_id=tmp_path / "x", save_id="y")
-    assert pickle.loads(plans[0].metadata_file(moved, meta)).storage_data[finals[1].items[0].index].offset == 5
+    data = plans[0].metadata_file([_written_at(p) for p in moved], meta)
+    assert pickle.loads(data).storage_data[finals[1].items[0].index].offset == 5
+
+
+def test_the_manifest_written_in_pieces_is_json_dumps_text(tmp_path):
+    """write_manifest encodes each rank's Written as it goes: the file is the compact JSON of
+    the whole manifest, and its CRC-32 that of json.dumps(body, sort_keys=True)."""
+    files = {"__1_0.distcp": _written_at([(0, 700), (700, 1_000_000)]), "__0_0.distcp": Written("__0_0.distcp", 0, 0),
+             ".metadata": {"bytes": 5, "crc32": "0x0000abcd"}}
+    files["__1_0.distcp"].crcs[1] = 0xFFFFFFFF
+    body = {"step": 3, "epoch": 1, "world_size": 2, "layout": 'a "files": 0', "files": files}
+    write_manifest(tmp_path, body)
+    plain = {**body, "files": {n: json.loads(w.entry_json((",", ":"))) if isinstance(w, Written) else w
+                               for n, w in files.items()}}
+    assert plain["files"]["__1_0.distcp"]["items"][1] == [700, 1_000_000, "0xffffffff"]
+    assert plain["files"]["__0_0.distcp"] == {"bytes": 0, "crc32": "0x00000000", "items": []}
+    found = read_manifest(tmp_path)  # (checks the CRC-32 against json.dumps's text)
+    assert found == {"format": "phalanx-dcp", "version": 1, **plain}
+    crc = f"{zlib.crc32(json.dumps(found, sort_keys=True).encode()):#010x}"
+    assert (tmp_path / "phalanx-manifest.json").read_text() == json.dumps(
+        {**found, "crc32": crc}, sort_keys=True, separators=(",", ":"))
 
 
 def test_the_reader_takes_a_tensor_from_its_archive_only_when_it_is_the_template_s():

@@ -45,14 +45,18 @@ def shard(net: nn.Module, fully_shard: Callable[[nn.Module], nn.Module]) -> nn.M
     return fully_shard(net)
 
 
-def _fully_shard_of(variant: str) -> Callable[[nn.Module], nn.Module]:
+def _fully_shard_of(variant: str, group=None) -> Callable[[nn.Module], nn.Module]:
     if variant == "phalanx fully_shard":
         from ..fsdp import fully_shard
 
         return fully_shard
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    return torch_fully_shard
+    if group is None:
+        return torch_fully_shard
+    mesh = DeviceMesh.from_group(group, "cpu")
+    return lambda module: torch_fully_shard(module, mesh=mesh)
 
 
 # The layers of the benchmark models (phalanx.bench.engine), each with its own initialisation.
@@ -64,8 +68,11 @@ def _reset(module: nn.Module) -> None:
         module.reset_parameters()
 
 
-def build(variant: str, make: Callable[[], nn.Module], seed: int = 0, meta: bool = False) -> nn.Module:
-    """``make()``'s model as ``variant`` (one of :data:`VARIANTS`), from ``seed``.
+def build(variant: str, make: Callable[[], nn.Module], seed: int = 0, meta: bool = False,
+          torch_group=None) -> nn.Module:
+    """``make()``'s model as ``variant`` (one of :data:`VARIANTS`), from ``seed``; torch's
+    variants on ``torch_group`` when given (:func:`phalanx.bench.ranks.torch_group`), else on
+    the default group, as phalanx's always are.
 
     ``meta=True``: a sharded variant is built on the meta device, sharded, and initialised
     per shard (phalanx: :func:`phalanx.fsdp.initialize`, each rank keeping its rows of the
@@ -78,13 +85,15 @@ def build(variant: str, make: Callable[[], nn.Module], seed: int = 0, meta: bool
     if variant in REPLICATED:
         from ..ddp import DistributedDataParallel
 
-        wrap = torch.nn.parallel.DistributedDataParallel if variant == "torch DDP" else DistributedDataParallel
-        return wrap(make())
+        if variant == "torch DDP":
+            return torch.nn.parallel.DistributedDataParallel(make(), process_group=torch_group)
+        return DistributedDataParallel(make())
+    sharder = _fully_shard_of(variant, torch_group)
     if not meta:
-        return shard(make(), _fully_shard_of(variant))
+        return shard(make(), sharder)
     with torch.device("meta"):
         net = make()
-    shard(net, _fully_shard_of(variant))
+    shard(net, sharder)
     net.to_empty(device="cpu")
     torch.manual_seed(seed)  # alike on every rank
     if variant == "phalanx fully_shard":

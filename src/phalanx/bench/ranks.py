@@ -93,13 +93,47 @@ def run_script(entrypoint: str, argv: Sequence[str] | None, parse: Callable[...,
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
     if args.rank_result:  # one of the ranks
-        serve(measure, args.rank_result, args, threads=args.threads)
+        # scripts with --gloo (add_gloo_option) run phalanx at its defaults unless it is given
+        serve(measure, args.rank_result, args, threads=args.threads,
+              shared_memory=False if getattr(args, "gloo", True) else None)
         return
     result = launch(args, argv) if launch else launch_ranks(entrypoint, args.world_size, argv)
     rows = report(args, result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": rows}, f, indent=2)
+
+
+def add_gloo_option(add_argument: Callable[..., Any]) -> None:
+    """``--gloo`` for a script whose ranks :func:`run_script` starts: without it, the default
+    group is phalanx's default (on one host, its shared-memory backend) and torch's variants
+    run on a Gloo group of their own (:func:`torch_group`), each side as its users run it;
+    with it, everything runs on Gloo (the transport alike: what the code alone does)."""
+    add_argument("--gloo", action="store_true",
+                 help="everything on Gloo; default: phalanx at its defaults (one host: shared "
+                      "memory), torch's variants on Gloo")
+
+
+_TORCH_GROUP: list = []
+
+
+def torch_group() -> Any:
+    """The group torch's own variants run on, as torch runs them on CPU: ``None`` (the default
+    group) when that is Gloo, else a Gloo group of the same ranks, made once (a collective:
+    every rank calls it, the first time together)."""
+    import torch.distributed as dist
+
+    from .. import shm
+
+    if not _TORCH_GROUP:
+        _TORCH_GROUP.append(dist.new_group(backend="gloo") if shm.uses_shared_memory() else None)
+    return _TORCH_GROUP[0]
+
+
+def transport() -> str:
+    """The transports in words, for a table's title: ``"Gloo"`` or ``"phalanx over shared
+    memory, torch over Gloo"``."""
+    return "Gloo" if torch_group() is None else "phalanx over shared memory, torch over Gloo"
 
 
 def slowest(seconds: float) -> float:

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import dataclasses
 import os
 import shutil
 import weakref
@@ -84,6 +85,7 @@ from .dcp_layout import (
     DamagedCheckpoint,
     STATE_FILE,
     TempDir,
+    Written,
     check_save_step,
     checksum,
     clean_stale_dirs,
@@ -134,6 +136,19 @@ def _rank_world(group: Any) -> tuple[int, int]:
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+@dataclasses.dataclass
+class _Job:
+    """A save's part on this rank once the exchanges before the writes are done: its final
+    plan, the temporary directory; rank 0 also its lock and the state file's content (every
+    rank's RNG states: dropped once written)."""
+
+    plan: Any
+    temp_path: Path
+    final: Path
+    temp: TempDir | None
+    state: dict | None
 
 
 class ShardedIO:
@@ -247,7 +262,7 @@ class ShardedIO:
             planner = BalancedSavePlanner()
             planner.set_up_planner(tensors, is_coordinator=rank == 0)
             job = self._prepare(planner, *saved, o.group, None)
-            return self._write(planner, *job, o.group)
+            return self._write(planner, job, o.group)
         group = self._group()  # (a collective: made on the first background save)
         # this rank's part, copied to host memory into the previous save's buffers (kept
         # between saves, released by close()): the model's buffers now (a forward pass may
@@ -289,10 +304,10 @@ class ShardedIO:
         except BaseException:
             self._plans.forget()
             raise
-        return self._write(planner, *job, group)
+        return self._write(planner, job, group)
 
     def _prepare(self, planner: BalancedSavePlanner, mine: tuple, objects: dict | None, extra: dict,
-                 rest: dict, group: Any, problem: str | None) -> tuple:
+                 rest: dict, group: Any, problem: str | None) -> _Job:
         """Every rank: the exchanges before the writes. Rank 0 gathers every rank's RNG states
         (and save plan, if it lacks it: dcp_plan), builds the state file's content and the
         global plan, and makes the temporary directory; its answer names the directory and
@@ -327,7 +342,7 @@ class ShardedIO:
         if isinstance(plans, str):  # rank 0's error, as its type
             raise _SHARED_ERRORS.get(name, CheckpointError)(plans)
         plan = self._plans.accept(plans[rank])
-        return plan, o.directory / name, final, temp, state
+        return _Job(plan, o.directory / name, final, temp, state)
 
     def _watch_steps(self) -> None:
         """Every optimizer's ``step()`` waits for the staging in flight (a hook registered
@@ -382,71 +397,72 @@ class ShardedIO:
             _log.info("removed %s, left by a writer that died", stale)
         return state
 
-    def _write(self, planner: BalancedSavePlanner, plan: Any, temp_path: Path, final: Path,
-               temp: TempDir | None, state: dict | None, group: Any) -> Path:
+    def _write(self, planner: BalancedSavePlanner, job: _Job, group: Any) -> Path:
         """Every rank (main thread or background): write, checksum, commit, agree."""
         try:
-            return self._write_and_commit(planner, plan, temp_path, final, temp, state, group)
+            return self._write_and_commit(planner, job, group)
         except BaseException:
             self._plans.forget()  # (every rank raises: every rank plans anew next time)
             raise
 
-    def _write_and_commit(self, planner: BalancedSavePlanner, plan: Any, temp_path: Path, final: Path,
-                          temp: TempDir | None, state: dict | None, group: Any) -> Path:
+    def _write_and_commit(self, planner: BalancedSavePlanner, job: _Job, group: Any) -> Path:
         rank, _ = _rank_world(group)
-        writer = ChecksummingWriter(temp_path)
+        writer = ChecksummingWriter(job.temp_path)
         writer.set_up_storage_writer(rank == 0, rank=rank)
-        sums, placed, error = {}, [], None
-        if state is not None:  # rank 0: the state file first, while the others write theirs
+        written, error, head = None, None, None
+        if job.state is not None:  # rank 0: the state file first, while the others write theirs
+            head = {k: job.state[k] for k in ("step", "epoch", "world_size", "layout")}
             try:  # (fsynced at the commit, with .metadata and the manifest)
-                write_checkpoint(temp_path / STATE_FILE, state, sync=False)
+                write_checkpoint(job.temp_path / STATE_FILE, job.state, sync=False)
             except Exception as e:  # (reported below: every rank still writes its part)
                 error = f"rank {rank}: {type(e).__name__}: {e}"
+            finally:  # (every rank's RNG states: not held while the data and the reports are)
+                job.state = None
         try:
-            writer.write_data(plan, planner)
-            sums, placed = writer.checksums(), writer.placed()  # taken as the file was written
+            written = writer.write(job.plan, planner)  # what it wrote, taken as it wrote it
         except Exception as e:
             error = error or f"rank {rank}: {type(e).__name__}: {e}"
-        reports = gather_to_writer((sums, placed, error), group)
+        reports = gather_to_writer((written, error), group)
+        del written
         outcome = None
         if reports is not None:
             try:
-                failed = [e for *_, e in reports if e is not None]
+                failed = [e for _, e in reports if e is not None]
                 if failed:
-                    raise CheckpointError(f"Writing checkpoint {final} failed on " + "; ".join(failed))
-                files = {n: s for part, _, _ in reports for n, s in part.items()}
+                    raise CheckpointError(f"Writing checkpoint {job.final} failed on " + "; ".join(failed))
                 # .metadata, as DCP's finish writes it, from where every rank put its items
-                data = self._plans.metadata_file([p for _, p, _ in reports], writer.storage_meta())
-                files[METADATA] = write_file(temp_path / METADATA, data)
-                self._commit(temp_path, final, state, files)
+                data = self._plans.metadata_file([w for w, _ in reports], writer.storage_meta())
+                files: dict[str, Any] = {METADATA: write_file(job.temp_path / METADATA, data)}
+                files.update((w.name, w) for w, _ in reports)
+                del reports
+                self._commit(job.temp_path, job.final, head, files)
             except Exception as e:
-                outcome = str(as_shared(e, f"Saving checkpoint {final} failed on rank 0: "))
-                shutil.rmtree(temp_path, ignore_errors=True)
+                outcome = str(as_shared(e, f"Saving checkpoint {job.final} failed on rank 0: "))
+                shutil.rmtree(job.temp_path, ignore_errors=True)
             finally:
-                temp.release()
+                job.temp.release()
         outcome = broadcast_from_writer(outcome, group)
         if outcome is not None:
             raise CheckpointError(outcome)
-        return final
+        return job.final
 
-    def _commit(self, temp_path: Path, final: Path, state: dict, files: dict) -> None:
+    def _commit(self, temp_path: Path, final: Path, head: dict, files: dict) -> None:
         """Rank 0, once every rank's tensor file is durable: manifest, rename. (The state
         file, .metadata and the manifest are fsynced here, together: the first fsync's
-        journal commit takes the others'.)"""
+        journal commit takes the others'.) ``files``: name -> the manifest's entry, or the
+        :class:`~phalanx.checkpoint.dcp_layout.Written` it is made of."""
         others = [n for n in os.listdir(temp_path) if n not in files and n != MANIFEST]
         files.update({n: checksum(temp_path / n) for n in others})
-        write_manifest(temp_path, {"step": state["step"], "epoch": state["epoch"],
-                                   "world_size": state["world_size"], "layout": state["layout"],
-                                   "files": files}, sync=False)
+        write_manifest(temp_path, {**head, "files": files}, sync=False)
         fsync_files([temp_path / n for n in (STATE_FILE, METADATA, MANIFEST)])
         fsync_path(temp_path)
         commit(temp_path, final)
         o = self.owner
         if o.keep is not None:
             prune_all(o.directory, o.keep)
-        size = sum(f["bytes"] for f in files.values())
+        size = sum(f.size if isinstance(f, Written) else f["bytes"] for f in files.values())
         _log.info("saved %s (%.1f MB in %d files, epoch %d, step %d)", final, size / 1e6,
-                  len(files), state["epoch"], state["step"])
+                  len(files), head["epoch"], head["step"])
 
     def wait(self) -> Path | None:
         """The path of the background save in flight once it is committed (``None`` if none);

@@ -18,8 +18,13 @@ sleeps in the kernel on the count (a futex) without Python's GIL, woken by the p
 The group's worker thread (asynchronous collectives, DDP's buckets) sleeps at once: a thread
 that yields in a loop takes the GIL back at every look and starves the training thread of it.
 A member about to sleep raises its flag; a member that arrives wakes the peers whose flag is
-up. (Raising the flag and the arrival are not fenced against each other, so a wake-up can be
-missed; the sleep is bounded, 2 ms, and the wait looks again.)
+up. No wake-up is missed: the arriving member stores its count, then a full barrier (a locked
+instruction: :func:`_fence`), then reads the flags; the sleeping one stores its flag, then the
+kernel's ``futex_wait`` takes a full barrier before it compares the count with the one the
+member saw (Linux's futex ordering, barrier "A"). Of two such store-barrier-load sequences one
+sees the other's store: the sleeper finds the count changed and does not sleep, or the arriving
+member sees the flag and wakes it. So a sleep lasts until the peer arrives, or until the next
+liveness check (below): a thread waiting for a late peer wakes once, not every few ms.
 
 While waiting, a member checks every ~50 ms that each member it waits for still lives (a
 pidfd per peer, readable once that process has exited): a peer killed at any point makes
@@ -56,14 +61,15 @@ _SLEEPING_AT = 4
 # Liveness checks every 50 ms while waiting: a dead peer is named within about that.
 _LIVENESS_S = 0.05
 # Waiting starts with a few looks without a system call (when the group has no more members
-# than this process has CPUs), then yields the CPU at each look; after 2 ms it sleeps 50 us per
-# look, which costs a long wait at most a few percent and spares a machine with more ranks than
-# cores. A longer spin (300 looks, ~30 us) measured slower on a loaded 2-core machine: a peer
-# that shares the spinner's core waits for the spin to end.
+# than this process has CPUs), then yields the CPU at each look; after 2 ms it sleeps on the
+# futex until woken (the group's worker thread sleeps at once), which spares a machine with more
+# ranks than cores. A longer spin (300 looks, ~30 us) measured slower on a loaded 2-core
+# machine: a peer that shares the spinner's core waits for the spin to end.
 _SPIN_LOOKS = 20
 _YIELD_S = 0.002
-# The longest sleep on the futex before looking again (a missed wake-up costs at most this).
-_SLEEP_S = 0.002
+# The longest sleep on the futex before looking again: the liveness checks' period (no wake-up
+# is missed: see the module's notes).
+_SLEEP_S = _LIVENESS_S
 
 # futex(2) on x86-64 (the only architecture a group uses shared memory on): FUTEX_WAIT through a
 # foreign call that releases the GIL, FUTEX_WAKE through one that keeps it (it never blocks).
@@ -77,6 +83,26 @@ _futex_wake = ctypes.PyDLL(None, use_errno=True).syscall
 _futex_wake.restype = ctypes.c_long
 _futex_wake.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+
+
+# A full memory barrier: a lock-prefixed instruction (glibc's and musl's pthread_spin_trylock are
+# one ``lock cmpxchg`` on x86-64, which fences whatever it finds; the unlock keeps the lock free,
+# so no implementation may skip the atomic for a lock it sees taken). x86-64 reorders a store
+# with a later load of another address; this orders the arrival before the look at the flags.
+_spin_init, _spin_trylock, _spin_unlock = (
+    ctypes.PyDLL(None)[name] for name in ("pthread_spin_init", "pthread_spin_trylock",
+                                          "pthread_spin_unlock"))
+_spin_init.argtypes = (ctypes.c_void_p, ctypes.c_int)
+_spin_trylock.argtypes = _spin_unlock.argtypes = (ctypes.c_void_p,)
+_FENCE_LOCK = ctypes.c_int(0)  # a pthread_spinlock_t: an int
+_FENCE_ADDRESS = ctypes.addressof(_FENCE_LOCK)
+_spin_init(_FENCE_ADDRESS, 0)
+
+
+def _fence() -> None:
+    """A full memory barrier (stores before it are visible before loads after it)."""
+    _spin_trylock(_FENCE_ADDRESS)
+    _spin_unlock(_FENCE_ADDRESS)
 
 
 class _Timespec(ctypes.Structure):
@@ -188,6 +214,7 @@ class Channel:
         words[base] = seq
         self.seq = seq
         peers = self._peers
+        _fence()  # the arrival visible before the flags are read: no wake-up missed
         for b in peers:
             if words[b + _SLEEPING_AT]:
                 _futex_wake(_SYS_FUTEX, self._address[self.rank], _FUTEX_WAKE, 0x7FFFFFFF,
@@ -211,11 +238,11 @@ class Channel:
         yield_until = start + (_YIELD_S if threading.get_ident() != self.worker_ident else 0.0)
         sleeping = self._base + _SLEEPING_AT
         address = self._address[b // _BLOCK_WORDS]
+        now = start
         while True:
-            now = time.monotonic()
             if now < yield_until:
                 os.sched_yield()
-            else:
+            else:  # until the peer arrives (it wakes this thread) or the next liveness check
                 words[sleeping] = 1
                 seen = words[b]
                 if seen < seq:
@@ -224,6 +251,7 @@ class Channel:
                 words[sleeping] = 0
             if words[b] >= seq:
                 return
+            now = time.monotonic()
             if now >= next_check:
                 next_check = now + _LIVENESS_S
                 self._check_alive()

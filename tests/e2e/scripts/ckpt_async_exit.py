@@ -20,15 +20,15 @@ import torch.distributed as dist
 import phalanx
 from phalanx.checkpoint import dcp_engine
 
-write_data = dcp_engine.ChecksummingWriter.write_data
+write = dcp_engine.ChecksummingWriter.write
 
 
-def slow_write_data(self, *args, **kwargs):  # a slow disk: the script ends long before the save
+def slow_write(self, *args, **kwargs):  # a slow disk: the script ends long before the save
     time.sleep(2.0)
-    return write_data(self, *args, **kwargs)
+    return write(self, *args, **kwargs)
 
 
-dcp_engine.ChecksummingWriter.write_data = slow_write_data
+dcp_engine.ChecksummingWriter.write = slow_write
 
 directory, mode = sys.argv[1], sys.argv[2]
 atexit.register(lambda: print(f"group alive at exit: {dist.is_initialized()}", flush=True))  # runs last

@@ -33,7 +33,7 @@ model = torch.nn.Linear(64, 32)
 ckpt = phalanx.Checkpointer(directory, model, format="sharded", keep=1)
 ckpt.save(0, 1)
 if (point, rank) in (("mid-write", 1), ("async-mid-write", 0)):
-    dcp_engine.ChecksummingWriter.write_data = pause
+    dcp_engine.ChecksummingWriter.write = pause
 elif (point, rank) == ("before-rename", 0):
     dcp_checkpoint.commit = pause
 ckpt.save(0, 2, blocking=not point.startswith("async"))
