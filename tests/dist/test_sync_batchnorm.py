@@ -316,7 +316,14 @@ def test_inside_phalanx_ddp_with_and_without_broadcast_buffers(ddp_cases, flag):
         errs = out[flag]
         # 7 layers x (weight, bias), 3 BNs x 3 buffers, the eval output
         assert len(errs) == 24, errs
-        assert not _as_accurate_as_torch(errs), (rank, flag, _as_accurate_as_torch(errs))
+        # torch's distance taken over the whole model: the first conv's bias, which a BatchNorm
+        # follows, has a true gradient of zero, so it holds rounding noise alone, small or large
+        # by chance in either order of summation (torch's was 3e-8 on one Intel CPU, phalanx's
+        # 2e-7, within the model's 1.4e-6); a wrong divisor or a lost gradient moves every
+        # parameter by ~1e-2
+        scale = max(torch_distance for _, torch_distance, _ in errs.values())
+        wrong = {name: e for name, e in errs.items() if e[0] > oracle_bound(scale, e[2], factor=2.0 * STAGES)}
+        assert not wrong, (rank, flag, wrong)
 
 
 def _cuda_cases(rank, world_size):
