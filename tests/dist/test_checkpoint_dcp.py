@@ -2,10 +2,14 @@
 
 Saved at world 2 and 3 (fully_shard, DDP), loaded at 1, 2 and 3 into both layouts, equal bit
 for bit; torch's dcp.load and dcp_to_torch_save reading phalanx's; phalanx reading torch's
-dcp.save; damage named and set aside. (Processes killed mid-save: test_checkpoint_dcp_kill.py.)
+dcp.save; damage named and set aside; each rank reading its share, at the same world size and at
+another (only the blocks of each stored chunk that hold its rows). (Processes killed mid-save:
+test_checkpoint_dcp_kill.py.)
 """
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -214,6 +218,102 @@ def test_each_rank_reads_its_share(tmp_path):
     (.metadata, the manifest, the state file)."""
     for rank, (read, share) in enumerate(run_ranks(_read_bytes, 2, tmp_path, timeout=200)):
         assert read <= 1.2 * share, (rank, read, share)
+
+
+def _tall(seed):
+    """64 MB of fully sharded parameters, each weight 16 MB (2048 x 2048): loaded at world 3 or
+    4 from world 2, a rank needs a range of rows of 2.7-4 MB of each stored chunk it
+    overlaps, against which the partial blocks at its ends (up to 64 KiB each) are small."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(4)))
+    for layer in model:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def _save_tall(rank, world_size, directory):
+    Checkpointer(directory, _tall(0), format="sharded").save(0, 1)
+
+
+def _without_blocks(path):
+    """``path``'s manifest rewritten without its block CRC-32s (as an older phalanx wrote it)."""
+    from phalanx.checkpoint.dcp_layout import MANIFEST, read_manifest, write_manifest
+
+    body = read_manifest(path)
+    for entry in body["files"].values():
+        entry.pop("blocks", None)
+    (path / MANIFEST).unlink()
+    write_manifest(path, {k: v for k, v in body.items() if k not in ("format", "version")})
+
+
+def _local_bytes(model):
+    return sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes for t in model.state_dict().values())
+
+
+def _resharded_reads(rank, world_size, paths):
+    """Each checkpoint of ``paths`` loaded (world 2's, at this world size): the bytes read
+    (rchar), this rank's share (its rows' bytes, the files every rank reads), and whether the
+    state is the saved one bit for bit (the same seed, sharded at this world size)."""
+    expected = _tall(0).state_dict()
+    out = []
+    for path in paths:
+        model = _tall(1)
+        everyone = sum(f.stat().st_size for f in Path(path).iterdir() if not f.name.endswith(".distcp"))
+        ckpt = Checkpointer(Path(path).parent, model, format="sharded")
+        before = _rchar()
+        ckpt.load(resume=path)
+        read = _rchar() - before
+        equal = all(torch.equal(v.to_local().view(torch.uint8), expected[k].to_local().view(torch.uint8))
+                    for k, v in model.state_dict().items())
+        out.append((read, _local_bytes(model) + everyone, equal))
+    return out
+
+
+@pytest.mark.slow
+def test_a_resharded_load_reads_its_share(tmp_path):
+    """Saved at world 2 (fully_shard), loaded at 3 and 4: each rank needs only some rows of
+    each stored chunk it overlaps, and reads only the blocks holding them (each checked by
+    its block CRC-32): at most 1.2x its share (rchar). The same checkpoint without block
+    CRC-32s (an older phalanx's) loads too, each stored chunk read whole; both bit for bit."""
+    run_ranks(_save_tall, 2, tmp_path / "a", timeout=200)
+    path = tmp_path / "a" / "ckpt-000000000001.dcp"
+    old = tmp_path / "b" / path.name
+    old.parent.mkdir()
+    shutil.copytree(path, old)
+    _without_blocks(old)
+    for world in (4, 3):
+        results = run_ranks(_resharded_reads, world, [path, old], timeout=300)
+        print(f"world {world}: " + "; ".join(
+            f"rank {r}: {new[0] / 1e6:.2f} MB read / {new[1] / 1e6:.2f} MB share "
+            f"(without blocks: {whole[0] / 1e6:.2f} MB)" for r, (new, whole) in enumerate(results)))
+        for rank, (new, whole) in enumerate(results):
+            assert new[2] and whole[2], (world, rank)
+            assert new[0] <= 1.2 * new[1], (world, rank, new)
+            assert whole[0] > 1.3 * whole[1], (world, rank, whole)  # (each chunk whole: what the blocks save)
+
+
+def _damaged_block(rank, world_size, path):
+    ckpt = Checkpointer(Path(path).parent, _tall(1), format="sharded")
+    return error_of(ckpt.load, path)
+
+
+@pytest.mark.slow
+def test_damage_in_a_block_a_resharded_load_reads_is_named(tmp_path):
+    """A byte flipped inside the rows of a stored chunk that a world-4 rank reads in part:
+    refused on every rank, naming the file and the block, before any of it is decoded."""
+    run_ranks(_save_tall, 2, tmp_path, timeout=200)
+    path = tmp_path / "ckpt-000000000001.dcp"
+    entry = json.loads((path / "phalanx-manifest.json").read_text())["files"]["__1_0.distcp"]
+    offset, start, _ = entry["blocks"]["items"][0]
+    length = next(n for o, n, _ in entry["items"] if o == offset)
+    damaged = offset + start + 3 * (length - start) // 4  # in the rows rank 1 or 3 reads
+    with open(path / "__1_0.distcp", "r+b") as f:
+        f.seek(damaged)
+        byte = f.read(1)[0]
+        f.seek(damaged)
+        f.write(bytes([byte ^ 0x10]))
+    for kind, message in run_ranks(_damaged_block, 4, path, timeout=300):
+        assert kind == "DamagedCheckpoint" and "__1_0.distcp" in message and "block" in message, (kind, message)
 
 
 def _save_while_training(rank, world_size, directory, layout):

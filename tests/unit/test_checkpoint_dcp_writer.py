@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 
 from phalanx.checkpoint import dcp_items
 from phalanx.checkpoint.dcp_engine import BalancedSavePlanner, ChecksummingWriter
-from phalanx.checkpoint.dcp_layout import Written, checksum, read_manifest, write_manifest
+from phalanx.checkpoint.dcp_layout import (BLOCK, MIN_BLOCKS, ItemCRC, Written, blocks_of, checksum, pack_crcs,
+                                           read_manifest, unpack_crcs, write_manifest)
 from phalanx.checkpoint.dcp_plan import Plans
 from phalanx.errors import CheckpointError
 
@@ -91,6 +92,7 @@ def test_the_file_is_torchs_own(tmp_path):
     assert mine == theirs  # byte for byte
     # what the manifest records of the file, as checksum() computes it reading it back
     entry = json.loads(written[0].entry_json((",", ":")))
+    blocks = entry.pop("blocks")
     assert entry == checksum(tmp_path / "ours" / "__0_0.distcp", [(o, n) for o, n, _ in entry["items"]])
     assert entry["bytes"] == len(mine) and entry["crc32"] == f"{zlib.crc32(mine):#010x}"
     covered = 0
@@ -98,6 +100,16 @@ def test_the_file_is_torchs_own(tmp_path):
         assert offset == covered and crc == f"{zlib.crc32(mine[offset:offset + length]):#010x}"
         covered += length
     assert covered == len(mine)
+    # block CRC-32s: for the one contiguous tensor of MIN_BLOCKS blocks or more ("big"), each
+    # BLOCK bytes from its item's start, and where its storage starts (the tensor's bytes)
+    assert blocks["bytes"] == BLOCK and len(blocks["items"]) == 1
+    (offset, start, packed), = blocks["items"]
+    length = next(n for o, n, _ in entry["items"] if o == offset)
+    assert blocks_of(length) >= MIN_BLOCKS
+    item = mine[offset:offset + length]
+    assert list(unpack_crcs(packed)) == [zlib.crc32(item[k:k + BLOCK]) for k in range(0, length, BLOCK)]
+    big = state["model"]["big"]
+    assert item[start:start + big.nbytes] == big.numpy().tobytes()
     target = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()},
               "optimizer": {"exp": {"w": torch.empty(3, 7, dtype=torch.half)}}, "count": 0}
     dcp.load(target, checkpoint_id=tmp_path / "ours", no_dist=True)
@@ -219,11 +231,16 @@ def test_the_manifest_written_in_pieces_is_json_dumps_text(tmp_path):
     files = {"__1_0.distcp": _written_at([(0, 700), (700, 1_000_000)]), "__0_0.distcp": Written("__0_0.distcp", 0, 0),
              ".metadata": {"bytes": 5, "crc32": "0x0000abcd"}}
     files["__1_0.distcp"].crcs[1] = 0xFFFFFFFF
+    crcs = [0xFFFFFFFF, 0, 0x12345678] + list(range(blocks_of(300_000) - 3))
+    files["__1_0.distcp"].add(1_000_700, 300_000, 7, 2, 321, crcs)  # block CRC-32s kept
+    files["__1_0.distcp"].add(1_300_700, 3 * BLOCK, 8, 3, 321, [0, 1, 2])  # fewer than MIN_BLOCKS: not kept
     body = {"step": 3, "epoch": 1, "world_size": 2, "layout": 'a "files": 0', "files": files}
     write_manifest(tmp_path, body)
     plain = {**body, "files": {n: json.loads(w.entry_json((",", ":"))) if isinstance(w, Written) else w
                                for n, w in files.items()}}
     assert plain["files"]["__1_0.distcp"]["items"][1] == [700, 1_000_000, "0xffffffff"]
+    assert plain["files"]["__1_0.distcp"]["blocks"] == {"bytes": BLOCK, "items": [[1_000_700, 321, pack_crcs(crcs)]]}
+    assert list(unpack_crcs(pack_crcs(crcs))) == crcs
     assert plain["files"]["__0_0.distcp"] == {"bytes": 0, "crc32": "0x00000000", "items": []}
     found = read_manifest(tmp_path)  # (checks the CRC-32 against json.dumps's text)
     assert found == {"format": "phalanx-dcp", "version": 1, **plain}
@@ -284,3 +301,27 @@ def test_a_sharded_load_decodes_phalanx_s_items_without_torch_load(tmp_path, mon
         assert torch.equal(a, b)
     for a, b in zip(opt.state.values(), fresh_opt.state.values()):
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_item_crcs_are_zlib_s_of_each_block_whatever_the_pieces():
+    """ItemCRC: bytes given in pieces of any size (a template archive: head, storage in pieces
+    between mark() and marked(), tail): each BLOCK's CRC-32 from the item's start, the item's,
+    and the marked storage's, equal to zlib's of those bytes."""
+    import random
+
+    rng = random.Random(0)
+    for length, head, tail in ((10, 3, 2), (BLOCK, 100, 0), (BLOCK + 1, 0, 1), (5 * BLOCK - 7, 777, 300),
+                               (3 * BLOCK, BLOCK, BLOCK), (9 * BLOCK + 5000, 2 * BLOCK + 1, 10)):
+        data = rng.randbytes(length)
+        found = ItemCRC()
+        found.update(data[:head])
+        found.mark()
+        at = head
+        while at < length - tail:
+            n = min(rng.choice((1, 1000, BLOCK - 1, BLOCK, 3 * BLOCK + 17)), length - tail - at)
+            found.update(memoryview(data)[at:at + n])
+            at += n
+        assert found.marked() == zlib.crc32(data[head:length - tail]), length
+        found.update(data[length - tail:])
+        assert found.finish() == zlib.crc32(data), length
+        assert list(found.blocks) == [zlib.crc32(data[k:k + BLOCK]) for k in range(0, length, BLOCK)], length

@@ -42,7 +42,9 @@ rows of each tensor (``fully_shard``) or every tensor whole (DDP, one process), 
 size. :class:`~phalanx.checkpoint.dcp_engine.SafeReader` checks each stored item's bytes
 against the manifest's CRC-32 as it reads them, before they are decoded, so no byte is read
 twice (the next item is read on a thread while one is checked; an item that is the archive
-phalanx writes for a contiguous tensor is decoded where it lies, without ``torch.load``); DCP gathers every rank's failures, so every rank raises the same
+phalanx writes for a contiguous tensor is decoded where it lies, without ``torch.load``; of
+such an item of which this rank needs only some rows, at another world size, only the
+blocks holding them are read, each checked by its block CRC-32 from the manifest); DCP gathers every rank's failures, so every rank raises the same
 :class:`~phalanx.checkpoint.dcp_layout.DamagedCheckpoint` naming the file, and
 ``resume="auto"`` sets the checkpoint aside as ``.damaged`` and tries the previous one. A directory without a manifest (written by torch's ``dcp.save``) is loaded
 without checksums, after a warning: its ``"model"`` (or, if its keys have no ``model.``

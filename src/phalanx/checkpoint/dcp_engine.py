@@ -11,7 +11,8 @@
   allow-list of DCP's metadata classes (torch's reader runs ``pickle.load`` on it), and which
   checks each item's bytes against the manifest's CRC-32 as it reads them, before decoding
   (the next item read on a thread meanwhile; phalanx's own items decoded where they lie,
-  without ``torch.load``).
+  without ``torch.load``; of an item with block CRC-32s whose rows a load needs only some
+  of, only the blocks holding them read and checked).
 * :func:`split` / :func:`merge`: only tensors go to DCP; every other leaf of a state dict goes
   to phalanx's state file (loaded ``weights_only``). phalanx never asks DCP for a non-tensor
   item, which torch's planner would unpickle with ``weights_only=False``.
@@ -47,7 +48,8 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError
 from .dcp_items import storage_bytes, template, template_for
-from .dcp_layout import DamagedCheckpoint, Written, check_item, crc32_combine
+from .dcp_layout import (DamagedCheckpoint, ItemCRC, Written, blocks_of, check_blocks, check_item,
+                         crc32_combine, unpack_crcs)
 from .file import start_writeback
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -114,12 +116,13 @@ _WRITEBACK = 16 << 20
 
 class _File:
     """A new file written in order (see the constants above); :meth:`write` makes it a
-    file-like for ``torch.save``, adding to :attr:`crc` (the CRC-32 of the current item)."""
+    file-like for ``torch.save``. What :meth:`put_storage` and :meth:`write` write passes
+    through :attr:`item` (the current item's CRC-32s); what :meth:`put` writes, the caller's."""
 
     def __init__(self, path: Path) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         self.pos = 0  # bytes given, those waiting included
-        self.crc = 0
+        self.item = ItemCRC()
         self._pieces: list[Any] = []  # waiting for the next writev
         self._waiting = 0
         self._owners: list[torch.Tensor] = []  # whose memory the waiting pieces are
@@ -136,23 +139,24 @@ class _File:
     def put_storage(self, tensor: torch.Tensor) -> int:
         """Append a contiguous CPU tensor's bytes, from its memory; their CRC-32."""
         view = storage_bytes(tensor)
+        self.item.mark()
         if view.nbytes < _GATHER:
             self._owners.append(tensor)
+            self.item.update(view)
             self.put(view)
-            return zlib.crc32(view)
+            return self.item.marked()
         self.flush()
-        crc = 0
         for start in range(0, view.nbytes, _PIECE):
             piece = view[start:start + _PIECE]
-            crc = zlib.crc32(piece, crc)
+            self.item.update(piece)
             _write_all(self.fd, [piece])
         self.pos += view.nbytes
         self._writeback()
-        return crc
+        return self.item.marked()
 
     def write(self, data: Any) -> int:  # (torch.save's file-like: its buffers are its own)
         view = memoryview(data).cast("B")
-        self.crc = zlib.crc32(view, self.crc)
+        self.item.update(view)
         if view.nbytes < _GATHER:
             self.put(bytes(view))
         else:
@@ -219,8 +223,12 @@ class ChecksummingWriter(FileSystemWriter):
       into a larger storage, no Python per piece of the archive); any other through
       ``torch.save``, copied first if it is such a view, and freed once written (DCP's loop
       keeps every copy until the file is closed);
-    * each byte passes through CRC-32 once, as it is written: the item's CRC-32 is combined
-      from its parts', the file's from its items' (no second pass over the file);
+    * each byte passes through CRC-32 once, as it is written, in blocks of
+      :data:`~.dcp_layout.BLOCK` bytes aligned to its item's start
+      (:class:`~.dcp_layout.ItemCRC`): the item's CRC-32 is combined from its blocks', the
+      file's from its items' (no second pass over the file); a contiguous tensor's archive
+      keeps its blocks' CRC-32s and where its storage starts, for loads that read only some
+      of its rows;
     * the disk starts writing as the file grows (``sync_file_range``), before the fsync.
 
     :meth:`write` gives what the manifest and ``.metadata`` record, as a compact
@@ -252,15 +260,18 @@ class ChecksummingWriter(FileSystemWriter):
             for i in ordered:
                 item = plan.items[i]
                 offset = f.pos
+                f.item = ItemCRC()
+                start = 0
                 if item.type == WriteItemType.BYTE_IO:
                     data = planner.resolve_data(item).getbuffer()
-                    item_crc = zlib.crc32(data)
+                    f.item.update(data)
                     f.put(data)
                 else:
-                    item_crc = _put_tensor(f, _local_shard(planner, item))
+                    start = _put_tensor(f, _local_shard(planner, item))
                 length = f.pos - offset
+                item_crc = f.item.finish()
                 crc = crc32_combine(crc, item_crc, length)
-                written.add(offset, length, item_crc, i)
+                written.add(offset, length, item_crc, i, start, f.item.blocks)
         except BaseException:
             f.close(sync=False)
             raise
@@ -271,22 +282,25 @@ class ChecksummingWriter(FileSystemWriter):
 
 def _put_tensor(f: _File, tensor: torch.Tensor) -> int:
     """Append ``torch.save(tensor)``'s bytes (a view into a larger storage: its own bytes
-    only, as ``torch.save(tensor.clone())``); their CRC-32."""
+    only, as ``torch.save(tensor.clone())``), through ``f.item``; where the contiguous
+    storage starts in them if they are its template's archive (``head + storage + tail``),
+    else 0."""
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     found = template(tensor)
     if found is not None:
+        f.item.update(found.head)
         f.put(found.head)
         storage_crc = f.put_storage(tensor)
         tail = found.tail_for(storage_crc)
+        f.item.update(tail)
         f.put(tail)
-        return crc32_combine(crc32_combine(found.head_crc, storage_crc, found.nbytes), zlib.crc32(tail), len(tail))
+        return len(found.head)
     if tensor.untyped_storage().nbytes() != tensor.nbytes:
         tensor = tensor.clone()  # its own storage, this tensor's bytes only
-    f.crc = 0
     torch.save(tensor, f)
-    return f.crc
+    return 0
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -301,10 +315,29 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
 
 
+@dataclasses.dataclass
+class _Span:
+    """The part of a stored item a read request needs, where the item has block CRC-32s:
+    its blocks ``first`` to ``first + len(crcs) - 1``, bytes ``[lo, hi)`` of the item, and in
+    them the rows asked for, bytes ``[rows_lo, rows_hi)`` of the item, of ``dtype``; each
+    block ``block`` bytes (the item's last one shorter)."""
+
+    dtype: torch.dtype
+    block: int
+    first: int
+    crcs: Any
+    lo: int
+    hi: int
+    rows_lo: int
+    rows_hi: int
+
+
 class SafeReader(FileSystemReader):
     """DCP's ``FileSystemReader``, its ``.metadata`` unpickled with an allow-list; with a
     ``manifest``, every byte checked against its CRC-32 before it is decoded: ``.metadata``
-    whole, each stored item (a tensor's chunk) as DCP reads it, so no byte is read twice."""
+    whole, each stored item (a tensor's chunk) as DCP reads it, so no byte is read twice;
+    where a request needs only a range of rows (dim 0) of an item with block CRC-32s, only
+    the blocks that hold them, each checked."""
 
     def __init__(self, path: Path, manifest: dict | None = None) -> None:
         super().__init__(path)
@@ -313,6 +346,14 @@ class SafeReader(FileSystemReader):
         self._crcs = {} if manifest is None else {
             (name, offset): crc for name, entry in manifest["files"].items()
             for offset, _, crc in entry.get("items", ())}
+        # (name, offset) -> (block size, where the storage starts in the item, its blocks' CRC-32s packed)
+        self._blocks: dict[tuple[str, int], tuple[int, int, str]] = {}
+        for name, entry in ({} if manifest is None else manifest["files"]).items():
+            blocks = entry.get("blocks")
+            size = blocks.get("bytes") if isinstance(blocks, dict) else None
+            if type(size) is int and size > 0:
+                for offset, start, packed in blocks.get("items", ()):
+                    self._blocks[(name, offset)] = (size, start, packed)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         """As torch's ``FileSystemReader.read_data`` (torch 2.13), with a manifest: each file's
@@ -330,27 +371,77 @@ class SafeReader(FileSystemReader):
         with ThreadPoolExecutor(1, thread_name_prefix="phalanx-read") as reading:
             for name, reqs in per_file.items():
                 reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
+                spans = [self._span(req, planner) for req in reqs]
                 with open(Path(self.path) / name, "rb", buffering=0) as f:
-                    ahead = reading.submit(self._read_item, f, reqs[0])
+                    ahead = reading.submit(self._read_item, f, reqs[0], spans[0])
                     for i, req in enumerate(reqs):
                         data = ahead.result()
                         if i + 1 < len(reqs):
-                            ahead = reading.submit(self._read_item, f, reqs[i + 1])
-                        self._load_item(req, data, planner)
+                            ahead = reading.submit(self._read_item, f, reqs[i + 1], spans[i + 1])
+                        if spans[i] is None:
+                            self._load_item(req, data, planner)
+                        else:
+                            self._load_rows(req, data, spans[i], planner)
         done: Future = Future()
         done.set_result(None)
         return done
 
-    def _read_item(self, f: Any, req: Any) -> bytearray:
+    def _span(self, req: Any, planner: LoadPlanner) -> _Span | None:
+        """The blocks to read for ``req`` if it needs only some of the rows (dim 0) of a stored
+        item that has block CRC-32s and is the archive of a contiguous tensor of its chunk's
+        dtype and shape (the metadata's), whose storage starts where the manifest says and
+        whose length is the template's for that dtype and shape; else ``None``: read it whole."""
         sinfo = self.storage_data[req.storage_index]
-        data = bytearray(sinfo.length)
+        blocks = self._blocks.get((sinfo.relative_path, sinfo.offset))
+        if blocks is None or req.type != LoadItemType.TENSOR or sinfo.transform_descriptors:
+            return None
+        found = _chunk(planner, req)
+        if found is None:
+            return None
+        chunk, dtype = found
+        sizes = tuple(chunk.sizes)
+        offsets, lengths = tuple(req.storage_offsets), tuple(req.lengths)
+        if not sizes or len(offsets) != len(sizes) or len(lengths) != len(sizes) or any(offsets[1:]) \
+                or lengths[1:] != sizes[1:] or not 0 < lengths[0] < sizes[0] or offsets[0] + lengths[0] > sizes[0]:
+            return None  # (not a strict range of whole rows)
+        size, start, packed = blocks
+        layout = template_for(dtype, sizes)
+        if layout is None or start != len(layout.head) or \
+                sinfo.length != len(layout.head) + layout.nbytes + len(layout.tail):
+            return None
+        try:
+            crcs = unpack_crcs(packed)
+        except (ValueError, TypeError):
+            return None  # (not as phalanx writes them: read whole, checked by the item's CRC-32)
+        if len(crcs) != blocks_of(sinfo.length, size):
+            return None
+        row = layout.nbytes // sizes[0]
+        rows_lo = start + offsets[0] * row
+        rows_hi = rows_lo + lengths[0] * row
+        first, last = rows_lo // size, blocks_of(rows_hi, size)
+        return _Span(dtype, size, first, crcs[first:last], first * size, min(last * size, sinfo.length),
+                     rows_lo, rows_hi)
+
+    def _read_item(self, f: Any, req: Any, span: _Span | None = None) -> bytearray:
+        """The stored item of ``req``, whole, or its bytes ``[span.lo, span.hi)``."""
+        sinfo = self.storage_data[req.storage_index]
+        lo, hi = (0, sinfo.length) if span is None else (span.lo, span.hi)
+        data = bytearray(hi - lo)
         view, got = memoryview(data), 0
-        while got < sinfo.length:
-            n = os.preadv(f.fileno(), [view[got:]], sinfo.offset + got)
+        while got < hi - lo:
+            n = os.preadv(f.fileno(), [view[got:]], sinfo.offset + lo + got)
             if n == 0:
                 break  # (short: its CRC-32 fails below, naming the file)
             got += n
-        return data if got == sinfo.length else data[:got]
+        return data if got == hi - lo else data[:got]
+
+    def _load_rows(self, req: Any, data: bytearray, span: _Span, planner: LoadPlanner) -> None:
+        """``req``'s rows from ``data``, the blocks of ``span`` (checked first), copied into the target."""
+        sinfo = self.storage_data[req.storage_index]
+        check_blocks(Path(self.path), sinfo.relative_path, sinfo.offset, span.first, data, span.crcs, span.block)
+        tensor = torch.frombuffer(data, dtype=span.dtype, offset=span.rows_lo - span.lo,
+                                  count=(span.rows_hi - span.rows_lo) // span.dtype.itemsize)
+        self._copy(req, sinfo, tensor.view(tuple(req.lengths)), planner)
 
     def _load_item(self, req: Any, data: bytearray, planner: LoadPlanner) -> None:
         sinfo = self.storage_data[req.storage_index]
@@ -367,6 +458,9 @@ class SafeReader(FileSystemReader):
         if tensor is None:
             tensor = torch.load(stream, map_location="cpu", weights_only=True)
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        self._copy(req, sinfo, tensor, planner)
+
+    def _copy(self, req: Any, sinfo: Any, tensor: torch.Tensor, planner: LoadPlanner) -> None:
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise DamagedCheckpoint(f"Checkpoint {self.path}: the item of {req.storage_index.fqn} at offset "
@@ -403,10 +497,8 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
-def _decoded(planner: Any, req: Any, data: bytearray) -> torch.Tensor | None:
-    """The tensor of the archive ``data`` (checked) of ``req``'s stored chunk, as a view of
-    ``data``, if it is the archive :mod:`~.dcp_items` writes for the chunk's dtype and
-    shape (from the checkpoint's metadata); else ``None``."""
+def _chunk(planner: Any, req: Any) -> tuple[Any, torch.dtype] | None:
+    """The metadata of ``req``'s stored chunk (offsets and sizes) and its tensor's dtype."""
     metadata = getattr(planner, "metadata", None)
     entry = None if metadata is None else metadata.state_dict_metadata.get(req.storage_index.fqn)
     chunks = getattr(entry, "chunks", None)
@@ -417,9 +509,19 @@ def _decoded(planner: Any, req: Any, data: bytearray) -> torch.Tensor | None:
         else next((c for c in chunks if c.offsets == offset), None)
     if chunk is None:
         return None
-    dtype = entry.properties.dtype
-    found = template_for(dtype, tuple(chunk.sizes))
-    storage = None if found is None else found.storage_in(data)
+    return chunk, entry.properties.dtype
+
+
+def _decoded(planner: Any, req: Any, data: bytearray) -> torch.Tensor | None:
+    """The tensor of the archive ``data`` (checked) of ``req``'s stored chunk, as a view of
+    ``data``, if it is the archive :mod:`~.dcp_items` writes for the chunk's dtype and
+    shape (from the checkpoint's metadata); else ``None``."""
+    found = _chunk(planner, req)
+    if found is None:
+        return None
+    chunk, dtype = found
+    layout = template_for(dtype, tuple(chunk.sizes))
+    storage = None if layout is None else layout.storage_in(data)
     if storage is None:
         return None
     return torch.frombuffer(storage, dtype=dtype).view(tuple(chunk.sizes))
