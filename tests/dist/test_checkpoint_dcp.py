@@ -190,14 +190,19 @@ def _rchar():
         return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
-def _wide(seed):
-    """8 MB of fully sharded parameters: large against what every rank reads whatever the
-    size (.metadata, the state file, the collectives' messages, which rchar counts too)."""
+def _linears(seed, width, layers):
+    """``layers`` fully sharded Linear(``width``, ``width``), each its own unit."""
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(8)))
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
     for layer in model:
         fully_shard(layer)
     return fully_shard(model)
+
+
+def _wide(seed):
+    """8 MB of fully sharded parameters: large against what every rank reads whatever the
+    size (.metadata, the state file, the collectives' messages, which rchar counts too)."""
+    return _linears(seed, 512, 8)
 
 
 def _read_bytes(rank, world_size, directory):
@@ -224,11 +229,7 @@ def _tall(seed):
     """64 MB of fully sharded parameters, each weight 16 MB (2048 x 2048): loaded at world 3 or
     4 from world 2, a rank needs a range of rows of 2.7-4 MB of each stored chunk it
     overlaps, against which the partial blocks at its ends (up to 64 KiB each) are small."""
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(4)))
-    for layer in model:
-        fully_shard(layer)
-    return fully_shard(model)
+    return _linears(seed, 2048, 4)
 
 
 def _save_tall(rank, world_size, directory):

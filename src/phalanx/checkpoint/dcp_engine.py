@@ -29,7 +29,6 @@ import io
 import os
 import pickle
 import threading
-import zlib
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
