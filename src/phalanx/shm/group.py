@@ -11,6 +11,7 @@ arguments it does not serve (several tensors per call, a dtype outside
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -98,6 +99,10 @@ class ShmProcessGroup(dist.ProcessGroup):
         self._channel.worker_ident = self._worker.ident
         # Bytes a tensor may have to take the one-step path (ops.all_reduce_one...).
         self._one_step = capacity
+        # The latest sparse all-reduce handed to Gloo (see _sparse_allreduce), and the lock
+        # that makes each launch wait for it.
+        self._sparse_lock = threading.Lock()
+        self._sparse_work: Any = None
 
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
         return BACKEND_NAME
@@ -123,6 +128,8 @@ class ShmProcessGroup(dist.ProcessGroup):
         op = opts.reduceOp
         code = ops.SUM if op == _SUM else ops.reduce_code(op)
         if len(tensors) != 1 or code is None or not self._served(tensors):
+            if any(t.layout is not _STRIDED for t in tensors):
+                return self._sparse_allreduce(tensors, opts)
             return self._gloo.allreduce(tensors, opts)
         t = tensors[0]
         channel = self._channel
@@ -135,6 +142,25 @@ class ShmProcessGroup(dist.ProcessGroup):
             ops.all_reduce(self._channel, flat, code)
             _write_back([(t, flat)])
         return self._submit(run, [t], opts)
+
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        """Gloo's all-reduce of sparse tensors, one at a time: a launch first waits for the
+        previous one to be done. torch's DDP launches one per sparse parameter as soon as its
+        gradient is ready, so several ran at once on Gloo's worker threads, and with several
+        in flight the heap was corrupted now and then (phalanx's own DDP waits for each:
+        :mod:`phalanx.ddp.sparse`). Still asynchronous for the caller: only the launch of
+        the next one waits. The last one is kept until the next (or the group's end), so the
+        Gloo work and its tensors are released here, not on Gloo's thread."""
+        with self._sparse_lock:
+            previous, self._sparse_work = self._sparse_work, None
+            if previous is not None and not previous.is_completed():
+                try:
+                    previous.wait()
+                except RuntimeError:
+                    pass  # its own caller sees its error; this one fails on its own if it must
+            work = self._gloo.allreduce(tensors, opts)
+            self._sparse_work = work
+        return work
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None, op: Any = None,
                timeout: Any = None) -> Any:
@@ -352,5 +378,6 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Finish what is queued, stop the worker and unmap the segment."""
+        self._sparse_work = None
         self._worker.close()
         self._channel.close()
