@@ -371,3 +371,29 @@ def test_background_save_while_training_goes_on(tmp_path, layout):
             _equal(out[f"loaded{step}"], out[f"saved{step}"])
             assert out[f"waited{step}"] > 0.3, out[f"waited{step}"]
         assert out["after"] != out["saved2"]
+
+
+def _async_steps_differ(rank, world_size, directory):
+    """A background save whose ranks pass different steps: its foreground checks nothing
+    across ranks (the check is started, and waited for by the group's next collective); the
+    background exchange names the difference, raised by wait() on every rank; the group's
+    next collective then passes (the ranks agree they were at the save)."""
+    model, opt = _build("ddp", 0)
+    ckpt = Checkpointer(directory, model, opt, format="sharded")
+    returned = ckpt.save(0, 5 + (rank == world_size - 1), blocking=False)
+    out = {"returned": Path(returned).name, "wait": error_of(ckpt.wait)}
+    t = torch.ones(3)
+    torch.distributed.all_reduce(t)
+    out["next"] = t.tolist()
+    out["files"] = sorted(os.listdir(directory))
+    return out
+
+
+def test_a_background_save_with_different_steps_is_named_at_wait_on_every_rank(tmp_path):
+    results = run_ranks(_async_steps_differ, 2, tmp_path, timeout=120)
+    for rank, out in enumerate(results):
+        assert out["returned"] == f"ckpt-00000000000{5 + rank}.dcp", out
+        assert out["wait"][0] == "RankMismatchError", out
+        assert "save(epoch, step) differs across ranks: ranks 1 disagree with rank 0" in out["wait"][1], out
+        assert out["next"] == [2.0, 2.0, 2.0], out
+        assert not any(name.endswith(".dcp") for name in out["files"]), out  # nothing committed

@@ -300,6 +300,13 @@ class Checkpointer(Joinable):
             raise ValueError("save(blocking=False) needs Checkpointer(format='sharded'), "
                              f"got format={self.format!r}")
         book = ledger()
+        if not blocking and book.join is None:
+            # nothing of the group's goes out in a background save's foreground (its exchanges
+            # run on a group of their own): its check is started here and waited for by the
+            # group's next collective (the next training step's), its latency hidden behind
+            # what comes between, as a forward's is
+            book.sync_point("Checkpointer.save", self.group, wait=False)
+            return self._sharded.save(epoch, step, consumed, extra, blocking)
         with book.collective("Checkpointer.save", group=self.group, check=True,
                              shadow=book.shadow(self, CheckpointAction.SAVE, epoch, step)):
             if self.format == "sharded" and not _ranks_joined(book):
