@@ -344,7 +344,7 @@ def check_blocks(directory: Path, name: str, item_offset: int, first: int, data:
     ... of the item at ``item_offset`` of the file ``name`` (each ``block`` bytes, the item's
     last one shorter), has the CRC-32s ``expected``, one per block."""
     view = memoryview(data).cast("B")
-    count = -(-view.nbytes // block)
+    count = blocks_of(view.nbytes, block)
     if count != len(expected):
         offset = item_offset + first * block
         raise DamagedCheckpoint(f"Checkpoint {directory} is damaged: its file {name} is short at offset "

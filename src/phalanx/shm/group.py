@@ -152,15 +152,14 @@ class ShmProcessGroup(dist.ProcessGroup):
         the next one waits. The last one is kept until the next (or the group's end), so the
         Gloo work and its tensors are released here, not on Gloo's thread."""
         with self._sparse_lock:
-            previous, self._sparse_work = self._sparse_work, None
+            previous = self._sparse_work
             if previous is not None and not previous.is_completed():
                 try:
                     previous.wait()
                 except RuntimeError:
                     pass  # its own caller sees its error; this one fails on its own if it must
-            work = self._gloo.allreduce(tensors, opts)
-            self._sparse_work = work
-        return work
+            self._sparse_work = self._gloo.allreduce(tensors, opts)
+            return self._sparse_work
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None, op: Any = None,
                timeout: Any = None) -> Any:
