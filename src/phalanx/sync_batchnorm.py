@@ -23,6 +23,8 @@ batch then), exactly as torch's ``SyncBatchNorm``, whose ``need_sync`` requires
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -36,6 +38,9 @@ from .ledger import syncpoint
 # their subclasses, and torch's own SyncBatchNorm, so a script already converted with torch's
 # switches by changing its import).
 _CONVERTIBLE = _BatchNorm
+# Whether torch's BatchNorm takes bias= (2.13's does, 2.11's does not: there a BatchNorm always
+# has a bias when affine).
+_TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
 
 
 def _reduce_dims(x: torch.Tensor) -> list[int]:
@@ -226,9 +231,13 @@ class SyncBatchNorm(_BatchNorm):
         *,
         bias: bool = True,
     ) -> None:
+        if not bias and not _TAKES_BIAS:
+            raise TypeError(
+                f"SyncBatchNorm(bias=False) needs torch's BatchNorm bias argument, which torch "
+                f"{torch.__version__} lacks (its BatchNorm has a bias whenever it is affine)")
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats,
-            device=device, dtype=dtype, bias=bias,
+            device=device, dtype=dtype, **({"bias": bias} if _TAKES_BIAS else {}),
         )
         self.process_group = process_group
 
@@ -301,7 +310,7 @@ class SyncBatchNorm(_BatchNorm):
 def _converted(cls, bn: _BatchNorm, process_group) -> SyncBatchNorm:
     sync = cls(
         bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats,
-        process_group, device="meta", bias=bn.bias is not None,
+        process_group, device="meta", bias=bn.bias is not None or not bn.affine,
     )
     # share, not copy: same Parameter objects and buffers, so same values, device and dtype
     for name in list(sync._parameters):

@@ -411,7 +411,9 @@ def _phalanx_switch(rank, world, shared_memory):
         t = torch.full((3,), float(rank))
         dist.all_reduce(t)
         phalanx.barrier()
-        return phalanx.shm.uses_shared_memory(), t.tolist()
+        # Gloo serves CUDA tensors: found by torch's init_process_group(device_id=cuda:i)
+        cuda = type(dist.group.WORLD._get_backend(torch.device("cuda"))).__name__
+        return phalanx.shm.uses_shared_memory(), t.tolist(), cuda
     finally:
         phalanx.destroy_process_group()
 
@@ -419,9 +421,9 @@ def _phalanx_switch(rank, world, shared_memory):
 @pytest.mark.parametrize("shared_memory, variable", [(True, None), (None, "1")])
 def test_phalanx_init_process_group_shared_memory_switch_and_variable(shared_memory, variable):
     env = {"PHALANX_SHARED_MEMORY": variable}
-    for used, values in run_ranks(_phalanx_switch, 2, shared_memory, init=False, env=env,
-                                  timeout=60):
-        assert used and values == [1.0, 1.0, 1.0]
+    for used, values, cuda in run_ranks(_phalanx_switch, 2, shared_memory, init=False, env=env,
+                                        timeout=60):
+        assert used and values == [1.0, 1.0, 1.0] and cuda == "ProcessGroupGloo"
 
 
 def test_the_variable_decides_only_where_shared_memory_is_left_at_none(monkeypatch):

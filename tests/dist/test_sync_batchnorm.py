@@ -7,6 +7,7 @@ same run (``tests.oracle``), not within a constant that depends on the CPU's sum
 
 import contextlib
 import copy
+import re
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 import phalanx
+from phalanx import sync_batchnorm
+from phalanx.sync_batchnorm import _TAKES_BIAS
 from tests.harness import run_ranks
 from tests.oracle import oracle_bound
 
@@ -357,7 +360,8 @@ def _nested_model():
     model.add_module("block", _Block())
     model.add_module("f64", nn.BatchNorm1d(3).double())
     model.add_module("torch_sync", nn.SyncBatchNorm(6, track_running_stats=False))
-    model.add_module("no_bias", nn.BatchNorm2d(2, bias=False))
+    if _TAKES_BIAS:  # torch's BatchNorm takes bias= (2.13's does, 2.11's does not)
+        model.add_module("no_bias", nn.BatchNorm2d(2, bias=False))
     model.add_module("head", nn.Linear(5, 2))
     for i, m in enumerate(model.modules()):
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
@@ -388,7 +392,7 @@ def test_convert_sync_batchnorm_keeps_every_value():
     converted = phalanx.SyncBatchNorm.convert_sync_batchnorm(model, process_group=group)
     assert converted is model and model.head is head and model.block.conv is conv
     after = _describe(model)
-    assert set(after) == set(modes) and len(after) == 6
+    assert set(after) == set(modes) and len(after) == 5 + _TAKES_BIAS
     for name, (kind, *rest) in after.items():
         assert kind == "SyncBatchNorm" and type(model.get_submodule(name)) is phalanx.SyncBatchNorm
         assert rest == list(modes[name][1:]), name
@@ -411,6 +415,27 @@ def test_convert_sync_batchnorm_keeps_every_value():
 class _CustomNorm(nn.modules.batchnorm._BatchNorm):
     def _check_input_dim(self, input):
         pass
+
+
+def test_a_torch_whose_batchnorm_takes_no_bias_argument(monkeypatch):
+    """As on torch 2.11: SyncBatchNorm is built without bias= (its BatchNorm has a bias when
+    affine), and bias=False is refused naming torch's version."""
+    plain = nn.Sequential(nn.BatchNorm1d(4))
+    monkeypatch.setattr(sync_batchnorm, "_TAKES_BIAS", False)
+    real = nn.modules.batchnorm._BatchNorm.__init__
+
+    def without_bias(self, *args, **kwargs):
+        assert "bias" not in kwargs, kwargs
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.modules.batchnorm._BatchNorm, "__init__", without_bias)
+    bn = phalanx.SyncBatchNorm(3)
+    assert bn.bias is not None and bn.bias.shape == (3,)
+    converted = phalanx.SyncBatchNorm.convert_sync_batchnorm(plain)
+    assert isinstance(converted[0], phalanx.SyncBatchNorm)
+    with pytest.raises(TypeError, match=rf"bias=False\) needs torch's BatchNorm bias argument, which "
+                                        rf"torch {re.escape(torch.__version__)} lacks"):
+        phalanx.SyncBatchNorm(3, bias=False)
 
 
 def test_single_process_is_plain_batchnorm():

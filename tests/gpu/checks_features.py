@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor
 
 import phalanx
 from phalanx.checkpoint import read_checkpoint
-from tests.gpu.common import (DEV, DEVICE_IDS, TOL, against_torch, batch, bitwise, flat_params, net, pair,
-                              rel_diff, sync, train)
+from tests.gpu.common import (DEV, DEVICE_IDS, TOL, against_torch, batch, bitwise, flat_grads, flat_params, net,
+                              pair, rel_diff, sync, train)
 
 
 def sync_batchnorm(rank: int) -> dict[str, Any]:
@@ -126,20 +126,54 @@ def checkpoint(rank: int, directory: str) -> dict[str, Any]:
     return {"limits": limits, "info": {"default map_location": str(default), "state devices": sorted(state_devices)}}
 
 
+def _mixed_precision_reference(world: int, steps: int = 3) -> list[torch.Tensor]:
+    """What bf16 compute around fp32 masters, averaged in fp32, gives, as ``train`` records it,
+    computed in this process alone: each rank's batch through a bf16 copy of the masters, the
+    gradients upcast (exactly), summed in rank order and divided by ``world`` (exact at 2),
+    AdamW on the masters."""
+    master = net()
+    opt = torch.optim.AdamW(master.parameters(), lr=1e-2)
+    seen = []
+    for step in range(steps):
+        total = None
+        for r in range(world):
+            low = copy.deepcopy(master).to(torch.bfloat16)
+            x, y = batch(r, step)
+            F.cross_entropy(low(x.to(DEV, torch.bfloat16)), y.to(DEV)).backward()
+            grads = [p.grad.float() for p in low.parameters()]
+            total = grads if total is None else [a + b for a, b in zip(total, grads)]
+        for p, g in zip(master.parameters(), total):
+            p.grad = g / world
+        seen.append(flat_grads(master))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    sync()
+    return seen + [flat_params(master)]
+
+
 def mixed_precision(rank: int) -> dict[str, Any]:
-    """``mixed_precision=_MixedPrecision(bf16, fp32)`` against torch's DDP with the same, AdamW.
-    torch's runs on CUDA only (on the CPU its forward fails: no events), so the CPU rehearsal
-    checks nothing. Two ranks: dividing by 2 is exact, so torch's sum-then-divide and phalanx's
-    divide-then-sum give the same fp32 averages of the same bf16 gradients."""
+    """``mixed_precision=_MixedPrecision(bf16, fp32)``, AdamW, against the reference computed in
+    one process (:func:`_mixed_precision_reference`); torch's DDP with the same is compared and
+    reported (it runs on CUDA only: on the CPU its forward fails, no events). Two ranks:
+    dividing by 2 is exact, so torch's sum-then-divide and phalanx's divide-then-sum give the
+    same fp32 averages of the same bf16 gradients."""
     from torch.nn.parallel.distributed import _MixedPrecision
 
-    if DEV.type == "cpu":
-        return {"limits": {}, "info": {"skipped": "torch's DDP mixed precision needs CUDA events"}}
-    mp = _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    ours, theirs, ddp = pair(lambda m: train(m, torch.optim.AdamW(m.parameters(), lr=1e-2), rank),
-                             {"mixed_precision": mp, "gradient_as_bucket_view": False})
-    out = against_torch(ours, theirs)
+    def run(ddp: nn.Module) -> list[torch.Tensor]:
+        return train(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2), rank)
+
+    kwargs = {"device_ids": DEVICE_IDS, "gradient_as_bucket_view": False,
+              "mixed_precision": _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    ddp = phalanx.DistributedDataParallel(net(), **kwargs)
+    ours, reference = run(ddp), _mixed_precision_reference(dist.get_world_size())
+    out = against_torch(ours, reference, label="vs the reference")
     out["limits"]["fp32 masters"] = (float(any(p.dtype != torch.float32 for p in ddp.parameters())), 0)
+    if DEV.type == "cpu":
+        out["info"]["torch's"] = "skipped: torch's DDP mixed precision needs CUDA events"
+        return out
+    theirs = run(torch.nn.parallel.DistributedDataParallel(net(), **kwargs))
+    out["info"].update({"vs torch": rel_diff(ours, theirs), "vs torch bitwise": bitwise(ours, theirs),
+                        "torch's vs the reference": rel_diff(theirs, reference)})
     return out
 
 

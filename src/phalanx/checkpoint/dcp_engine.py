@@ -573,8 +573,9 @@ def _stage_tensor(tree: torch.Tensor, previous: Any) -> torch.Tensor:
                 and _fits(previous.to_local(), local)):
             previous.to_local().copy_(local)
             return previous
-        return DTensor.from_local(local.to("cpu", copy=True), tree.device_mesh, tree.placements,
-                                  run_check=False, shape=tree.shape, stride=tree.stride())
+        # the tensor's own spec over the host copy (DTensor.from_local would copy it back
+        # onto the mesh's device: a GPU's)
+        return DTensor(local.to("cpu", copy=True), tree._spec, requires_grad=False)
     if not isinstance(previous, DTensor) and _fits(previous, tree):
         previous.copy_(tree.detach())
         return previous

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 from .collectives import padded_rows
@@ -113,8 +114,11 @@ class Params:
         if not p.is_meta:
             with torch.no_grad():
                 local.copy_(p.detach()[start:start + rows])
-        dtensor = DTensor.from_local(local, self.mesh, self.placements, run_check=False,
-                                     shape=p.shape, stride=_contiguous_stride(p.shape))
+        # built over `local` where it is, as torch's _from_local_no_grad: DTensor.from_local
+        # would copy an offloaded (host) shard onto the mesh's device
+        spec = DTensorSpec(self.mesh, tuple(self.placements),
+                           tensor_meta=TensorMeta(p.shape, _contiguous_stride(p.shape), local.dtype))
+        dtensor = DTensor(local, spec, requires_grad=False)
         sharded = nn.Parameter(dtensor, requires_grad=p.requires_grad)
         base = offset * self.world  # the unsharded buffer keeps the parameters in order
         view = self.unsharded_flat[base:base + p.numel()].view(p.shape)

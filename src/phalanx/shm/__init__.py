@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from .channel import layout

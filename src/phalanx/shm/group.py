@@ -92,7 +92,10 @@ class ShmProcessGroup(dist.ProcessGroup):
                  timeout: timedelta) -> None:
         super().__init__(rank, size)
         self._gloo = gloo
-        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+        # Gloo serves what shared memory does not, CUDA tensors among them: registered for
+        # "cuda" too, so init_process_group(device_id=cuda:i) (ranks sharing a GPU) finds it.
+        for device in ("cpu", "cuda"):
+            self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.GLOO, gloo)
         self._channel = Channel(segment, rank, size, capacity, timeout.total_seconds(),
                                 ops.describe)
         self._worker = Worker(f"phalanx_shm-r{rank}")
