@@ -616,9 +616,9 @@ class DeferredStaging:
         self._later: list[tuple[tuple, torch.Tensor, Any, int]] = []
         self._stream = torch.cuda.current_stream() if (
             torch.cuda.is_available() and torch.cuda.is_initialized()) else None
-        self.tree = self._walk(tree, previous if isinstance(previous, dict) else {}, (), now)
+        with torch.no_grad():  # (once: a decorator on _walk would enter it at every level)
+            self.tree = self._walk(tree, previous if isinstance(previous, dict) else {}, (), now)
 
-    @torch.no_grad()
     def _walk(self, tree: dict, previous: dict, path: tuple, now: Any) -> dict:
         out: dict = {}
         for key, value in tree.items():
