@@ -7,11 +7,20 @@ product otherwise). A constant tolerance tuned on one CPU fails on another. So a
 phalanx to torch's own implementation run on the same machine, in the same run: bit for bit
 where that holds (a sum of two terms is the same whatever the order), otherwise within
 :func:`oracle_bound` of one process, where torch's own distance from it sets the bound.
+
+phalanx follows torch 2.13's API (CI's torch); pyproject allows an older one. A check whose
+oracle the running torch lacks skips, naming it (:func:`torch_lacks`), and the rest of its
+module still runs; a comparison with torch's surface leaves out, on a torch before 2.13, the
+names torch 2.11 lacks (:func:`on_this_torch`).
 """
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import torch
+from torch.torch_version import TorchVersion
 
 # one unit in the last place of an fp32 value of 1.0 (2^-23)
 FP32_EPS = torch.finfo(torch.float32).eps
@@ -65,3 +74,36 @@ def reorder_bound(largest_term: float, terms: int) -> float:
 def magnitude(tensors) -> float:
     """The largest absolute value in ``tensors`` (0.0 for none or empty ones)."""
     return max((t.detach().abs().max().item() for t in tensors if t.numel()), default=0.0)
+
+
+# the torch whose surface phalanx follows, and CI's; an older one lacks some of its API
+TORCH_2_13 = TorchVersion(torch.__version__) >= "2.13"
+
+
+def on_this_torch(names, newer: set[str]) -> list[str]:
+    """``names`` of torch 2.13's surface (in their order) that the running torch has: all on
+    torch 2.13 and later, those not in ``newer`` (what torch 2.11 lacks) on an older one."""
+    return [n for n in names if TORCH_2_13 or n not in newer]
+
+
+def torch_lacks(owner: Any, name: str) -> str | None:
+    """``None`` where the running torch has ``owner``'s attribute ``name`` (or, ``name``
+    ending in ``=``, an argument of the callable ``owner``: ``"forward_sync_buffers="``);
+    otherwise why a check whose oracle it is cannot run, to skip it with: "torch 2.11.0 has
+    no torch.distributed.fsdp.FSDPModule.set_reduce_scatter_unused_params, this check's
+    oracle"."""
+    if name.endswith("="):
+        if name[:-1] in inspect.signature(owner).parameters:
+            return None
+        what = f"{_name_of(owner)}({name})"
+    elif hasattr(owner, name):
+        return None
+    else:
+        what = f"{_name_of(owner)}.{name}"
+    return f"torch {torch.__version__} has no {what}, this check's oracle"
+
+
+def _name_of(owner: Any) -> str:
+    if inspect.ismodule(owner):
+        return owner.__name__
+    return f"{owner.__module__.split('._')[0]}.{owner.__qualname__}"  # its public module

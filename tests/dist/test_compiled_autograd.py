@@ -20,7 +20,7 @@ from torch.nn.parallel.distributed import _MixedPrecision
 
 import phalanx
 from tests.harness import error_of, marked_line, run_ranks
-from tests.oracle import oracle_bound, triangle_bound
+from tests.oracle import TORCH_2_13, oracle_bound, triangle_bound
 
 STEPS = 3
 # Training: two 1 MiB layers (512 x 512 float32) and inductor's DDP fusion, whose first bucket
@@ -136,6 +136,7 @@ def _training(rank, world_size, backend):
 
 
 def _check_training(results, backend):
+    torch_breaks = set()  # torch's graph breaks where they are not phalanx's (torch 2.11's)
     for out in results:
         for name in OPTIMIZERS:
             got = out[name]
@@ -154,22 +155,29 @@ def _check_training(results, backend):
             if len(results) == 2:  # a sum of two is the same in any order: the same bits
                 assert got["vs eager"] == 0.0, (name, got)
             ours, torchs = got["phalanx"], got["torch"]
-            # the only graph break is the user's loss.backward(), as with torch's DDP
-            assert ours["graph breaks"] == torchs["graph breaks"] == ["Unsupported Tensor.backward() call"], got
-            # one backward captured for the three steps, no more graphs than torch's
-            assert ours["captures"] == torchs["captures"] == 1, got
-            assert ours["graphs"] == torchs["graphs"], got
-            # the eight all-reduces (one per parameter) are inside the compiled backward graph
-            assert sorted(ours["all-reduces per graph"]) == sorted(torchs["all-reduces per graph"]), got
+            # the only graph break is the user's loss.backward(), one backward captured for the
+            # three steps, the eight all-reduces (one per parameter) inside the compiled backward
+            # graph, fused by inductor into buckets (none with aot_eager)
+            assert ours["graph breaks"] == ["Unsupported Tensor.backward() call"] and ours["captures"] == 1, got
             assert max(ours["all-reduces per graph"]) == 8, got
-            # inductor fuses them into buckets as it does torch's (none with aot_eager)
-            assert ours["inductor's DDP buckets"] == torchs["inductor's DDP buckets"], got
             assert ours["inductor's DDP buckets"] == (BUCKETS if backend == "inductor" else 0), got
+            if not TORCH_2_13 and torchs["graph breaks"] != ours["graph breaks"]:
+                torch_breaks.add(", ".join(torchs["graph breaks"]))  # the skip below
+                continue
+            # as with torch's DDP, and no more graphs than torch's
+            assert torchs["graph breaks"] == ours["graph breaks"] and torchs["captures"] == 1, got
+            assert ours["graphs"] == torchs["graphs"], got
+            assert sorted(ours["all-reduces per graph"]) == sorted(torchs["all-reduces per graph"]), got
+            # inductor fuses them into buckets as it does torch's
+            assert ours["inductor's DDP buckets"] == torchs["inductor's DDP buckets"], got
         if backend == "aot_eager":
             # world 3: SGD's rounding noise on this network in this run (the two eager DDPs' orders)
             noise = oracle_bound(out["sgd"]["eager vs torch eager"], out["sgd"]["magnitude"])
             for schedule in ("buffers", "switch", "accumulate", "module"):
                 assert out[schedule] <= noise if len(results) == 3 else out[schedule] == 0.0, (schedule, out)
+    if torch_breaks:
+        pytest.skip(f"phalanx's compiled graphs checked, not against torch's: torch {torch.__version__}'s compiled "
+                    f"DDP breaks its graph at {' / '.join(sorted(torch_breaks))} (2.13's at the backward call only)")
 
 
 def _compiled_checks(rank, world_size, backend):

@@ -41,6 +41,7 @@ from phalanx.bench.engine import GPT
 from phalanx.fsdp import fully_shard, register_fsdp_forward_method
 from phalanx.fsdp.compile import REASON
 from tests.harness import error_of, run_ranks
+from tests.oracle import TORCH_2_13
 
 STEPS = 3
 VOCAB, TOKENS, BATCH = 50, 8, 3  # BATCH sequences per rank and step
@@ -270,12 +271,19 @@ def test_compiled_autograd_refused(ranks):
     """Compiled autograd skips the end-of-backward callback: phalanx refuses, naming what to
     do; torch's ``fully_shard`` raises nothing and leaves its parameters unsharded."""
     world_size, results = ranks
+    torch_raised = set()  # what torch 2.11's fully_shard raises instead
     for rank, out in enumerate(results):
         res = out["compiled_autograd"]
         assert res["phalanx"] is not None and res["phalanx"][0] == "RuntimeError", (rank, res)
         assert res["phalanx"][1].startswith("phalanx.fully_shard does not support compiled autograd"), res
         assert "without compiled autograd; torch.compile the blocks" in res["phalanx"][1], res
+        if res["torch"] is not None and not TORCH_2_13:
+            torch_raised.add(f"{res['torch'][0]}: {res['torch'][1].splitlines()[0]}")
+            continue
         assert res["torch"] is None and not res["torch_sharded"], (rank, res)
+    if torch_raised:
+        pytest.skip(f"phalanx's refusal checked; torch {torch.__version__}'s fully_shard raises too, not as "
+                    f"torch 2.13's: {' / '.join(sorted(torch_raised))}")
 
 
 def test_compiled_forward_method(ranks):

@@ -34,6 +34,7 @@ from phalanx.fsdp import fully_shard
 from tests.dist.test_fully_shard import _batch, _max_diff, _mine, _model, _shard, _step
 from tests.dist.test_fully_shard_units import ChunkedGPT
 from tests.harness import error_of, run_ranks
+from tests.oracle import TORCH_2_13
 
 STEPS = 3
 # the head a unit of its own on chunks of a detached output, or of the output itself (each
@@ -172,7 +173,12 @@ def _gaps(rank, world_size, directory):
     out = {"tied": _tied(rank, world_size), "tensor_parallel": _tensor_parallel(rank, world_size),
            "staged": _staged(rank, world_size, directory)}
     for case in CHUNKED:
-        models = [_chunked_model(fs, grouped=case == "grouped") for fs in (fully_shard, torch_fully_shard)]
+        grouped = case == "grouped"
+        # torch 2.11's fully_shard fails the grouped case itself (in the trunk's backward: "The
+        # tensor has a non-zero number of elements, but its data is not allocated yet"): there
+        # torch's model is the detached case's, the same training (torch 2.13 gives both, and
+        # phalanx's grouped, the same bits)
+        models = [_chunked_model(fully_shard, grouped), _chunked_model(torch_fully_shard, grouped and TORCH_2_13)]
         out[case] = _trained(models, _chunked_loss(detached=case != "retained"), world_size)
     return out
 
@@ -217,10 +223,15 @@ def ranks(tmp_path_factory):
 def test_tied_parameters_in_two_units_refused_as_torch(ranks):
     for rank, out in enumerate(ranks):
         ours, theirs = out["tied"]["refusals"]
-        assert theirs is not None and theirs[0] == "ValueError", (rank, theirs)
-        assert ours is not None and ours[0] == "ValueError", (rank, ours)
-        assert ours[1].startswith(theirs[1]) and "'embed.weight'" in ours[1], (rank, ours, theirs)
+        assert ours is not None and ours[0] == "ValueError" and "'embed.weight'" in ours[1], (rank, ours)
         assert out["tied"]["again"] == ours, (rank, out["tied"]["again"])
+        if theirs is None and not TORCH_2_13:
+            continue  # torch 2.11's fully_shard raises nothing here (the skip below)
+        assert theirs is not None and theirs[0] == "ValueError", (rank, theirs)
+        assert ours[1].startswith(theirs[1]), (rank, ours, theirs)
+    if any(out["tied"]["refusals"][1] is None for out in ranks):
+        pytest.skip(f"phalanx's refusal checked, not against torch's words: torch {torch.__version__}'s "
+                    "fully_shard does not refuse tied parameters in two units")
 
 
 @pytest.mark.slow

@@ -293,8 +293,8 @@ def _refusals(rank, world_size):
         "torch_dict": error_of(TorchDDP, Net(), mixed_precision={"param_dtype": BF16}),
         "torch_string": error_of(TorchDDP, Net(), mixed_precision=_MixedPrecision(param_dtype="bf16")),
     }
-    theirs = TorchDDP(Net(), mixed_precision=_MixedPrecision(param_dtype=BF16, reduce_dtype=FP32))
-    out["torch_forward"] = error_of(theirs, torch.randn(2, 8))
+    mixed = _MixedPrecision(param_dtype=BF16, reduce_dtype=FP32)
+    out["torch_forward"] = error_of(lambda: TorchDDP(Net(), mixed_precision=mixed)(torch.randn(2, 8)))
     return out
 
 
@@ -392,7 +392,13 @@ def test_torchs_ddp_mixed_precision_does_not_run_on_cpu(ranks):
     # the oracle this file would use, if it ran: when this fails, compare with it
     _, results = ranks
     for out in (r["refusals"] for r in results):
-        assert out["torch_forward"] == ("RuntimeError", "cpu backend doesn't support events.")
+        kind, message = out["torch_forward"] or (None, None)
+        if kind == "AcceleratorError" and "CUDA driver version is insufficient" in message:
+            # a CUDA build of torch (2.11's) on a machine without a driver: its DDP's
+            # construction calls torch.Stream(), and never reaches the CPU forward
+            pytest.skip(f"torch {torch.__version__}'s DDP with mixed_precision cannot be built here: "
+                        f"{message.splitlines()[0]}")
+        assert (kind, message) == ("RuntimeError", "cpu backend doesn't support events.")
 
 
 def test_sparse_gradients_create_graph_and_backwards_past_the_outputs_end_in_fp32(ranks):

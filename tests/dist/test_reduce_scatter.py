@@ -36,6 +36,9 @@ OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.
 SIZES = (1, 7, 1000)  # elements per rank
 # rounding steps a different summation order can cost at world 3 (relative to the largest |x|)
 REL_TOL = {"fp32": 4 * 2.0 ** -23, "bf16": 4 * 2.0 ** -7}
+# the oracle: torch's reduce-scatter, reduce_scatter_single in torch 2.13; a torch before it
+# (2.11) has it as reduce_scatter_tensor, which 2.13 keeps as a deprecated call of it
+TORCH_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _compare(rank, world_size):
@@ -50,7 +53,7 @@ def _compare(rank, world_size):
                     else:
                         x = torch.randint(-50, 50, (world_size * n,), generator=gen).to(dtype)
                     theirs, ours = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
-                    dist.reduce_scatter_single(theirs, x, op=op)
+                    TORCH_REDUCE_SCATTER(theirs, x, op=op)
                     comm.reduce_scatter_async(ours, x, op).wait()
                     diff = (theirs.float() - ours.float()).abs().max().item()
                     scale = max(x.float().abs().max().item(), 1.0) * world_size
@@ -110,7 +113,7 @@ def _bytes_sent(rank, world_size):
     n = 1 << 20  # fp32 elements per rank's chunk
     x, out = torch.randn(n * world_size), torch.empty(n)
     sent = {}
-    for name, run in (("gloo", lambda: dist.reduce_scatter_single(out, x)),
+    for name, run in (("gloo", lambda: TORCH_REDUCE_SCATTER(out, x)),
                       ("phalanx", lambda: comm.reduce_scatter_async(out, x).wait())):
         dist.barrier()
         before = _written()

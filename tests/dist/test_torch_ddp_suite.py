@@ -31,9 +31,12 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from tests.dist import torch_hook_cases, torch_join_cases, torch_suite
 from tests.harness import RankError, run_ranks
+from tests.oracle import torch_lacks
 
 pytestmark = pytest.mark.slow
 
@@ -83,6 +86,8 @@ def test_the_selection_holds_every_named_torch_test():
 @pytest.mark.parametrize("name", TORCH_TESTS)
 def test_torchs_own_test_on_phalanx_ddp(name):
     pytest.importorskip("expecttest")  # torch's test helpers import it (the [test] extra has it)
+    if name not in torch_suite.tests_named(name):  # a test torch 2.13 added
+        pytest.skip(f"torch {torch.__version__}'s distributed_test.py has no {name}, this check's oracle")
     temp, init_file = torch_suite.make_temp_dir()
     try:
         results = run_ranks(torch_suite.run_torch_test, WORLD, name, init_file, init=False,
@@ -148,6 +153,10 @@ def join_results():
 @pytest.mark.parametrize("case, maker", _join_params())
 def test_join_case_on_cpu(join_results, case, maker):
     results = join_results(maker)
+    oracle_missing = torch_lacks(TorchDDP, "forward_sync_buffers=") if "forward_sync_buffers" in case else None
     for rank, out in enumerate(results):
-        assert out[case]["torch"] == [], f"torch's DDP fails the scenario on rank {rank}: {out[case]['torch']}"
+        if not oracle_missing:
+            assert out[case]["torch"] == [], f"torch's DDP fails the scenario on rank {rank}: {out[case]['torch']}"
     judge([f"rank {r}: {p}" for r, out in enumerate(results) for p in out[case]["phalanx"]])
+    if oracle_missing:
+        pytest.skip(f"phalanx's DDP passes the scenario; torch's cannot run it: {oracle_missing}")

@@ -15,18 +15,24 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import phalanx
 from phalanx.ddp.options import TORCH_ONLY_ATTRIBUTES
+from tests.oracle import TORCH_2_13, on_this_torch
 
 AUDIT = Path(__file__).resolve().parents[2] / "docs" / "torch_surface_ddp.md"
+# torch 2.13's arguments that torch 2.11's DDP lacks (its last two)
+NEWER_THAN_2_11 = {"batched_grad_copy", "forward_sync_buffers"}
 
 
 def test_constructor_takes_torchs_arguments_in_torchs_order():
     ours = inspect.signature(phalanx.DistributedDataParallel.__init__).parameters
     theirs = inspect.signature(TorchDDP.__init__).parameters
-    assert list(ours) == list(theirs)
+    assert list(theirs) == on_this_torch(ours, NEWER_THAN_2_11)
     # one default differs, on purpose: bucket views are phalanx's default (faster, less memory)
     assert ours["gradient_as_bucket_view"].default is True
     assert theirs["gradient_as_bucket_view"].default is False
-    differ = {n for n in ours if ours[n].default != theirs[n].default}
+    differ = {n for n in theirs if ours[n].default != theirs[n].default}
+    if not TORCH_2_13:  # 2.13 made broadcast_buffers' default None (True where forward_sync_buffers is not given)
+        assert ours["broadcast_buffers"].default is None and theirs["broadcast_buffers"].default is True
+        differ.remove("broadcast_buffers")
     assert differ == {"gradient_as_bucket_view"}
 
 
