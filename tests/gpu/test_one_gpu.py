@@ -90,4 +90,5 @@ def test_more_local_ranks_than_gpus_is_refused_unless_device_id_names_the_gpu():
             kind, message = out[key]
             assert kind == "EnvironmentConfigError", (key, out[key])
             assert message.startswith(f"LOCAL_RANK={rank} of LOCAL_WORLD_SIZE={local_world} on this node"), message
-        assert out["shared"] == (0, "cuda:0", "gloo", [6.0] * 4)
+        # backend="gloo" on one host: phalanx's shared memory for CPU tensors, Gloo for CUDA ones
+        assert out["shared"] == (0, "cuda:0", "phalanx_shm", [6.0] * 4)
