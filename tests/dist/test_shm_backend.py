@@ -634,15 +634,17 @@ def test_torchs_ddp_reads_the_backends_futures_in_cxx_values_and_errors():
     assert took < 5.0, took
 
 
+def _sparse(rank, j):
+    """Rank ``rank``'s ``j``-th sparse tensor: 3 of 8 rows, one shared by every rank."""
+    return torch.sparse_coo_tensor(torch.tensor([[j, rank + j, 5]]), torch.full((3, 2), float(rank + 1)), (8, 2))
+
+
 def _sparse_one_at_a_time(rank, world):
     """Sparse all-reduces go to Gloo; each launch waits for the one before it."""
     import phalanx.shm  # noqa: F401
     g = dist.new_group(backend="phalanx_shm")
     gloo = dist.new_group(backend="gloo")
-    tensors = []
-    for j in range(3):
-        idx = torch.tensor([[j, rank + j, 5]])
-        tensors.append(torch.sparse_coo_tensor(idx, torch.full((3, 2), float(rank + 1)), (8, 2)))
+    tensors = [_sparse(rank, j) for j in range(3)]
     if rank == 1:
         time.sleep(0.3)  # rank 0's first all-reduce is still waiting for this rank's
     works, earlier_done = [], []
@@ -651,12 +653,9 @@ def _sparse_one_at_a_time(rank, world):
         earlier_done.append(all(w.is_completed() for w in works[:-1]))
     for w in works:
         w.wait()
-    refs = []
-    for j in range(3):
-        idx = torch.tensor([[j, rank + j, 5]])
-        ref = torch.sparse_coo_tensor(idx, torch.full((3, 2), float(rank + 1)), (8, 2))
+    refs = [_sparse(rank, j) for j in range(3)]
+    for ref in refs:
         dist.all_reduce(ref, group=gloo)
-        refs.append(ref)
     ok = all(torch.equal(t.to_dense(), r.to_dense()) and t.is_sparse for t, r in zip(tensors, refs))
     return earlier_done, ok
 

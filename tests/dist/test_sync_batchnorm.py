@@ -16,7 +16,6 @@ from torch import nn
 
 import phalanx
 from phalanx import sync_batchnorm
-from phalanx.sync_batchnorm import _TAKES_BIAS
 from tests.harness import run_ranks
 from tests.oracle import oracle_bound
 
@@ -360,7 +359,7 @@ def _nested_model():
     model.add_module("block", _Block())
     model.add_module("f64", nn.BatchNorm1d(3).double())
     model.add_module("torch_sync", nn.SyncBatchNorm(6, track_running_stats=False))
-    if _TAKES_BIAS:  # torch's BatchNorm takes bias= (2.13's does, 2.11's does not)
+    if sync_batchnorm._TAKES_BIAS:  # torch's BatchNorm takes bias= (2.13's does, 2.11's does not)
         model.add_module("no_bias", nn.BatchNorm2d(2, bias=False))
     model.add_module("head", nn.Linear(5, 2))
     for i, m in enumerate(model.modules()):
@@ -392,7 +391,7 @@ def test_convert_sync_batchnorm_keeps_every_value():
     converted = phalanx.SyncBatchNorm.convert_sync_batchnorm(model, process_group=group)
     assert converted is model and model.head is head and model.block.conv is conv
     after = _describe(model)
-    assert set(after) == set(modes) and len(after) == 5 + _TAKES_BIAS
+    assert set(after) == set(modes) and len(after) == 5 + sync_batchnorm._TAKES_BIAS
     for name, (kind, *rest) in after.items():
         assert kind == "SyncBatchNorm" and type(model.get_submodule(name)) is phalanx.SyncBatchNorm
         assert rest == list(modes[name][1:]), name
