@@ -1,5 +1,5 @@
 """Gradients large enough to be divided on their way into their bucket slot
-(:data:`phalanx.ddp.slots.DIVIDE_INTO_SLOT`), beside small ones copied and divided with the
+(:data:`phalanx.ddp.bucketing.DIVIDE_INTO_SLOT`), beside small ones copied and divided with the
 rest, whatever the bucket layout, the ``.grad`` handling and the accumulation: the same bits as
 every gradient copied, then divided with its bucket (phalanx's path for small ones), at world 2
 and 3 (a division that rounds); the same bits as torch's DDP at world 2. At world 3 Gloo's ring
@@ -16,8 +16,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import phalanx
-from phalanx.ddp import slots
-from phalanx.ddp.slots import DIVIDE_INTO_SLOT
+from phalanx.ddp import bucketing
+from phalanx.ddp.bucketing import DIVIDE_INTO_SLOT
 from tests.harness import run_ranks
 
 WIDTH = 256  # a WIDTH x WIDTH weight is the threshold's size: divided into its slot
@@ -68,7 +68,7 @@ def _compare(rank, world_size):
         for impl, make in (("unfused", phalanx.DistributedDataParallel), ("torch", TorchDDP),
                            ("phalanx", phalanx.DistributedDataParallel)):
             # "unfused": every gradient copied into its slot, then divided with its bucket
-            slots.DIVIDE_INTO_SLOT = float("inf") if impl == "unfused" else DIVIDE_INTO_SLOT
+            bucketing.DIVIDE_INTO_SLOT = float("inf") if impl == "unfused" else DIVIDE_INTO_SLOT
             runs[impl] = _train(rank, make, case)
         out[name] = {other: _same(runs["phalanx"], runs[other]) for other in ("unfused", "torch")}
     return out

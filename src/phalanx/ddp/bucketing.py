@@ -42,6 +42,11 @@ MIB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25
 # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES: "Experiments showed 1MB is a reasonable value".
 FIRST_BUCKET_BYTES = 1 * MIB
+# A gradient of at least this many elements is divided on its way into its slot
+# (``torch.div(grad, n, out=slot)``: one pass over it, as torch's reducer's ``mul_out``); smaller
+# ones are copied in one batched copy and divided with the rest of the bucket (a call per
+# gradient would cost more than the pass it saves).
+DIVIDE_INTO_SLOT = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -209,6 +214,9 @@ class Bucket:
         self.views: list[torch.Tensor] = []
         self.grads: torch.Tensor | None = None  # the buffer without the tail
         self.tail: torch.Tensor | None = None
+        # per slot, whether its gradient is divided on its way in (DIVIDE_INTO_SLOT); () if none is
+        large = tuple(s.numel >= DIVIDE_INTO_SLOT for s in spec.slots)
+        self.large = large if any(large) else ()
         if keep:
             self.allocate(torch.zeros)
         self.pending = len(spec.slots)

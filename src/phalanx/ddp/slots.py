@@ -19,11 +19,6 @@ from .bucketing import Bucket
 from .unusual import copy_unusual, is_unusual
 
 
-# A gradient of at least this many elements is divided on its way into its slot
-# (``torch.div(grad, n, out=slot)``: one pass over it, as torch's reducer's ``mul_out``); smaller
-# ones are copied in one batched copy and divided with the rest of the bucket (a call per
-# gradient would cost more than the pass it saves).
-DIVIDE_INTO_SLOT = 1 << 16
 
 
 def grad_dtype(param: torch.Tensor) -> torch.dtype:
@@ -50,37 +45,39 @@ def fill(bucket: Bucket, params: Sequence[torch.Tensor], seats: Sequence[bool], 
     # Gradient mode is on inside a backward only with create_graph=True: gradients may then
     # have graphs, and take the unusual path (so may sparse ones: the except below).
     unusual = torch.is_grad_enabled()
+    # the slots a gradient is divided into on its way (bucketing.DIVIDE_INTO_SLOT), if any
+    into_slot = bucket.large if divisor != 1 else ()
+    first = bucket.first
+    end = first + len(bucket.views)
     sources: list[torch.Tensor] = []
-    slots: list[torch.Tensor] = []
-    undivided: list[torch.Tensor] = []  # the slots to divide, where some are divided already
+    slots: list[torch.Tensor] = []  # the copies' destinations: gradients' slots, then extra's
+    in_place: list[torch.Tensor] = []  # slots that hold their gradient already
     divided = False
-    for k, view in zip(bucket.positions, bucket.views):
-        param = params[k]
+    for k, param, view, seat in zip(range(first, end), params[first:end], bucket.views, seats[first:end]):
         grad = param.grad
         if grad is None:
             had_grad[k] = False
             view.zero_()
             continue
         if grad is view:
-            undivided.append(view)
+            in_place.append(view)
             continue
         if unusual and is_unusual(grad):
             graph = copy_unusual(grad, view)
             if graph is not None:  # kept out of .grad, which the write-back copies into
                 graphs[k] = graph
                 param.grad = None
-            undivided.append(view)
+            in_place.append(view)
             continue
-        if divisor != 1 and view.numel() >= DIVIDE_INTO_SLOT and grad.dtype == view.dtype \
-                and grad.layout == torch.strided:
+        if into_slot and into_slot[k - first] and grad.dtype == view.dtype and grad.layout == torch.strided:
             torch.div(grad, divisor, out=view)  # one pass, not a copy then a division
             divided = True
         else:
             sources.append(grad)
             slots.append(view)
-            undivided.append(view)
-        if seats[k]:
+        if seat:
             param.grad = view
+    copied = len(slots)
     for destination, source in extra:
         slots.append(destination)
         sources.append(source)
@@ -92,11 +89,11 @@ def fill(bucket: Bucket, params: Sequence[torch.Tensor], seats: Sequence[bool], 
                 slot.copy_(grad.to_dense() if grad.layout != torch.strided else grad)
     if divisor != 1 and not divided:
         bucket.grads.div_(_divisor(divisor, bucket.grads))  # the whole buffer at once
-    elif divisor != 1 and undivided:
-        torch._foreach_div_(undivided, divisor)
+    elif divisor != 1 and (in_place or copied):
+        torch._foreach_div_(in_place + slots[:copied], divisor)
     if not bucket.keep:
-        for k in bucket.positions:
-            params[k].grad = None
+        for param in params[first:end]:
+            param.grad = None
 
 
 # (divisor, dtype, device) -> the divisor as a tensor of one value (a scalar argument costs a
