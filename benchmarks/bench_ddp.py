@@ -11,6 +11,10 @@ alone)::
     python benchmarks/bench_ddp.py --no-shared-memory     # everything on Gloo (the earlier table)
     python benchmarks/bench_ddp.py --repeats 9            # any `phalanx bench` option overrides
 
+Each repeat times 10 steps per implementation, or as many as take half a second where 10
+take less (``--min-seconds 0.5``: deep-mlp's 15 ms steps), so that no ratio rests on a
+fraction of a second.
+
 Goals (issue 35), at 2 processes: phalanx/torch <= 0.90 on mlp and deep-mlp; on cnn and gpt,
 phalanx/torch <= 0.95 and what phalanx's DDP adds over the single process (printed under the
 table) at most half of what torch's adds. See ``phalanx bench -h`` and
@@ -23,8 +27,8 @@ import sys
 from phalanx.cli import main
 
 TABLE_SETTINGS = ["bench", "--model", "mlp", "cnn", "deep-mlp", "gpt", "--nproc-per-node", "2",
-                  "--repeats", "5", "--steps", "10", "--warmup", "3", "--batch-size", "64",
-                  "--shared-memory", "--out", "runs/bench-ddp"]
+                  "--repeats", "5", "--steps", "10", "--min-seconds", "0.5", "--warmup", "3",
+                  "--batch-size", "64", "--shared-memory", "--out", "runs/bench-ddp"]
 
 if __name__ == "__main__":
     raise SystemExit(main(TABLE_SETTINGS + sys.argv[1:]))

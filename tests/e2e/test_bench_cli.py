@@ -38,8 +38,8 @@ def test_bench_prints_the_table_and_writes_the_chart(tmp_path):
 @pytest.mark.slow  # timing runs of three DDPs
 def test_bench_shared_memory_times_phalanx_on_the_backend_torch_on_gloo_and_torch_on_it(tmp_path):
     cmd = [sys.executable, "-m", "phalanx", "bench", "--model", "deep-mlp", "--shared-memory",
-           "--steps", "2", "--repeats", "1", "--warmup", "1", "--batch-size", "4", "--no-plot",
-           "--out", str(tmp_path)]
+           "--steps", "2", "--min-seconds", "0.3", "--repeats", "1", "--warmup", "2", "--batch-size", "4",
+           "--no-plot", "--out", str(tmp_path)]
     done = finish(start(cmd, env=base_env()), timeout=180)
     assert done.code == 0, done.err[-3000:]
     assert "2 processes, phalanx on shared memory, torch on Gloo" in done.out
@@ -52,6 +52,11 @@ def test_bench_shared_memory_times_phalanx_on_the_backend_torch_on_gloo_and_torc
     assert float(body[2][4]) > 0 and body[3][4] == "-" and float(body[4][4]) > 0
     assert "torch DDP over phalanx_shm: its ratio is over torch DDP on Gloo." in done.out
     assert "deep-mlp: over the single process's " in done.out and " of torch's" in done.out
+    assert "; under no_sync() (no gradient all-reduce) torch DDP's step adds " in done.out
+    # --min-seconds 0.3: a deep-mlp step at batch 4 takes a few ms (under 0.15 s), so more than 2 are timed
+    said = "timed steps per repeat (at least --steps 2, or --min-seconds 0.3 s): deep-mlp "
+    steps = int(done.out.split(said)[1].split()[0])
+    assert steps > 2 and len(json.loads((tmp_path / "bench.json").read_text())["rows"]) == 5
 
 
 @pytest.mark.slow  # timing runs of both fully_shards
@@ -98,6 +103,9 @@ def test_bench_refuses_bad_input(tmp_path):
     (["--bucket-mb", "0"], "argument --bucket-mb/--bucket_mb: expected a number > 0, got 0"),
     (["--fully-shard", "--comm-hook", "fp16"], "--bucket-mb and --comm-hook are DDP's: a sharded model "
      "has neither buckets nor hooks (got --fully-shard with --bucket-mb None, --comm-hook fp16)"),
+    (["--min-seconds", "0.5", "--warmup", "0"], "--min-seconds 0.5 estimates a step's time from "
+     "the warm-up steps, and --warmup 0 takes none: give --warmup 1 or more"),
+    (["--min-seconds", "0"], "argument --min-seconds/--min_seconds: expected a number > 0, got 0"),
     (["--fully-shard", "--shared-memory"], "--shared-memory compares the DDPs; --fully-shard runs "
      "both fully_shards on the default group, so they cannot be given together"),
 ])

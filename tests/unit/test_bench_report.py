@@ -12,6 +12,7 @@ from phalanx.bench.report import (
     format_table,
     overheads,
     paired_ratio,
+    steps_per_repeat,
 )
 
 
@@ -96,7 +97,7 @@ def test_shared_memory_rows_pair_torch_over_the_backend_with_torch_and_say_the_o
               "times": {"cnn": {"bare": _times([0.100] * 3), "phalanx": _times([0.101] * 3)}}}
     multi = {"world_size": 2, "batch_size": 8,
              "times": {"cnn": {"phalanx": _times([0.110, 0.104, 0.108], [0.1] * 3),
-                               "torch": _times([0.120, 0.120, 0.116], [0.1] * 3),
+                               "torch": _times([0.120, 0.120, 0.116], [0.104] * 3),
                                "torch-shm": _times([0.114, 0.108, 0.116], [0.1] * 3)}}}
     rows = ddp_rows(single, multi)
     names = [(r["implementation"], r["processes"]) for r in rows]
@@ -105,5 +106,16 @@ def test_shared_memory_rows_pair_torch_over_the_backend_with_torch_and_say_the_o
     assert abs(rows[2][RATIO] - 0.9166666666666666) < 1e-12  # phalanx over torch, as before
     assert overheads(rows) == [
         "cnn: over the single process's 100.0 ms, phalanx DDP +8.0 ms, torch DDP +20.0 ms, "
-        "torch DDP over phalanx_shm +14.0 ms; phalanx's is 0.40 of torch's"]
+        "torch DDP over phalanx_shm +14.0 ms; phalanx's is 0.40 of torch's; under no_sync() (no gradient "
+        "all-reduce) torch DDP's step adds +4.0 ms already, the floor under any DDP's addition here"]
     assert overheads(rows[:2]) == []  # no DDP at 2 processes: nothing to say
+
+
+def test_steps_per_repeat_and_the_steps_min_seconds_asks_for():
+    from phalanx.bench.engine import steps_for
+
+    assert steps_for(10, 0.5, 0.015) == 34  # deep-mlp's 15 ms steps: half a second of them
+    assert steps_for(10, 0.5, 0.08) == 10  # 10 steps take longer already
+    assert steps_for(3, 1.0, 0.0) == 3  # no estimate: --steps as given
+    result = {"times": {"gpt": {"phalanx": _times([0.2] * 20)}, "deep-mlp": {"phalanx": _times([0.01] * 170)}}}
+    assert steps_per_repeat(result, 5) == {"gpt": 4, "deep-mlp": 34}

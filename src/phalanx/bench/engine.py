@@ -17,6 +17,7 @@ under DDP, includes waiting for the gradient all-reduce) and an SGD step.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Sequence
 
@@ -220,6 +221,7 @@ def compare(
     bucket_cap_mb: float | None = None,
     with_no_sync: bool = True,
     comm_hook: str = "none",
+    min_seconds: float = 0.0,
 ) -> dict[str, dict[str, list[float]]]:
     """Step times per implementation, and the bytes this rank wrote in each timed step with
     sync: ``{impl: {"sync": [...], "no_sync": [...], "sent": [...]}}``.
@@ -227,8 +229,10 @@ def compare(
     Each repeat builds every implementation afresh from seed 0 and gives each ``warmup``
     untimed steps (torch's DDP rebuilds its buckets after the first). Then the implementations
     take turns step by step (A B, B A, A B, ...): ``steps`` timed steps each, then, if
-    ``with_no_sync``, ``steps`` more under ``no_sync()``. Every rank must call this with the
-    same arguments.
+    ``with_no_sync``, ``steps`` more under ``no_sync()``. With ``min_seconds`` (and a warm-up)
+    the first repeat raises ``steps`` so that each implementation's timed steps of a repeat
+    take at least that long (:func:`steps_for`), for every repeat. Every rank must call this
+    with the same arguments.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     batch = make_batch(model, batch_size, seed=1 + rank)
@@ -238,9 +242,9 @@ def compare(
         trainers = {impl: Trainer(build(model, impl, bucket_cap_mb, comm_hook=comm_hook), batch,
                                   impl != "phalanx-nodiag")
                     for impl in impls}
-        for trainer in trainers.values():
-            for _ in range(warmup):
-                trainer.step()
+        warm = [[trainer.step() for _ in range(warmup)] for trainer in trainers.values()]
+        if min_seconds > 0 and warmup and not out[impls[0]]["sync"]:  # the first repeat decides
+            steps = steps_for(steps, min_seconds, max(min(times) for times in warm))
         for mode in modes:
             times: dict[str, list[float]] = {impl: [] for impl in impls}
             for i in range(steps):
@@ -253,6 +257,17 @@ def compare(
                 if mode == "sync" or impl != "bare":
                     out[impl][mode] += _slowest(times[impl])
     return out
+
+
+def steps_for(steps: int, min_seconds: float, step_seconds: float) -> int:
+    """Timed steps per repeat: at least ``steps``, and enough that ``min_seconds`` pass at
+    ``step_seconds`` a step (the slowest implementation's fastest warm-up step, on the
+    slowest rank: every rank gets the same count)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([step_seconds], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        step_seconds = t.item()
+    return max(steps, math.ceil(min_seconds / step_seconds)) if step_seconds > 0 else steps
 
 
 def _slowest(times: list[float]) -> list[float]:
@@ -291,7 +306,8 @@ def _measure(args) -> dict:
     no_sync = world > 1 and not any(impl in FULLY_SHARDED for impl in args.impls)
     times = {
         model: compare(model, args.impls, args.repeats, args.steps, args.warmup,
-                       args.batch_size, args.bucket_cap_mb, with_no_sync=no_sync, comm_hook=args.comm_hook)
+                       args.batch_size, args.bucket_cap_mb, with_no_sync=no_sync, comm_hook=args.comm_hook,
+                       min_seconds=args.min_seconds or 0.0)
         for model in args.models
     }
     param_bytes = {model: fsdp.parameter_bytes(MODELS[model][0]) for model in args.models}
@@ -309,6 +325,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--repeats", type=at_least(1), default=5)
     p.add_argument("--steps", type=at_least(1), default=10)
     p.add_argument("--warmup", type=at_least(0), default=3)
+    p.add_argument("--min-seconds", type=positive_float, default=None,
+                   help="more timed steps where --steps would take less (compare's min_seconds)")
     p.add_argument("--batch-size", type=at_least(1), default=64, help="per process")
     p.add_argument("--bucket-cap-mb", type=positive_float, default=None)
     add_comm_hook_option(p.add_argument)

@@ -98,6 +98,13 @@ def paired_ratio(a: Sequence[float], b: Sequence[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
+def steps_per_repeat(result: dict[str, Any], repeats: int) -> dict[str, int]:
+    """Per model, the timed steps each implementation took per repeat in ``result`` (one run's
+    JSON): ``--steps``, or more under ``--min-seconds``."""
+    return {model: len(next(iter(by_impl.values()))["sync"]) // repeats
+            for model, by_impl in result["times"].items()}
+
+
 def ddp_rows(single: dict[str, Any], multi: dict[str, Any], sent: bool = False) -> list[dict[str, Any]]:
     """Rows for every model: the bare single process, then each implementation, alone and at
     N; with ``sent``, a last column of the bytes sent per step (:data:`SENT`)."""
@@ -128,7 +135,9 @@ def ddp_rows(single: dict[str, Any], multi: dict[str, Any], sent: bool = False) 
 
 def overheads(rows: Sequence[dict[str, Any]]) -> list[str]:
     """Per model, what each DDP's step adds over the single bare process's step at the same
-    per-process batch (ms), and phalanx's share of torch's; empty without those rows."""
+    per-process batch (ms), phalanx's share of torch's, and what torch's DDP adds without its
+    gradient all-reduce (its step under ``no_sync()``: the processes' contention for the
+    machine, which no transport removes); empty without those rows."""
     lines = []
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = {r["implementation"]: r[STEP] for r in rows if r["model"] == model
@@ -140,6 +149,12 @@ def overheads(rows: Sequence[dict[str, Any]]) -> list[str]:
         said = ", ".join(f"{k} {v:+.1f} ms" for k, v in added.items())
         share = (f"; phalanx's is {added[_NAMES['phalanx']] / added[_NAMES['torch']]:.2f} of torch's"
                  if added[_NAMES["torch"]] > 0 else "")
+        floor = next((r[STEP] - r["exposed comm ms"] for r in rows if r["model"] == model
+                      and r["processes"] > 1 and r["implementation"] == _NAMES["torch"]
+                      and r["exposed comm ms"] is not None), None)
+        if floor is not None:  # no DDP can add less: two processes compete for the machine
+            share += (f"; under no_sync() (no gradient all-reduce) torch DDP's step adds "
+                      f"{floor - bare:+.1f} ms already, the floor under any DDP's addition here")
         lines.append(f"{model}: over the single process's {bare:.1f} ms, {said}{share}")
     return lines
 

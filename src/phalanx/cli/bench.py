@@ -54,6 +54,10 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
     add("--steps", type=at_least(1), default=10, help="timed steps per repeat (default 10)")
     add("--repeats", type=at_least(1), default=3, help="fresh models per implementation (default 3)")
     add("--warmup", type=at_least(0), default=3, help="untimed steps per repeat (default 3)")
+    add("--min-seconds", "--min_seconds", type=positive_float, default=None, metavar="S",
+        help="time more than --steps steps where they would take less than S seconds per "
+             "implementation and repeat (a step's time estimated from the warm-up steps: give "
+             "--warmup 2 or more, the first pays one-time costs); default: --steps exactly")
     add("--batch-size", "--batch_size", type=at_least(1), default=64,
         help="per process (default 64)")
     add("--threads", type=at_least(1), default=1, help="torch threads per process (default 1)")
@@ -80,6 +84,11 @@ def _bench(args: argparse.Namespace) -> int:
               f"neither buckets nor hooks (got --fully-shard with --bucket-mb {args.bucket_mb}, "
               f"--comm-hook {args.comm_hook})", file=sys.stderr)
         return 2
+    if args.min_seconds is not None and args.warmup == 0:
+        print(f"phalanx bench: error: --min-seconds {args.min_seconds:g} estimates a step's time "
+              "from the warm-up steps, and --warmup 0 takes none: give --warmup 1 or more",
+              file=sys.stderr)
+        return 2
     if args.fully_shard and args.shared_memory:
         print("phalanx bench: error: --shared-memory compares the DDPs; --fully-shard runs both "
               "fully_shards on the default group, so they cannot be given together",
@@ -95,6 +104,8 @@ def _bench(args: argparse.Namespace) -> int:
     common = ["--models", *args.model, "--repeats", str(args.repeats), "--steps", str(args.steps),
               "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
               "--threads", str(args.threads)]
+    if args.min_seconds is not None:
+        common += ["--min-seconds", str(args.min_seconds)]
     if args.bucket_mb is not None:
         common += ["--bucket-cap-mb", str(args.bucket_mb)]
     common += ["--comm-hook", args.comm_hook]
@@ -114,7 +125,8 @@ def _bench(args: argparse.Namespace) -> int:
         loads.append(os.getloadavg()[0])
     rows = bench_report.ddp_rows(results["alone"], results["ddp"], sent=sharded)
     busy = bench_report.busy_warning(max(loads), usable_cpus())
-    notes = bench_report.caveats(rows, steps=args.steps, repeats=args.repeats, warmup=args.warmup)
+    steps = bench_report.steps_per_repeat(results["ddp"], args.repeats)
+    notes = bench_report.caveats(rows, steps=min(steps.values()), repeats=args.repeats, warmup=args.warmup)
     settings = {k: v for k, v in vars(args).items() if k != "handler"}
     (out / "bench.json").write_text(json.dumps(
         {"rows": rows, "settings": settings, "peak_load": max(loads), "notes": notes}, indent=2))
@@ -123,6 +135,10 @@ def _bench(args: argparse.Namespace) -> int:
     transport = ("phalanx on shared memory, torch on Gloo" if args.shared_memory else "Gloo")
     print(f"\n{nproc} processes, {transport}, {args.threads} thread(s) and batch {args.batch_size} "
           f"per process, {how}\n")
+    if args.min_seconds is not None:
+        said = ", ".join(f"{model} {n}" for model, n in steps.items())
+        print(f"timed steps per repeat (at least --steps {args.steps}, or --min-seconds "
+              f"{args.min_seconds:g} s): {said}\n")
     print(bench_report.format_table(rows))
     print(f"\n{bench_report.LEGEND}")
     if args.shared_memory:
