@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from phalanx.launcher.environment import usable_cpus
+from phalanx.launcher.environment import MALLOC_TUNING, usable_cpus
 from tests.e2e.launch_helpers import BEHAVE, TRAIN, base_env, phalanx_cmd, run
 from tests.harness import free_port
 
@@ -32,10 +32,13 @@ def _same_worker_environment(tmp_path, args: list[str], env: dict[str, str], por
         assert res.code == 0, res.err
     for rank, (mine, torchs) in enumerate(zip(_envs(ours), _envs(theirs))):
         differ = {k for k in mine.keys() | torchs.keys() if mine.get(k) != torchs.get(k)}
-        # the only differences: where torch's per-worker error file lives (same layout), and
+        # the only differences: where torch's per-worker error file lives (same layout),
         # PYTHONUNBUFFERED, which phalanx sets because it reads the workers' output from pipes,
-        # and PHALANX_RANK_PREFIX, which tells phalanx's logging the launcher prefixes lines
-        assert differ == {"TORCHELASTIC_ERROR_FILE", "PYTHONUNBUFFERED", "PHALANX_RANK_PREFIX"}, differ
+        # PHALANX_RANK_PREFIX, which tells phalanx's logging the launcher prefixes lines, and
+        # glibc's malloc thresholds (tests/e2e/test_launch_malloc.py)
+        assert differ == {"TORCHELASTIC_ERROR_FILE", "PYTHONUNBUFFERED", "PHALANX_RANK_PREFIX",
+                          *MALLOC_TUNING}, differ
+        assert {k: mine[k] for k in MALLOC_TUNING} == MALLOC_TUNING
         suffix = os.path.join("attempt_0", str(rank), "error.json")
         assert mine["TORCHELASTIC_ERROR_FILE"].endswith(suffix)
         assert torchs["TORCHELASTIC_ERROR_FILE"].endswith(suffix)

@@ -13,6 +13,8 @@ from phalanx.launcher.environment import (
     worker_environ,
 )
 
+TUNED = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+
 
 def _launched(rank=1, world=4, local_rank=1, local_world=2, node=0):
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank,
@@ -54,6 +56,21 @@ def test_worker_environ_uses_torchruns_names_and_keeps_the_users_settings():
                            error_file="/e.json", base={"PHALANX_RANK_PREFIX": "1"}, cpus=8,
                            role="trainer", rank_prefix=False)
     assert other["ROLE_NAME"] == "trainer" and "PHALANX_RANK_PREFIX" not in other
+
+
+def test_glibc_malloc_is_tuned_unless_the_user_tuned_it_or_said_no():
+    def malloc(base, **kwargs):
+        environ = worker_environ(_launched(), group_world_size=2, max_restarts=0, run_id="job",
+                                 error_file="/e.json", base=base, cpus=8, **kwargs)
+        return {k: v for k, v in environ.items() if "MALLOC" in k}
+
+    assert malloc({}) == TUNED
+    assert malloc({}, tune_malloc=False) == {}  # phalanx run --no-malloc-tuning
+    # one threshold set by the user turns glibc's dynamic ones off: the user chose, left alone
+    assert malloc({"MALLOC_TRIM_THRESHOLD_": "0"}) == {"MALLOC_TRIM_THRESHOLD_": "0"}
+    assert malloc({"MALLOC_TOP_PAD_": "1"}) == {"MALLOC_TOP_PAD_": "1"}
+    tunables = {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}
+    assert malloc(tunables) == {} and malloc({"GLIBC_TUNABLES": "glibc.pthread.rseq=0"}) == TUNED
 
 
 def test_default_omp_threads_shares_the_cores_at_least_one_each():

@@ -176,6 +176,7 @@ class Agent:
             dist_env, group_world_size=layout.nnodes, max_restarts=config.max_restarts,
             run_id=layout.run_id, error_file=os.path.join(error_dir, "error.json"),
             role=config.role, rank_prefix=config.rank_prefix, watchdog=config.watchdog,
+            tune_malloc=config.tune_malloc,
         )
         logs = {}
         if self._log_dir is not None:

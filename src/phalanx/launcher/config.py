@@ -141,6 +141,9 @@ class LaunchConfig:
         local_ranks_filter (tuple of int, optional): the local ranks whose output reaches the
             console at all (torchrun's ``--local-ranks-filter``). Default ``None``: every rank.
         rank_prefix (bool): start each console line with ``[rankN]: ``. Default ``True``.
+        tune_malloc (bool): give the workers glibc malloc thresholds that keep a step's freed
+            memory for the next (:data:`~phalanx.launcher.environment.MALLOC_TUNING`), unless
+            the environment tunes malloc already. Default ``True``.
         no_python (bool): run ``entrypoint`` as a command, not a Python script. Default ``False``.
         role (str): the workers' ``ROLE_NAME``. Default ``"default"``.
         started (float): when the launcher started, on :func:`time.monotonic`'s clock: the
@@ -173,6 +176,7 @@ class LaunchConfig:
     monitor_interval: float = DEFAULT_MONITOR_INTERVAL
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     watchdog: float | None = None
+    tune_malloc: bool = True
     rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
     last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT
     job_secret: str | None = field(default=None, repr=False)
