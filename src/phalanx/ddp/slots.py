@@ -19,8 +19,6 @@ from .bucketing import Bucket
 from .unusual import copy_unusual, is_unusual
 
 
-
-
 def grad_dtype(param: torch.Tensor) -> torch.dtype:
     """The dtype ``param.grad`` has: its ``grad_dtype`` (mixed precision pins the master's),
     or, where any is allowed (``None``), its own."""
