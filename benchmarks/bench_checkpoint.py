@@ -59,8 +59,9 @@ between two checkpoints, which on an accelerator leaves the host's CPU to the wr
 here it sleeps). Bytes written per rank are the sizes of the files
 each rank wrote (exact). Peak memory: the rise of each rank's peak resident memory over its
 resident memory before the save (``VmHWM`` reset through ``/proc/self/clear_refs``; glibc's
-``mmap`` threshold fixed at 64 KiB for the saves, so that freed tensors leave resident memory
-at once; the loads run first, with glibc's own threshold),
+``mmap`` threshold fixed at 64 KiB and its trim threshold at its default 128 KiB for the saves,
+so that freed memory leaves resident memory at once; the loads run first, with the launcher's
+thresholds, as a job under ``phalanx run`` has them),
 against one *unit*, the largest tensor shard a rank holds. ``sharded async`` stages into the
 copy its previous save made (kept until ``close()``), so its rise is over that copy, whose
 size (the resident memory it kept after the first save) is printed too.
@@ -230,7 +231,7 @@ def _report(args, model_bytes: int, times: dict) -> dict:
 SAVES = ("consolidated", "sharded", "sharded async", "dcp.save", "dcp.async_save", "disk write+fsync")
 ASYNC = {"sharded async": "sharded", "dcp.async_save": "dcp.save"}  # and their blocking saves
 LOADS = ("consolidated", "sharded", "dcp.load")
-_M_MMAP_THRESHOLD = -3  # <malloc.h>
+_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD = -3, -1  # <malloc.h>
 _SMALL_FILES = (".metadata", "phalanx-state.ckpt", "phalanx-manifest.json")  # rank 0 writes them
 
 
@@ -492,11 +493,13 @@ def _load_rank(args) -> dict:
 def _sharded_rank(args) -> dict:
     out = {}
     if args.load_from is not None:  # first: what the ranks of another world size saved
-        out["load"] = _load_rank(args)  # (glibc's own mmap threshold: as a job runs)
+        out["load"] = _load_rank(args)  # (the launcher's malloc thresholds: as a job runs)
     if args.save_here:
         libc = ctypes.CDLL("libc.so.6")
-        if libc.mallopt(_M_MMAP_THRESHOLD, 1 << 16) != 1:  # freed tensors unmapped at once
-            raise OSError("mallopt(M_MMAP_THRESHOLD) failed: the peak memory would not be exact")
+        # freed tensors unmapped at once, freed small blocks trimmed (not phalanx run's 1 GiB)
+        if libc.mallopt(_M_MMAP_THRESHOLD, 1 << 16) != 1 or libc.mallopt(_M_TRIM_THRESHOLD, 128 << 10) != 1:
+            raise OSError("mallopt(M_MMAP_THRESHOLD, M_TRIM_THRESHOLD) failed: the peak memory would "
+                          "not be exact")
         out["save"] = _save_rank(args)
     return out
 

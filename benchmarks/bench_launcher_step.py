@@ -91,7 +91,8 @@ def _launch(launcher: str, model: str, steps: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=["mlp", "cnn", "gpt"], choices=("mlp", "cnn", "deep-mlp", "gpt"))
+    p.add_argument("--models", nargs="+", default=["mlp", "cnn", "gpt"],
+                   choices=("mlp", "cnn", "deep-mlp", "gpt"))
     p.add_argument("--rounds", type=int, default=3, help="launches per launcher and model (default 3)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per launch (default 20)")
     p.add_argument("--json", help="also write the results to this file")
