@@ -22,7 +22,7 @@ def _faults_per_step(cmd: list[str], **env: str | None) -> int:
 
 
 def test_a_step_s_freed_memory_is_kept_under_phalanx_run_and_faulted_in_again_elsewhere():
-    # the MLP's step: about 7 000 faults (28 MB zero-filled) under glibc's defaults, none tuned
+    # the MLP's step: about 10 000 faults (40 MB zero-filled) under glibc's defaults, none tuned
     assert _faults_per_step(phalanx_cmd("--standalone", SCRIPT)) < 100
     for cmd in (phalanx_cmd("--standalone", "--no-malloc-tuning", SCRIPT),
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", SCRIPT]):
