@@ -22,8 +22,10 @@ def _faults_per_step(cmd: list[str], **env: str | None) -> int:
 
 
 def test_a_step_s_freed_memory_is_kept_under_phalanx_run_and_faulted_in_again_elsewhere():
-    # the MLP's step: about 10 000 faults (40 MB zero-filled) under glibc's defaults, none tuned
-    assert _faults_per_step(phalanx_cmd("--standalone", SCRIPT)) < 100
+    # the MLP's step: about 10 000 faults (40 MB zero-filled) under glibc's defaults; tuned,
+    # 0 on a quiet machine, about 200 (stray pages, not the step's memory) under a test suite's load
+    tuned = _faults_per_step(phalanx_cmd("--standalone", SCRIPT))
     for cmd in (phalanx_cmd("--standalone", "--no-malloc-tuning", SCRIPT),
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", SCRIPT]):
-        assert _faults_per_step(cmd) > 1000, cmd
+        faults = _faults_per_step(cmd)
+        assert faults > 1000 and tuned * 20 < faults, (cmd, faults, tuned)
